@@ -1,0 +1,44 @@
+"""Block: one fixed-size token block of KV as named mx.arrays plus string metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+KEY_HEX_LEN = 64  # blake2b-256 / sha256 hex digest
+
+
+def check_key(key: str) -> str:
+    """Validate a block key: lower-case hex of KEY_HEX_LEN chars (file names derive from it)."""
+    if (not isinstance(key, str) or len(key) != KEY_HEX_LEN
+            or any(c not in "0123456789abcdef" for c in key)):
+        raise ValueError(f"key: expected {KEY_HEX_LEN} lower-case hex characters, got {key!r:.80}")
+    return key
+
+
+@dataclass
+class Block:
+    """A stored unit: ``arrays`` (evaluated, owning their memory) and ``meta`` (str -> str).
+
+    ``meta`` carries what a reader needs without the payload: model fingerprint, parent key,
+    token count, per-layer descriptors (JSON). The storage layer adds format version and checksum.
+    """
+
+    key: str
+    arrays: dict[str, mx.array]
+    meta: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_key(self.key)
+        for name, value in self.arrays.items():
+            if not isinstance(name, str) or not isinstance(value, mx.array):
+                raise TypeError(f"arrays: expected str -> mx.array, got {name!r}: {type(value).__name__}")
+        for k, v in self.meta.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise TypeError(f"meta: expected str -> str, got {k!r}: {type(v).__name__}")
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes (what the hot tier and the write queue budget count)."""
+        return sum(a.nbytes for a in self.arrays.values())
