@@ -1,0 +1,46 @@
+"""The `paged-cache` command: one subcommand per module in COMMAND_MODULES.
+
+Each module defines ``register(subparsers) -> None``, adding its subparser(s) with
+``set_defaults(func=handler)``; a handler takes the parsed args and returns an exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import Sequence
+
+COMMAND_MODULES: list[str] = [
+    # appended by the modules that add subcommands, e.g. "paged_cache.cli.config_cmd"
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every registered subcommand."""
+    parser = argparse.ArgumentParser(prog="paged-cache",
+                                     description="Tiered KV cache for MLX serving engines.")
+    parser.add_argument("--log-level", default="WARNING",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="level of the paged_cache logger (default WARNING)")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script; returns the process exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("paged_cache").setLevel(args.log_level)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
