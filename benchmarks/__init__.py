@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that measure; results go to benchmarks/results/."""

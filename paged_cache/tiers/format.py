@@ -1,0 +1,391 @@
+"""Block file format: standard safetensors written from raw buffers, optional lz4 frame, xxh3 checksums.
+
+Encoding runs on the writer thread and never calls MLX; ``raw_tensors`` (caller thread) turns a
+Block's evaluated arrays into byte views first. Decoding validates every header field against the
+file size before anything is allocated, then builds mx.arrays with one copy. See docs/file-format.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import lz4.frame
+import numpy as np
+import xxhash
+
+FORMAT_NAME = "paged-cache-block"
+FORMAT_VERSION = "1"
+COMPRESSIONS = ("none", "lz4")
+SUFFIXES = {"none": ".safetensors", "lz4": ".safetensors.lz4"}
+LZ4_MAGIC = b"\x04\x22\x4d\x18"
+MAX_HEADER_BYTES = 16 << 20  # well below safetensors' own 100 MB limit
+HEADER_ALIGN = 8
+
+# Metadata keys the storage layer writes; a Block's own meta must not use them.
+META_FORMAT = "format"
+META_VERSION = "format_version"
+META_KEY = "key"
+META_CHECKSUM = "checksum"            # xxh3-128 hex of the tensor bytes (the data section)
+META_HEADER_CHECKSUM = "header_checksum"  # xxh3-64 hex of the canonical header (see docs)
+RESERVED_META = frozenset({META_FORMAT, META_VERSION, META_KEY, META_CHECKSUM, META_HEADER_CHECKSUM})
+
+# Block meta keys the manifest copies into its columns when present (set by the prefix cache).
+META_FINGERPRINT = "fingerprint"
+META_PARENT = "parent"
+META_TOKENS = "tokens"
+META_LAYERS = "layers"
+
+
+@dataclass(frozen=True)
+class DType:
+    """One tensor dtype: MLX name, safetensors code, item size, numpy dtype used to carry the bytes."""
+
+    name: str
+    code: str
+    itemsize: int
+    storage: str  # numpy dtype of the same width (bfloat16 travels as uint16)
+
+
+_DTYPE_LIST = [
+    DType("bool", "BOOL", 1, "bool"),
+    DType("uint8", "U8", 1, "<u1"), DType("int8", "I8", 1, "<i1"),
+    DType("uint16", "U16", 2, "<u2"), DType("int16", "I16", 2, "<i2"),
+    DType("uint32", "U32", 4, "<u4"), DType("int32", "I32", 4, "<i4"),
+    DType("uint64", "U64", 8, "<u8"), DType("int64", "I64", 8, "<i8"),
+    DType("float16", "F16", 2, "<f2"), DType("bfloat16", "BF16", 2, "<u2"),
+    DType("float32", "F32", 4, "<f4"), DType("float64", "F64", 8, "<f8"),
+]
+DTYPES: dict[str, DType] = {d.name: d for d in _DTYPE_LIST}
+DTYPES_BY_CODE: dict[str, DType] = {d.code: d for d in _DTYPE_LIST}
+
+RawTensor = tuple[str, tuple[int, ...], memoryview]
+RawTensors = dict[str, RawTensor]
+"""name -> (dtype name, shape, C-contiguous byte view of the evaluated array)."""
+
+
+class BlockFileError(ValueError):
+    """A block file is damaged, truncated, of another format version, or not the block asked for."""
+
+
+def _mx_dtype_name(dtype: Any) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def raw_tensors(block: Any) -> RawTensors:
+    """Byte views of a Block's arrays, taken on the caller thread so the writer never calls MLX.
+
+    Each view keeps its (evaluated, C-contiguous) array alive through ``memoryview.obj``.
+    """
+    import mlx.core as mx
+
+    out: RawTensors = {}
+    for name, array in block.arrays.items():
+        dname = _mx_dtype_name(array.dtype)
+        if dname not in DTYPES:
+            raise ValueError(f"block.arrays[{name!r}]: dtype {dname} is not storable; "
+                             f"expected one of {sorted(DTYPES)}")
+        view = memoryview(array)
+        if not view.c_contiguous:
+            array = mx.contiguous(array)
+            mx.eval(array)
+            view = memoryview(array)
+        out[name] = (dname, tuple(int(s) for s in array.shape), view)
+    return out
+
+
+def layers_summary(meta: dict[str, str]) -> str | None:
+    """Compact cache-type summary for the manifest: JSON {type: layer count} from meta["layers"].
+
+    ``meta["layers"]`` is a JSON list with one descriptor per layer; a descriptor is a dict with a
+    "type" (or a list of such dicts for layers holding several caches). None if absent or malformed.
+    """
+    try:
+        layers = json.loads(meta[META_LAYERS])
+    except (KeyError, ValueError):
+        return None
+    if not isinstance(layers, list):
+        return None
+    counts: dict[str, int] = {}
+    for layer in layers:
+        members = layer if isinstance(layer, list) else [layer]
+        kind = "+".join(str(m.get("type")) for m in members if isinstance(m, dict))
+        counts[kind or "?"] = counts.get(kind or "?", 0) + 1
+    return json.dumps(counts, sort_keys=True, separators=(",", ":"))
+
+
+def check_meta(meta: dict[str, str]) -> None:
+    """Reject metadata that is not str -> str or that uses a key the storage layer reserves."""
+    for k, v in meta.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise ValueError(f"meta: expected str -> str, got {k!r}: {type(v).__name__}")
+        if k in RESERVED_META:
+            raise ValueError(f"meta: key {k!r} is reserved by the block file format "
+                             f"(reserved: {sorted(RESERVED_META)})")
+
+
+def check_raw(raw: RawTensors) -> int:
+    """Validate raw tensors (known dtype, byte count matching the shape); return their total bytes."""
+    total = 0
+    for name, entry in raw.items():
+        if not isinstance(name, str) or not isinstance(entry, tuple) or len(entry) != 3:
+            raise ValueError(f"raw[{name!r}]: expected (dtype name, shape, buffer) from raw_tensors")
+        dname, shape, buf = entry
+        if dname not in DTYPES:
+            raise ValueError(f"raw[{name!r}]: dtype {dname!r} unknown; expected one of {sorted(DTYPES)}")
+        expected = math.prod(shape) * DTYPES[dname].itemsize
+        nbytes = memoryview(buf).nbytes
+        if nbytes != expected:
+            raise ValueError(f"raw[{name!r}]: {nbytes} bytes, expected {expected} for {dname} {list(shape)}")
+        total += nbytes
+    return total
+
+
+def byte_view(buf: Any) -> memoryview:
+    """A flat unsigned-byte view of any C-contiguous buffer (empty buffers included)."""
+    view = memoryview(buf)
+    if view.nbytes == 0:
+        return memoryview(b"")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _canonical(tensors: dict[str, Any], meta: dict[str, str]) -> bytes:
+    """Bytes covered by the header checksum: tensor entries and metadata minus the checksum fields."""
+    covered = {k: v for k, v in meta.items() if k != META_HEADER_CHECKSUM}
+    return json.dumps({"tensors": tensors, "meta": covered}, sort_keys=True,
+                      separators=(",", ":")).encode()
+
+
+@dataclass
+class Encoded:
+    """An encoded block file: the byte chunks to write in order, their total, and the raw payload size."""
+
+    chunks: list[Any]
+    file_bytes: int
+    raw_bytes: int
+    compression: str
+
+
+def encode(key: str, raw: RawTensors, meta: dict[str, str], compression: str = "none") -> Encoded:
+    """Build the block file from raw buffers (no MLX): safetensors header + data, lz4 if asked."""
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"compression: expected one of {COMPRESSIONS}, got {compression!r}")
+    check_meta(meta)
+    check_raw(raw)
+    entries: dict[str, Any] = {}
+    buffers: list[memoryview] = []
+    offset = 0
+    digest = xxhash.xxh3_128()
+    for name in sorted(raw):
+        dname, shape, buf = raw[name]
+        dtype = DTYPES[dname]
+        view = byte_view(buf)
+        entries[name] = {"dtype": dtype.code, "shape": list(shape),
+                         "data_offsets": [offset, offset + view.nbytes]}
+        offset += view.nbytes
+        digest.update(view)
+        buffers.append(view)
+    full_meta = dict(meta)
+    full_meta.update({META_FORMAT: FORMAT_NAME, META_VERSION: FORMAT_VERSION, META_KEY: key,
+                      META_CHECKSUM: digest.hexdigest()})
+    full_meta[META_HEADER_CHECKSUM] = xxhash.xxh3_64_hexdigest(_canonical(entries, full_meta))
+    header = json.dumps({"__metadata__": full_meta, **entries}, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % HEADER_ALIGN)
+    chunks: list[Any] = [struct.pack("<Q", len(header)) + header, *buffers]
+    total = 8 + len(header) + offset
+    if compression == "lz4":
+        comp = lz4.frame.LZ4FrameCompressor(content_checksum=False)
+        parts = [comp.begin(source_size=total)] + [comp.compress(c) for c in chunks] + [comp.flush()]
+        chunks = [b"".join(parts)]
+    return Encoded(chunks, sum(memoryview(c).nbytes for c in chunks), offset, compression)
+
+
+@dataclass
+class Header:
+    """A validated safetensors header: tensors in data order and the metadata."""
+
+    header_len: int
+    tensors: list[tuple[str, DType, tuple[int, ...], int, int]]  # name, dtype, shape, begin, end
+    meta: dict[str, str]
+    entries: dict[str, Any]
+
+    @property
+    def data_bytes(self) -> int:
+        return self.tensors[-1][4] if self.tensors else 0
+
+    @property
+    def file_bytes(self) -> int:
+        return 8 + self.header_len + self.data_bytes
+
+
+def _int_list(value: Any, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
+        raise BlockFileError(f"{what}: expected a list of non-negative integers")
+    return value
+
+
+def header_length(prefix: bytes, limit: int) -> int:
+    """The header length from the first 8 bytes, checked against MAX_HEADER_BYTES and ``limit``."""
+    if len(prefix) < 8:
+        raise BlockFileError(f"file too short: {len(prefix)} bytes")
+    n = struct.unpack("<Q", prefix[:8])[0]
+    if n < 2 or n > MAX_HEADER_BYTES or n > limit - 8:
+        raise BlockFileError(f"header length {n} out of range (file holds {limit} bytes)")
+    return n
+
+
+def parse_header(header: bytes, *, data_limit: int) -> Header:
+    """Validate a header's JSON, dtypes, shapes and offsets; the data section may hold at most ``data_limit``."""
+    try:
+        doc = json.loads(bytes(header).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BlockFileError(f"header is not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise BlockFileError("header is not a JSON object")
+    meta = doc.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                             for k, v in meta.items()):
+        raise BlockFileError("__metadata__ is not str -> str")
+    tensors = []
+    for name, entry in doc.items():
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise BlockFileError(f"tensor {name!r}: malformed entry")
+        dtype = DTYPES_BY_CODE.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+        if dtype is None:
+            raise BlockFileError(f"tensor {name!r}: unsupported dtype {entry['dtype']!r}")
+        shape = tuple(_int_list(entry["shape"], f"tensor {name!r} shape"))
+        offsets = _int_list(entry["data_offsets"], f"tensor {name!r} data_offsets")
+        if len(offsets) != 2 or offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize:
+            raise BlockFileError(f"tensor {name!r}: data_offsets {offsets} do not match "
+                                 f"{dtype.code} {list(shape)}")
+        tensors.append((name, dtype, shape, offsets[0], offsets[1]))
+    tensors.sort(key=lambda t: (t[3], t[4]))
+    position = 0
+    for name, _, _, begin, end in tensors:
+        if begin != position:
+            raise BlockFileError(f"tensor {name!r}: data starts at {begin}, expected {position}")
+        position = end
+    if position > data_limit:
+        raise BlockFileError(f"tensors need {position} data bytes, the file holds {data_limit}")
+    return Header(len(header), tensors, meta, doc)
+
+
+def verify_header(h: Header, key: str | None) -> None:
+    """Check format name, version, header checksum and (if given) that the file holds ``key``."""
+    meta = h.meta
+    if meta.get(META_FORMAT) != FORMAT_NAME:
+        raise BlockFileError(f"not a {FORMAT_NAME} file")
+    if meta.get(META_VERSION) != FORMAT_VERSION:
+        raise BlockFileError(f"unsupported format version {meta.get(META_VERSION)!r}")
+    if xxhash.xxh3_64_hexdigest(_canonical(h.entries, meta)) != meta.get(META_HEADER_CHECKSUM):
+        raise BlockFileError("header checksum mismatch")
+    if key is not None and meta.get(META_KEY) != key:
+        raise BlockFileError(f"file holds block {meta.get(META_KEY)!r:.20}, expected {key:.20}...")
+
+
+def _lz4_reader(data: memoryview) -> Callable[[int], bytearray]:
+    """Return read(n): exactly the next n decompressed bytes; never decompresses more than asked."""
+    dec = lz4.frame.LZ4FrameDecompressor()
+    pending = [data]
+
+    def read(n: int) -> bytearray:
+        out = bytearray()
+        while len(out) < n:
+            src = pending.pop() if pending else b""
+            try:
+                piece = dec.decompress(src, max_length=n - len(out))
+            except RuntimeError as exc:
+                raise BlockFileError(f"lz4: {exc}") from None
+            if not piece and not src:
+                raise BlockFileError("lz4 frame ends early")
+            out += piece
+        return out
+
+    read.decompressor = dec  # type: ignore[attr-defined]
+    return read
+
+
+def split_file(data: Any, *, max_bytes: int) -> tuple[Header, memoryview]:
+    """Validate a whole block file (plain or lz4) and return its header and data section.
+
+    ``max_bytes`` bounds the decompressed size of an lz4 file before it is decompressed.
+    """
+    view = byte_view(data)
+    if view[:4] == LZ4_MAGIC:
+        read = _lz4_reader(view)
+        n = header_length(read(8), max_bytes)
+        h = parse_header(read(n), data_limit=max_bytes - 8 - n)
+        body = memoryview(read(h.data_bytes)) if h.data_bytes else memoryview(b"")
+        dec = read.decompressor  # type: ignore[attr-defined]
+        if not dec.eof and dec.decompress(b"", max_length=1):
+            raise BlockFileError("lz4 frame holds bytes after the data section")
+        if not dec.eof or dec.unused_data:
+            raise BlockFileError("lz4 frame is not complete or has trailing bytes")
+        return h, body
+    n = header_length(bytes(view[:8]), view.nbytes)
+    h = parse_header(view[8:8 + n], data_limit=view.nbytes - 8 - n)
+    if h.file_bytes != view.nbytes:
+        raise BlockFileError(f"file has {view.nbytes} bytes, header describes {h.file_bytes}")
+    return h, view[8 + n:]
+
+
+def read_header_only(read_at: Callable[[int, int], bytes], file_size: int,
+                     max_bytes: int) -> Header:
+    """Parse just the header of a block file via ``read_at(offset, n)`` (used to adopt files)."""
+    head = read_at(0, min(file_size, 1 << 16))
+    if head[:4] == LZ4_MAGIC:
+        whole = head if len(head) == file_size else head + read_at(len(head), file_size - len(head))
+        read = _lz4_reader(memoryview(whole))
+        n = header_length(read(8), max_bytes)
+        h = parse_header(read(n), data_limit=max_bytes - 8 - n)
+    else:
+        n = header_length(head[:8], file_size)
+        raw = head[8:8 + n] if len(head) >= 8 + n else read_at(8, n)
+        h = parse_header(raw, data_limit=file_size - 8 - n)
+        if h.file_bytes != file_size:
+            raise BlockFileError(f"file has {file_size} bytes, header describes {h.file_bytes}")
+    verify_header(h, None)
+    return h
+
+
+def decode(data: Any, key: str, *, max_bytes: int) -> tuple[dict[str, Any], dict[str, str]]:
+    """Verify a block file (header, key, payload checksum) and build its mx.arrays (one copy).
+
+    Returns (arrays, meta) with the storage layer's reserved keys removed from meta.
+    Raises BlockFileError on any damage; runs on the caller thread (it calls MLX).
+    """
+    import mlx.core as mx
+
+    h, body = split_file(data, max_bytes=max_bytes)
+    verify_header(h, key)
+    if xxhash.xxh3_128_hexdigest(body) != h.meta.get(META_CHECKSUM):
+        raise BlockFileError("payload checksum mismatch")
+    arrays: dict[str, Any] = {}
+    for name, dtype, shape, begin, end in h.tensors:
+        host = np.frombuffer(body, dtype=np.dtype(dtype.storage), count=(end - begin) // dtype.itemsize,
+                             offset=begin).reshape(shape)
+        array = mx.array(host)
+        arrays[name] = array.view(mx.bfloat16) if dtype.name == "bfloat16" else array
+    mx.eval(*arrays.values())
+    meta = {k: v for k, v in h.meta.items() if k not in RESERVED_META}
+    return arrays, meta
+
+
+def pending_arrays(raw: RawTensors) -> dict[str, Any]:
+    """The mx.arrays behind raw views (zero copy); rebuilt from bytes if a view is not an mx.array."""
+    import mlx.core as mx
+
+    arrays: dict[str, Any] = {}
+    for name, (dname, shape, buf) in raw.items():
+        owner = memoryview(buf).obj
+        if isinstance(owner, mx.array) and tuple(owner.shape) == tuple(shape):
+            arrays[name] = owner
+            continue
+        dtype = DTYPES[dname]
+        array = mx.array(np.frombuffer(buf, dtype=np.dtype(dtype.storage)).reshape(shape))
+        arrays[name] = array.view(mx.bfloat16) if dname == "bfloat16" else array
+    mx.eval(*arrays.values())
+    return arrays

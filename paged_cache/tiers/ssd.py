@@ -1,0 +1,674 @@
+"""SSD tier: one safetensors file per block, a SQLite manifest, a byte-bounded writer thread.
+
+Contract with the manager (as agreed, no deviations): ``SSDTier(directory, *, max_bytes,
+compression, queue_max_bytes, queue_full_policy)`` with enqueue / write_sync / read / has_pending /
+read_pending / contains / discard / touch / flush / close / stats. Notes: a ``read`` hit also marks
+the block used (LRU); ``read_pending`` returns the queued arrays themselves (no copy); a block
+larger than ``queue_max_bytes`` is never queued (the policy applies); the tier is a context
+manager; ``stats()`` keys are listed in docs/file-format.md.
+
+Layout under ``directory`` (0700, files 0600): ``manifest.sqlite`` (+ WAL), ``blocks/<k[:2]>/<key>
+.safetensors[.lz4]``, ``tmp/`` (files being written; renamed into ``blocks/`` once complete).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import sqlite3
+import stat
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from paged_cache.block import KEY_HEX_LEN, Block, check_key
+from paged_cache.tiers import format as fmt
+from paged_cache.tiers.manifest import COMPLETE, RESERVED, Manifest, ManifestError, Row, now
+
+log = logging.getLogger("paged_cache.ssd")
+
+QUEUE_FULL_POLICIES = ("skip", "write-on-caller")
+MANIFEST_NAME = "manifest.sqlite"
+STALE_SECONDS = 3600.0     # a temp file / reservation this old is abandoned even if its pid lives
+TOUCH_FLUSH_SECONDS = 1.0  # access times are batched in memory at most this long
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_SUFFIX_TO_COMPRESSION = {suffix: comp for comp, suffix in fmt.SUFFIXES.items()}
+_HEX = frozenset("0123456789abcdef")
+
+
+@dataclass
+class _Item:
+    key: str
+    raw: fmt.RawTensors
+    meta: dict[str, str]
+    nbytes: int
+    cancelled: bool = False
+
+
+class SSDTier:
+    """Block files under ``directory`` with a byte budget shared by every process and model using it."""
+
+    def __init__(self, directory: Path, *, max_bytes: int, compression: str = "none",
+                 queue_max_bytes: int = 256 << 20, queue_full_policy: str = "skip") -> None:
+        _check_size("max_bytes", max_bytes, minimum=1)
+        _check_size("queue_max_bytes", queue_max_bytes, minimum=0)
+        if compression not in fmt.COMPRESSIONS:
+            raise ValueError(f"compression: expected one of {fmt.COMPRESSIONS}, got {compression!r}")
+        if queue_full_policy not in QUEUE_FULL_POLICIES:
+            raise ValueError(f"queue_full_policy: expected one of {QUEUE_FULL_POLICIES}, "
+                             f"got {queue_full_policy!r}")
+        started = time.perf_counter()
+        self.directory = Path(directory)
+        self.max_bytes = max_bytes
+        self.compression = compression
+        self.queue_max_bytes = queue_max_bytes
+        self.queue_full_policy = queue_full_policy
+        self._writer_id = f"{os.getpid()}:{secrets.token_hex(4)}"
+        self._counts: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
+        self._count_lock = threading.Lock()
+        self._touches: dict[str, float] = {}    # access times not yet in the manifest
+        self._forgets: set[str] = set()          # rows to drop (their files are already gone)
+        self._deferred_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._queue: deque[_Item] = deque()
+        self._pending: dict[str, _Item] = {}
+        self._queue_bytes = 0
+        self._closed = False
+        self._failing = False
+        self._root_fd = _open_private_dir(None, str(self.directory))
+        self._blocks_fd = _open_private_dir(self._root_fd, "blocks")
+        self._tmp_fd = _open_private_dir(self._root_fd, "tmp")
+        self._manifest = self._open_manifest()
+        self._reconcile()
+        self._count_evicted(self._manifest.evict_to(max_bytes, self._remove_file))
+        self.open_seconds = time.perf_counter() - started
+        self._thread = threading.Thread(target=self._run, name="paged-cache-ssd-writer", daemon=True)
+        self._thread.start()
+
+    # ---- public API ----------------------------------------------------------------------
+    def enqueue(self, key: str, raw: fmt.RawTensors, meta: dict[str, str]) -> bool:
+        """Queue a block for the writer thread; False when the queue is full under policy "skip"."""
+        item = self._item(key, raw, meta)
+        with self._cond:
+            self._check_open()
+            if key in self._pending:
+                return True
+            if self._queue_bytes + item.nbytes <= self.queue_max_bytes:
+                self._queue.append(item)
+                self._pending[key] = item
+                self._queue_bytes += item.nbytes
+                self._cond.notify_all()
+                return True
+        if self.queue_full_policy == "skip":
+            self._count("write_drops")
+            return False
+        self._count("write_on_caller")
+        return self._write(item)
+
+    def write_sync(self, key: str, raw: fmt.RawTensors, meta: dict[str, str]) -> bool:
+        """Write a block on the calling thread; False when it could not be written (counted)."""
+        item = self._item(key, raw, meta)
+        self._check_open()
+        return self._write(item)
+
+    def read(self, key: str) -> Block | None:
+        """Read and verify a block from disk; None on a miss or damage (damage is counted, file removed)."""
+        check_key(key)
+        fan_fd = self._open_fan(key, create=False)
+        if fan_fd is None:
+            self._count("misses")
+            return None
+        try:
+            for comp in self._compression_order():
+                name = key + fmt.SUFFIXES[comp]
+                try:
+                    fd = os.open(name, _READ_FLAGS, dir_fd=fan_fd)
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:  # ELOOP: a symlink planted under our name
+                    self._damaged(fan_fd, name, None, f"cannot open safely: {exc.strerror}", key)
+                    return None
+                return self._read_open_file(fan_fd, fd, name, key)
+        finally:
+            os.close(fan_fd)
+        self._count("misses")
+        return None
+
+    def has_pending(self, key: str) -> bool:
+        """True while the block is queued or being written."""
+        return key in self._pending
+
+    def read_pending(self, key: str) -> Block | None:
+        """The queued block built on its original arrays (no copy), or None if not pending."""
+        item = self._pending.get(key)
+        if item is None:
+            return None
+        self._count("pending_hits")
+        return Block(key, fmt.pending_arrays(item.raw), dict(item.meta))
+
+    def contains(self, key: str) -> bool:
+        """True if the block is pending or its file exists (stat only, no payload I/O)."""
+        check_key(key)
+        return key in self._pending or self._file_compression(key) is not None
+
+    def discard(self, key: str) -> None:
+        """Drop the block: a queued write is cancelled, the file then its manifest row are removed."""
+        check_key(key)
+        with self._cond:
+            item = self._pending.pop(key, None)
+            if item is not None:
+                item.cancelled = True
+        self._forget(key)
+
+    def touch(self, key: str) -> None:
+        """Mark the block used now (LRU); kept in memory and written to the manifest in batches."""
+        with self._deferred_lock:
+            self._touches[key] = now()
+
+    def flush(self) -> None:
+        """Wait until every queued block is written (or failed), then record access times."""
+        with self._cond:
+            while self._queue:
+                self._cond.wait()
+        if not self._closed:
+            self._flush_deferred()
+
+    def close(self) -> None:
+        """Flush, stop the writer thread and close the manifest; idempotent."""
+        if self._closed:
+            return
+        self.flush()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
+        self._flush_deferred()
+        self._manifest.close()
+        for fd in (self._tmp_fd, self._blocks_fd, self._root_fd):
+            os.close(fd)
+
+    def __enter__(self) -> "SSDTier":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and gauges: blocks, bytes, queue bytes, writes, drops, errors, damage, evictions."""
+        with self._count_lock:
+            out: dict[str, Any] = dict(self._counts)
+        with self._cond:
+            out["queue_bytes"], out["queue_blocks"] = self._queue_bytes, len(self._queue)
+        try:
+            out["blocks"], out["bytes"] = self._manifest.totals() if not self._closed else (None, None)
+        except sqlite3.Error:
+            out["blocks"], out["bytes"] = None, None
+        out.update(max_bytes=self.max_bytes, queue_max_bytes=self.queue_max_bytes,
+                   compression=self.compression, open_seconds=self.open_seconds)
+        return out
+
+    # ---- reading -------------------------------------------------------------------------
+    def _read_open_file(self, fan_fd: int, fd: int, name: str, key: str) -> Block | None:
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                reason = "not a regular file"
+            elif st.st_size > self.max_bytes:
+                reason = f"{st.st_size} bytes exceeds the tier budget"
+            else:
+                reason, data = None, _read_exact(fd, st.st_size)
+        except OSError as exc:
+            self._count("read_errors")
+            log.warning("block %s: read failed: %s", key[:16], exc)
+            return None
+        finally:
+            os.close(fd)
+        if reason is None:
+            try:
+                arrays, meta = fmt.decode(data, key, max_bytes=255 * st.st_size + (1 << 16))
+            except ValueError as exc:
+                reason = str(exc)
+        if reason is not None:
+            self._damaged(fan_fd, name, st.st_ino, reason, key)
+            return None
+        self._count("hits")
+        self.touch(key)
+        return Block(key, arrays, meta)
+
+    def _damaged(self, fan_fd: int, name: str, ino: int | None, reason: str, key: str) -> None:
+        """Count a damaged file, remove it (only if it is still the file we read) and its row."""
+        self._count("damaged")
+        log.warning("block %s: damaged file removed (%s)", key[:16], reason)
+        try:
+            if ino is None or os.stat(name, dir_fd=fan_fd, follow_symlinks=False).st_ino == ino:
+                os.unlink(name, dir_fd=fan_fd)
+        except OSError:
+            pass
+        self._defer_forget(key)
+
+    # ---- writing -------------------------------------------------------------------------
+    def _item(self, key: str, raw: fmt.RawTensors, meta: dict[str, str]) -> _Item:
+        check_key(key)
+        fmt.check_meta(meta)
+        return _Item(key, raw, dict(meta), fmt.check_raw(raw))
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    if not self._cond.wait(TOUCH_FLUSH_SECONDS):
+                        break
+                if not self._queue:
+                    if self._closed:
+                        return
+                    item = None
+                else:
+                    item = self._queue[0]
+            if item is None:
+                self._flush_deferred()
+                continue
+            if not item.cancelled:
+                self._write(item)
+            with self._cond:
+                self._queue.popleft()
+                if self._pending.get(item.key) is item:
+                    del self._pending[item.key]
+                self._queue_bytes -= item.nbytes
+                self._cond.notify_all()
+
+    def _write(self, item: _Item) -> bool:
+        """Encode and store one block; never raises (failures are counted and logged per episode)."""
+        try:
+            ok = self._write_file(item)
+        except (OSError, sqlite3.Error, ManifestError) as exc:
+            self._write_failed(item.key, exc)
+            return False
+        if item.cancelled:
+            self._forget(item.key)
+        return ok
+
+    def _write_file(self, item: _Item) -> bool:
+        key = item.key
+        if self._file_compression(key) is not None:
+            self.touch(key)  # content-addressed: the same key already holds the same block
+            return True
+        encoded = fmt.encode(key, item.raw, item.meta, self.compression)
+        if encoded.file_bytes > self.max_bytes:
+            self._count("write_too_large")
+            return False
+        row = _row(key, RESERVED, encoded.file_bytes, encoded.raw_bytes, encoded.compression,
+                   item.meta, now(), self._writer_id)
+        status, victims = self._manifest.reserve(row, self.max_bytes, self._take_deferred(),
+                                                 self._remove_file,
+                                                 lambda k: self._file_compression(k) is not None)
+        self._count_evicted(victims)
+        if status == "exists":
+            return True
+        if status == "full":
+            self._count("write_budget_full")
+            return False
+        tmp_name = f"{key}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        try:
+            self._write_temp(tmp_name, encoded.chunks)
+            fan_fd = self._open_fan(key, create=True)
+            try:
+                os.rename(tmp_name, key + fmt.SUFFIXES[encoded.compression],
+                          src_dir_fd=self._tmp_fd, dst_dir_fd=fan_fd)
+                os.fsync(fan_fd)
+            finally:
+                os.close(fan_fd)
+        except BaseException:
+            _unlink_quiet(tmp_name, self._tmp_fd)
+            self._manifest.abandon(key, self._writer_id)
+            raise
+        if not self._manifest.complete(key, self._writer_id):
+            self._forget(key)
+            return False
+        self._count("writes")
+        self._count("write_bytes", encoded.file_bytes)
+        if self._failing:
+            self._failing = False
+            log.info("SSD writes resumed")
+        return True
+
+    def _write_temp(self, name: str, chunks: list[Any]) -> None:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600, dir_fd=self._tmp_fd)
+        try:
+            for chunk in chunks:
+                view = fmt.byte_view(chunk)
+                while view:
+                    view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _write_failed(self, key: str, exc: BaseException) -> None:
+        self._count("write_errors")
+        if not self._failing:
+            self._failing = True
+            log.warning("SSD write of block %s failed (%s); further failures are counted, not "
+                        "logged, until a write succeeds", key[:16], exc)
+
+    def _count_evicted(self, victims: list[tuple[str, int]]) -> None:
+        if victims:
+            self._count("evictions", len(victims))
+            self._count("evicted_bytes", sum(size for _, size in victims))
+
+    # ---- files ---------------------------------------------------------------------------
+    def _compression_order(self) -> tuple[str, ...]:
+        return (self.compression,) + tuple(c for c in fmt.COMPRESSIONS if c != self.compression)
+
+    def _open_fan(self, key: str, *, create: bool) -> int | None:
+        """An fd of blocks/<key[:2]> (never through a symlink); None if absent and not created."""
+        fan = key[:2]
+        try:
+            return os.open(fan, _DIR_FLAGS, dir_fd=self._blocks_fd)
+        except FileNotFoundError:
+            if not create:
+                return None
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            log.warning("removing %r planted in blocks/: not a directory", fan)
+            os.unlink(fan, dir_fd=self._blocks_fd)
+            if not create:
+                return None
+        return _open_private_dir(self._blocks_fd, fan)
+
+    def _file_compression(self, key: str) -> str | None:
+        """The compression of the block's regular file if one exists (symlinks do not count)."""
+        for comp in self._compression_order():
+            try:
+                st = os.stat(f"{key[:2]}/{key}{fmt.SUFFIXES[comp]}", dir_fd=self._blocks_fd,
+                             follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                return comp
+        return None
+
+    def _remove_file(self, key: str, compression: str | None = None) -> None:
+        """Remove the block's file; every suffix unless ``compression`` is given."""
+        for comp in (compression,) if compression else fmt.COMPRESSIONS:
+            _unlink_quiet(f"{key[:2]}/{key}{fmt.SUFFIXES[comp]}", self._blocks_fd)
+
+    def _forget(self, key: str) -> None:
+        """Remove every file of ``key`` now; its row goes at the next manifest transaction.
+
+        File first, row later: a crash in between leaves a row without a file (bytes over-counted
+        until the next open), never an unaccounted file. Caller threads never write SQLite.
+        """
+        self._remove_file(key)
+        self._defer_forget(key)
+
+    # ---- deferred manifest updates (access times, dropped rows) ---------------------------
+    def _defer_forget(self, key: str) -> None:
+        with self._deferred_lock:
+            self._forgets.add(key)
+            self._touches.pop(key, None)
+
+    def _take_deferred(self) -> tuple[dict[str, float], set[str]]:
+        with self._deferred_lock:
+            deferred = (self._touches, self._forgets)
+            self._touches, self._forgets = {}, set()
+        return deferred
+
+    def _flush_deferred(self) -> None:
+        touches, forgets = self._take_deferred()
+        try:
+            self._manifest.apply(touches, forgets)
+        except sqlite3.Error as exc:
+            log.debug("manifest busy, deferred updates kept for later: %s", exc)
+            with self._deferred_lock:
+                for key, t in touches.items():
+                    self._touches.setdefault(key, t)
+                self._forgets |= forgets
+
+    # ---- startup -------------------------------------------------------------------------
+    def _open_manifest(self) -> Manifest:
+        names = (MANIFEST_NAME, MANIFEST_NAME + "-wal", MANIFEST_NAME + "-shm")
+        for name in names:
+            try:
+                st = os.stat(name, dir_fd=self._root_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                log.warning("removing %s: not a regular file", name)
+                os.unlink(name, dir_fd=self._root_fd)
+        try:  # create it 0600 ourselves; SQLite gives the -wal / -shm files the same mode
+            os.close(os.open(MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                             0o600, dir_fd=self._root_fd))
+        except FileExistsError:
+            pass
+        path = self.directory / MANIFEST_NAME
+        try:
+            return Manifest(path)
+        except ManifestError as exc:
+            log.warning("manifest unusable (%s): rebuilding it from the block files", exc)
+            for name in names:
+                _unlink_quiet(name, self._root_fd)
+            os.close(os.open(MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600,
+                             dir_fd=self._root_fd))
+            return Manifest(path)
+
+    def _reconcile(self) -> None:
+        """Make manifest and directory agree without reading block payloads (see docs).
+
+        Rows are read before the directory is listed: a file renamed in by another process after
+        the snapshot is merely adopted (header read), never lost. The common case is two set
+        differences over keys; only the differences are looked at one by one.
+        """
+        expected = self._manifest.complete_keys()
+        reserved = self._manifest.reservations()
+        present = self._scan_blocks()
+        adopt, complete, drop = [], [], []
+        for key in present - expected:
+            if not _is_key(key):  # keys from the manifest were checked when inserted
+                self._remove_stray_key(key)
+                continue
+            comp = self._file_compression(key)
+            if comp is None:
+                continue
+            if key in reserved:
+                if not _writer_alive(*reserved.pop(key)):
+                    complete.append(key)
+                continue
+            row = self._adopt(key, comp)
+            if row is not None:
+                adopt.append(row)
+        drop = [key for key in expected - present if self._file_compression(key) is None]
+        drop += [key for key, (writer, created) in reserved.items()
+                 if not _writer_alive(writer, created) and self._file_compression(key) is None]
+        self._manifest.adopt(adopt)
+        self._manifest.mark_complete(complete)
+        self._manifest.remove(drop, states=(COMPLETE, RESERVED))
+        self._count("adopted", len(adopt))
+        self._count("rows_dropped", len(drop))
+        self._clean_temps()
+
+    def _scan_blocks(self) -> set[str]:
+        """Keys of the block files in blocks/; anything else there is removed, as is a second
+        copy of a block under the other compression."""
+        present: set[str] = set()
+        for fan in os.listdir(self._blocks_fd):
+            if len(fan) != 2 or not _HEX.issuperset(fan):
+                self._remove_stray(self._blocks_fd, fan)
+                continue
+            try:
+                fan_fd = os.open(fan, _DIR_FLAGS, dir_fd=self._blocks_fd)
+            except OSError:
+                self._remove_stray(self._blocks_fd, fan)
+                continue
+            try:
+                names = os.listdir(fan_fd)
+                good = [n for n in names if n[KEY_HEX_LEN:] in _SUFFIX_TO_COMPRESSION
+                        and n.startswith(fan) and len(n) > KEY_HEX_LEN]
+                keys = {n[:KEY_HEX_LEN] for n in good}
+                if len(good) != len(names):
+                    for name in set(names).difference(good):
+                        self._remove_stray(fan_fd, name)
+                if len(keys) != len(good):  # a second copy under the other compression
+                    plain = {n[:KEY_HEX_LEN] for n in good if n.endswith(fmt.SUFFIXES["none"])}
+                    for name in good:
+                        if name.endswith(fmt.SUFFIXES["lz4"]) and name[:KEY_HEX_LEN] in plain:
+                            _unlink_quiet(name, fan_fd)
+                present |= keys
+            finally:
+                os.close(fan_fd)
+        return present
+
+    def _remove_stray_key(self, key: str) -> None:
+        fan_fd = os.open(key[:2], _DIR_FLAGS, dir_fd=self._blocks_fd)
+        try:
+            for sfx in fmt.SUFFIXES.values():
+                self._remove_stray(fan_fd, key + sfx)
+        finally:
+            os.close(fan_fd)
+
+    def _remove_stray(self, dir_fd: int, name: str) -> None:
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if not stat.S_ISDIR(st.st_mode):
+                os.unlink(name, dir_fd=dir_fd)
+                self._count("strays_removed")
+            else:
+                log.warning("ignoring unexpected directory %r in the cache directory", name)
+        except OSError:
+            pass
+
+    def _adopt(self, key: str, comp: str) -> Row | None:
+        """A manifest row for a complete file found without one (header read only), or None if bad."""
+        name = f"{key[:2]}/{key}{fmt.SUFFIXES[comp]}"
+        try:
+            fd = os.open(name, _READ_FLAGS, dir_fd=self._blocks_fd)
+        except OSError:
+            _unlink_quiet(name, self._blocks_fd)
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise fmt.BlockFileError("not a regular file")
+            header = fmt.read_header_only(lambda off, n: os.pread(fd, n, off), st.st_size,
+                                          255 * st.st_size + (1 << 16))
+            if header.meta.get(fmt.META_KEY) != key:
+                raise fmt.BlockFileError("file name does not match the block key inside")
+            if (comp == "lz4") != (os.pread(fd, 4, 0) == fmt.LZ4_MAGIC):
+                raise fmt.BlockFileError("file suffix does not match its compression")
+        except (OSError, ValueError) as exc:
+            self._count("damaged")
+            log.warning("block %s: unadoptable file removed (%s)", key[:16], exc)
+            _unlink_quiet(name, self._blocks_fd)
+            return None
+        finally:
+            os.close(fd)
+        return _row(key, COMPLETE, st.st_size, header.data_bytes, comp, header.meta,
+                    st.st_mtime, "adopted")
+
+    def _clean_temps(self) -> None:
+        """Delete temp files left by dead writers (or older than STALE_SECONDS)."""
+        for name in os.listdir(self._tmp_fd):
+            parts = name.split(".")
+            try:
+                st = os.stat(name, dir_fd=self._tmp_fd, follow_symlinks=False)
+            except OSError:
+                continue
+            pid = int(parts[1]) if len(parts) == 4 and parts[1].isdigit() else None
+            if pid is None or not _pid_alive(pid) or now() - st.st_mtime > STALE_SECONDS:
+                _unlink_quiet(name, self._tmp_fd)
+                self._count("temps_removed")
+
+    # ---- misc ----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("SSDTier is closed")
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._count_lock:
+            self._counts[name] += n
+
+
+_COUNTERS = ("hits", "misses", "pending_hits", "damaged", "read_errors", "writes", "write_bytes",
+             "write_errors", "write_drops", "write_on_caller", "write_too_large", "write_budget_full",
+             "evictions", "evicted_bytes", "adopted", "rows_dropped", "temps_removed",
+             "strays_removed")
+
+
+def _is_key(text: str) -> bool:
+    return len(text) == KEY_HEX_LEN and _HEX.issuperset(text)
+
+
+def _row(key: str, state: int, file_bytes: int, raw_bytes: int, compression: str,
+         meta: dict[str, str], when: float, writer: str) -> Row:
+    tokens = meta.get(fmt.META_TOKENS, "")
+    return Row(key=key, state=state, compression=compression, file_bytes=file_bytes,
+               raw_bytes=raw_bytes, tokens=int(tokens) if tokens.isdigit() else None,
+               fingerprint=meta.get(fmt.META_FINGERPRINT), parent=meta.get(fmt.META_PARENT),
+               layers=fmt.layers_summary(meta), created=when, last_access=when, writer=writer)
+
+
+def _check_size(name: str, value: int, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: expected an integer number of bytes >= {minimum}, got {value!r}")
+
+
+def _open_private_dir(dir_fd: int | None, name: str) -> int:
+    """Open (creating 0700 if needed) a directory we own, refusing symlinks."""
+    try:
+        os.mkdir(name, 0o700, dir_fd=dir_fd) if dir_fd is not None else os.makedirs(name, 0o700)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        raise ValueError(f"directory: {name!r} must be a real directory, not a symlink or file "
+                         f"({exc.strerror})") from None
+    st = os.fstat(fd)
+    if st.st_uid != os.getuid():
+        os.close(fd)
+        raise ValueError(f"directory: {name!r} is owned by uid {st.st_uid}, not by this user")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.fchmod(fd, 0o700)
+    return fd
+
+
+def _read_exact(fd: int, size: int) -> bytearray:
+    buf = bytearray(size)
+    view, done = memoryview(buf), 0
+    while done < size:
+        n = os.readv(fd, [view[done:]])
+        if n == 0:
+            return buf[:done]
+        done += n
+    return buf
+
+
+def _unlink_quiet(name: str, dir_fd: int) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _writer_alive(writer: str, created: float) -> bool:
+    """Whether a reservation's writer ("pid:token") may still be writing."""
+    pid = writer.split(":", 1)[0]
+    if not pid.isdigit() or now() - created > STALE_SECONDS:
+        return False
+    return _pid_alive(int(pid))

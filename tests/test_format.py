@@ -1,0 +1,187 @@
+"""Block file format: exact round trips, standard safetensors readers, validation before allocation."""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+import tracemalloc
+
+import lz4.frame
+import mlx.core as mx
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from paged_cache.block import Block
+from paged_cache.tiers import format as fmt
+
+KEY = "3f" * 32
+
+
+def _arrays() -> dict[str, mx.array]:
+    mx.random.seed(7)
+    base = mx.random.normal((2, 4, 8, 16))
+    return {
+        "fp32": base,
+        "fp16": base.astype(mx.float16),
+        "bf16": (base * 1000).astype(mx.bfloat16),
+        "u32": mx.random.randint(0, 2**31, (3, 5)).astype(mx.uint32),
+        "i8": mx.arange(-8, 8, dtype=mx.int8),
+        "mask": mx.array([True, False, True]),
+        "empty": mx.zeros((0, 4), dtype=mx.float32),
+        "transposed": mx.arange(12, dtype=mx.float32).reshape(3, 4).T,
+    }
+
+
+def _file(arrays: dict[str, mx.array], compression: str, meta: dict[str, str] | None = None) -> bytes:
+    block = Block(KEY, arrays, meta if meta is not None else {"tokens": "16", "fingerprint": "m1"})
+    encoded = fmt.encode(KEY, fmt.raw_tensors(block), block.meta, compression)
+    data = b"".join(bytes(memoryview(c).cast("B")) for c in encoded.chunks)
+    assert len(data) == encoded.file_bytes
+    return data
+
+
+def _assert_same(got: dict[str, mx.array], want: dict[str, mx.array]) -> None:
+    assert set(got) == set(want)
+    for name, a in want.items():
+        b = got[name]
+        assert b.dtype == a.dtype and b.shape == a.shape, name
+        # compare bit patterns, so bf16 / NaN payloads must match exactly
+        assert bytes(memoryview(mx.contiguous(a))) == bytes(memoryview(b)), name
+
+
+@pytest.mark.parametrize("compression", ["none", "lz4"])
+def test_round_trip_exact(compression: str) -> None:
+    arrays = _arrays()
+    arrays["bf16_nan"] = mx.array([float("nan"), float("inf"), -0.0, 1e-40], dtype=mx.bfloat16)
+    data = _file(arrays, compression, {"tokens": "16", "note": "é ünïcode"})
+    got, meta = fmt.decode(data, KEY, max_bytes=1 << 30)
+    _assert_same(got, arrays)
+    assert meta == {"tokens": "16", "note": "é ünïcode"}
+    assert (data[:4] == fmt.LZ4_MAGIC) == (compression == "lz4")
+
+
+@pytest.mark.parametrize("compression", ["none", "lz4"])
+def test_standard_readers(tmp_path, compression: str) -> None:
+    arrays = _arrays()
+    data = _file(arrays, compression)
+    plain = lz4.frame.decompress(data) if compression == "lz4" else data
+    path = tmp_path / "block.safetensors"
+    path.write_bytes(plain)
+    loaded, meta = mx.load(str(path), return_metadata=True)
+    _assert_same(loaded, arrays)
+    assert meta[fmt.META_KEY] == KEY and meta[fmt.META_VERSION] == fmt.FORMAT_VERSION
+    with safe_open(str(path), framework="numpy") as f:
+        assert f.metadata()["fingerprint"] == "m1"
+        assert set(f.keys()) == set(arrays)
+        for name, a in arrays.items():
+            if a.dtype == mx.bfloat16:  # numpy has no bfloat16: check layout, then the bits
+                assert f.get_slice(name).get_dtype() == "BF16"
+                assert f.get_slice(name).get_shape() == list(a.shape)
+                continue
+            np.testing.assert_array_equal(f.get_tensor(name), np.array(a))
+
+
+def test_checksums_in_metadata() -> None:
+    data = _file({"x": mx.ones((4, 4))}, "none")
+    n = struct.unpack("<Q", data[:8])[0]
+    assert n % 8 == 0
+    meta = json.loads(data[8:8 + n])["__metadata__"]
+    assert len(meta[fmt.META_CHECKSUM]) == 32  # xxh3-128 hex
+    import xxhash
+    assert meta[fmt.META_CHECKSUM] == xxhash.xxh3_128_hexdigest(data[8 + n:])
+
+
+def _damaged_variants(data: bytes) -> dict[str, bytes]:
+    n = struct.unpack("<Q", data[:8])[0]
+    header = data[8:8 + n]
+    flipped_payload = bytearray(data)
+    flipped_payload[-3] ^= 0x01
+    flipped_meta = bytearray(data)
+    at = 8 + header.index(b'"m1"') + 1
+    flipped_meta[at] ^= 0x02
+    return {
+        "zero_length": b"",
+        "short": data[:5],
+        "truncated": data[:-7],
+        "extended": data + b"\0" * 8,
+        "flipped_payload": bytes(flipped_payload),
+        "flipped_metadata": bytes(flipped_meta),
+        "garbage_header": data[:8] + b"\xff" * n + data[8 + n:],
+        "huge_header_len": struct.pack("<Q", 2**60) + data[8:],
+        "not_json_object": struct.pack("<Q", 8) + b"[1,2,3] " + data[8 + n:],
+    }
+
+
+@pytest.mark.parametrize("case", list(_damaged_variants(_file({"x": mx.ones((4, 4))}, "none"))))
+def test_damage_is_detected(case: str) -> None:
+    data = _damaged_variants(_file({"x": mx.ones((4, 4)), "y": mx.zeros((3,))}, "none"))[case]
+    with pytest.raises(fmt.BlockFileError):
+        fmt.decode(data, KEY, max_bytes=1 << 30)
+
+
+def test_wrong_key_and_lz4_damage() -> None:
+    data = _file({"x": mx.ones((64,))}, "lz4")
+    with pytest.raises(fmt.BlockFileError, match="expected"):
+        fmt.decode(data, "ab" * 32, max_bytes=1 << 30)
+    for bad in (data[:-5], data[:4] + b"\0" * (len(data) - 4), data + b"junk"):
+        with pytest.raises(fmt.BlockFileError):
+            fmt.decode(bad, KEY, max_bytes=1 << 30)
+
+
+def test_huge_tensor_claim_is_rejected_before_allocation() -> None:
+    claim = 1 << 40  # a 4 TiB tensor in a 200-byte file
+    header = json.dumps({"__metadata__": {}, "x": {"dtype": "F32", "shape": [claim],
+                                                    "data_offsets": [0, 4 * claim]}}).encode()
+    header += b" " * (-len(header) % 8)
+    for data in (struct.pack("<Q", len(header)) + header + b"\0" * 16,
+                 lz4.frame.compress(struct.pack("<Q", len(header)) + header + b"\0" * 16)):
+        tracemalloc.start()
+        with pytest.raises(fmt.BlockFileError, match="data bytes"):
+            fmt.decode(data, KEY, max_bytes=1 << 30)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert peak < 1 << 20
+
+
+def test_fuzzed_files_never_raise_anything_else() -> None:
+    data = _file({"k": mx.arange(32, dtype=mx.float16), "v": mx.ones((2, 8), dtype=mx.bfloat16)}, "none")
+    want, _ = fmt.decode(data, KEY, max_bytes=1 << 30)
+    rng = random.Random(1234)
+    for _ in range(300):
+        buf = bytearray(data)
+        for _ in range(rng.randint(1, 4)):
+            op = rng.random()
+            pos = rng.randrange(len(buf))
+            if op < 0.7:
+                buf[pos] ^= 1 << rng.randrange(8)
+            elif op < 0.85:
+                del buf[pos:]
+            else:
+                buf[pos:pos] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 9)))
+        try:
+            got, _ = fmt.decode(bytes(buf), KEY, max_bytes=1 << 30)
+        except fmt.BlockFileError:
+            continue
+        _assert_same(got, want)  # a mutation that still decodes must be harmless (header padding)
+
+
+def test_bad_input_raises_clear_errors() -> None:
+    block = Block(KEY, {"x": mx.ones((2,))}, {})
+    raw = fmt.raw_tensors(block)
+    with pytest.raises(ValueError, match="reserved"):
+        fmt.encode(KEY, raw, {fmt.META_CHECKSUM: "0"})
+    with pytest.raises(ValueError, match="compression"):
+        fmt.encode(KEY, raw, {}, "zstd")
+    with pytest.raises(ValueError, match="not storable"):
+        fmt.raw_tensors(Block(KEY, {"c": mx.array([1 + 2j])}, {}))
+    with pytest.raises(ValueError, match="bytes, expected"):
+        fmt.encode(KEY, {"x": ("float32", (3,), memoryview(b"\0" * 8))}, {})
+
+
+def test_layers_summary() -> None:
+    layers = [{"type": "KVCache"}, {"type": "KVCache"}, [{"type": "ArraysCache"}, {"type": "RotatingKVCache"}]]
+    assert json.loads(fmt.layers_summary({"layers": json.dumps(layers)})) == {
+        "KVCache": 2, "ArraysCache+RotatingKVCache": 1}
+    assert fmt.layers_summary({}) is None and fmt.layers_summary({"layers": "{"}) is None

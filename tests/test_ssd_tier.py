@@ -1,0 +1,355 @@
+"""SSD tier on real files: round trips, pending reads, damage, budget, reconciliation, SIGKILL."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import signal
+import sqlite3
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from safetensors import safe_open
+
+from paged_cache.block import Block
+from paged_cache.tiers import format as fmt
+from paged_cache.tiers.ssd import MANIFEST_NAME, SSDTier
+
+
+def key_of(label: object) -> str:
+    return hashlib.sha256(str(label).encode()).hexdigest()
+
+
+def make_block(label: object, n: int = 256, dtype=mx.float16, model: str = "m1") -> Block:
+    """A block whose content is a pure function of its label (so any reader can verify it)."""
+    seed = int(key_of(label)[:8], 16)
+    values = (mx.arange(n, dtype=mx.float32) * 0.37 + seed % 1000).astype(dtype)
+    return Block(key_of(label), {"keys": values, "values": values[::-1] + 1},
+                 {"fingerprint": model, "tokens": "16", "parent": key_of(f"parent-{label}"),
+                  "layers": '[{"type": "KVCache"}]'})
+
+
+def same(a: Block, b: Block) -> bool:
+    return a.meta == b.meta and set(a.arrays) == set(b.arrays) and all(
+        a.arrays[n].dtype == b.arrays[n].dtype and bytes(memoryview(a.arrays[n])) == bytes(memoryview(b.arrays[n]))
+        for n in a.arrays)
+
+
+def tier(path: Path, **kw) -> SSDTier:
+    opts = dict(max_bytes=1 << 30, compression="none", queue_max_bytes=64 << 20, queue_full_policy="skip")
+    opts.update(kw)
+    return SSDTier(path, **opts)
+
+
+def put(t: SSDTier, block: Block) -> bool:
+    return t.enqueue(block.key, fmt.raw_tensors(block), block.meta)
+
+
+def block_files(root: Path) -> list[Path]:
+    return [p for p in (root / "blocks").rglob("*") if p.is_file()]
+
+
+def disk_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for d in ("blocks", "tmp") for p in (root / d).rglob("*") if p.is_file())
+
+
+def file_of(root: Path, key: str) -> Path:
+    (path,) = [p for p in (root / "blocks" / key[:2]).iterdir() if p.name.startswith(key)]
+    return path
+
+
+def manifest_keys(root: Path) -> set[str]:
+    with sqlite3.connect(root / MANIFEST_NAME) as db:
+        return {r[0] for r in db.execute("SELECT key FROM blocks")}
+
+
+@pytest.mark.parametrize("compression", ["none", "lz4"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16, mx.uint32])
+def test_round_trip(tmp_path: Path, compression: str, dtype) -> None:
+    blocks = [make_block((i, str(dtype)), dtype=dtype) for i in range(3)]
+    with tier(tmp_path / "c", compression=compression) as t:
+        assert all(put(t, b) for b in blocks)
+        assert t.write_sync(blocks[0].key, fmt.raw_tensors(blocks[0]), blocks[0].meta)  # already there
+        t.flush()
+        for b in blocks:
+            got = t.read(b.key)
+            assert got is not None and same(got, b)
+        stats = t.stats()
+        assert stats["writes"] == 3 and stats["hits"] == 3 and stats["blocks"] == 3
+    with tier(tmp_path / "c") as t:  # reopened with the other compression setting: still readable
+        assert all(same(t.read(b.key), b) for b in blocks)
+    if compression == "none":
+        path = file_of(tmp_path / "c", blocks[0].key)
+        loaded = mx.load(str(path))
+        assert bytes(memoryview(loaded["keys"])) == bytes(memoryview(blocks[0].arrays["keys"]))
+        with safe_open(str(path), framework="numpy") as f:
+            assert f.metadata()["key"] == blocks[0].key and sorted(f.keys()) == ["keys", "values"]
+    else:
+        assert file_of(tmp_path / "c", blocks[0].key).name.endswith(".safetensors.lz4")
+
+
+def test_private_layout_and_symlinked_directory_refused(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    with tier(root) as t:
+        put(t, make_block(1))
+    for p in [root, *root.rglob("*")]:
+        mode = stat.S_IMODE(p.lstat().st_mode)
+        assert mode == (0o700 if p.is_dir() else 0o600), (p, oct(mode))
+    path = file_of(root, key_of(1))
+    assert path.relative_to(root).parts == ("blocks", key_of(1)[:2], key_of(1) + ".safetensors")
+    (tmp_path / "link").symlink_to(root)
+    with pytest.raises(ValueError, match="directory"):
+        tier(tmp_path / "link")
+    with pytest.raises(ValueError, match="max_bytes"):
+        tier(tmp_path / "d", max_bytes=-1)
+    with pytest.raises(ValueError, match="queue_full_policy"):
+        tier(tmp_path / "d", queue_full_policy="block")
+    assert not (tmp_path / "d").exists()
+
+
+class ManifestLock:
+    """Hold the manifest's write lock from another connection: the writer thread waits on SQLite."""
+
+    def __init__(self, root: Path) -> None:
+        self.db = sqlite3.connect(root / MANIFEST_NAME, isolation_level=None)
+
+    def __enter__(self) -> "ManifestLock":
+        self.db.execute("BEGIN IMMEDIATE")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.db.execute("COMMIT")
+        self.db.close()
+
+
+def test_pending_block_is_readable_before_it_is_written(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    block = make_block("p", dtype=mx.bfloat16)
+    with tier(root, queue_max_bytes=block.nbytes) as t:
+        with ManifestLock(root):
+            assert put(t, block)
+            assert t.has_pending(block.key) and t.contains(block.key)
+            got = t.read_pending(block.key)
+            assert got is not None and same(got, block)
+            assert got.arrays["keys"] is block.arrays["keys"]  # the queued arrays themselves, no copy
+            assert t.read(block.key) is None  # not on disk yet
+            assert not put(t, make_block("q"))  # queue full (bytes), policy skip
+            assert t.stats()["write_drops"] == 1 and t.stats()["queue_bytes"] == block.nbytes
+        t.flush()
+        assert not t.has_pending(block.key) and t.read_pending(block.key) is None
+        assert same(t.read(block.key), block)
+
+
+def test_write_on_caller_policy(tmp_path: Path) -> None:
+    with tier(tmp_path / "c", queue_max_bytes=0, queue_full_policy="write-on-caller") as t:
+        b = make_block(1)
+        assert put(t, b) and not t.has_pending(b.key)
+        assert file_of(tmp_path / "c", b.key).exists()  # written before enqueue returned
+        assert t.stats()["write_on_caller"] == 1
+
+
+def test_discard_cancels_and_removes(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    with tier(root) as t:
+        a, b = make_block("a"), make_block("b")
+        put(t, a)
+        t.flush()
+        with ManifestLock(root):
+            put(t, b)
+            t.discard(b.key)
+            assert not t.contains(b.key)
+        t.discard(a.key)
+        t.flush()
+        assert not t.contains(a.key) and not t.contains(b.key)
+        assert t.read(a.key) is None and block_files(root) == []
+        assert manifest_keys(root) == set()
+
+
+def _damage(path: Path, case: str, rng: random.Random) -> None:
+    data = bytearray(path.read_bytes())
+    if case == "truncated":
+        path.write_bytes(bytes(data[: rng.randrange(1, len(data) - 1)]))
+    elif case == "flipped_payload":
+        data[-1 - rng.randrange(64)] ^= 1 << rng.randrange(8)
+        path.write_bytes(bytes(data))
+    elif case == "garbage_header":
+        data[8:40] = bytes(rng.randrange(256) for _ in range(32))
+        path.write_bytes(bytes(data))
+    elif case == "zero_length":
+        path.write_bytes(b"")
+    elif case == "swapped":  # another block's file under this name
+        other = file_of(path.parent.parent.parent, key_of("other"))
+        path.write_bytes(other.read_bytes())
+    elif case == "symlink":
+        target = path.parent.parent.parent / "outside"
+        target.write_bytes(bytes(data))
+        path.unlink()
+        path.symlink_to(target)
+    elif case == "fifo":
+        path.unlink()
+        os.mkfifo(path)
+
+
+@pytest.mark.parametrize("compression", ["none", "lz4"])
+@pytest.mark.parametrize("case", ["truncated", "flipped_payload", "garbage_header", "zero_length",
+                                  "swapped", "symlink", "fifo"])
+def test_damage_is_a_counted_miss(tmp_path: Path, case: str, compression: str) -> None:
+    root = tmp_path / "c"
+    victim, other = make_block("victim"), make_block("other")
+    with tier(root, compression=compression) as t:
+        put(t, victim), put(t, other)
+        t.flush()
+        path = file_of(root, victim.key)
+        _damage(path, case, random.Random(case))
+        assert t.read(victim.key) is None  # no exception
+        stats = t.stats()
+        assert stats["damaged"] == 1 and stats["hits"] == 0
+        t.flush()  # the row is dropped by the next manifest transaction
+        assert not os.path.lexists(path) and victim.key not in manifest_keys(root)
+        assert t.read(victim.key) is None and t.stats()["misses"] == 1
+        assert same(t.read(other.key), other)
+        if case == "symlink":
+            assert (root / "outside").exists()  # the link was removed, its target untouched
+
+
+def test_budget_is_never_exceeded_across_models(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    rng = random.Random(5)
+    budget = 40_000
+    a = tier(root, max_bytes=budget)
+    b = tier(root, max_bytes=budget, compression="lz4")  # a second "process" sharing the directory
+    written = []
+    for i in range(120):
+        t, model = (a, "model-a") if rng.random() < 0.5 else (b, "model-b")
+        blk = make_block(i, n=rng.choice([64, 256, 1024, 3000]), model=model)
+        t.write_sync(blk.key, fmt.raw_tensors(blk), blk.meta) if i % 3 else put(t, blk)
+        t.flush()
+        written.append(blk)
+        assert disk_bytes(root) <= budget
+    totals = a.stats()
+    assert totals["bytes"] == disk_bytes(root) and totals["blocks"] == len(block_files(root))
+    assert a.stats()["evictions"] + b.stats()["evictions"] > 0
+    too_big = make_block("big", n=budget)
+    assert not a.write_sync(too_big.key, fmt.raw_tensors(too_big), too_big.meta)
+    assert a.stats()["write_too_large"] == 1
+    for t in (a, b):
+        t.close()
+
+
+def test_lru_prefers_recently_used(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    blocks = [make_block(i) for i in range(4)]
+    size = None
+    with tier(root) as t:
+        put(t, blocks[0])
+        t.flush()
+        size = disk_bytes(root)
+    with tier(root, max_bytes=3 * size) as t:
+        for b in blocks[1:3]:
+            put(t, b)
+            t.flush()
+        time.sleep(0.01)
+        t.touch(blocks[0].key)  # oldest written, most recently used
+        put(t, blocks[3])
+        t.flush()
+        assert t.contains(blocks[0].key) and not t.contains(blocks[1].key)
+        assert all(t.contains(b.key) for b in blocks[2:])
+
+
+def test_reconcile_orphans_missing_files_temps_and_strays(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    blocks = [make_block(i) for i in range(4)]
+    with tier(root) as t:
+        for b in blocks:
+            put(t, b)
+    with sqlite3.connect(root / MANIFEST_NAME) as db:
+        db.execute("DELETE FROM blocks WHERE key = ?", (blocks[0].key,))  # file without a row
+    file_of(root, blocks[1].key).unlink()  # row without a file
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (root / "tmp" / f"{blocks[2].key}.{dead}.abcd1234.tmp").write_bytes(b"partial")
+    (root / "blocks" / "zz").write_bytes(b"stray")
+    (root / "blocks" / blocks[3].key[:2] / "notes.txt").write_bytes(b"stray")
+    with tier(root) as t:
+        stats = t.stats()
+        assert stats["adopted"] == 1 and stats["rows_dropped"] == 1
+        assert stats["temps_removed"] == 1 and stats["strays_removed"] == 2
+        assert stats["blocks"] == 3 and stats["bytes"] == disk_bytes(root)
+        assert same(t.read(blocks[0].key), blocks[0]) and t.read(blocks[1].key) is None
+    with sqlite3.connect(root / MANIFEST_NAME) as db:
+        row = db.execute("SELECT fingerprint, tokens, parent, layers FROM blocks WHERE key = ?",
+                         (blocks[0].key,)).fetchone()
+    assert row == ("m1", 16, key_of("parent-0"), '{"KVCache":1}')  # adopted from the header alone
+
+
+def test_corrupt_manifest_is_rebuilt_from_files(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    blocks = [make_block(i) for i in range(3)]
+    with tier(root) as t:
+        for b in blocks:
+            put(t, b)
+    (root / MANIFEST_NAME).write_bytes(b"this is not a database" * 100)
+    with tier(root) as t:
+        assert t.stats()["adopted"] == 3
+        assert all(same(t.read(b.key), b) for b in blocks)
+
+
+CHILD = textwrap.dedent("""
+    import hashlib, sys
+    from pathlib import Path
+    import mlx.core as mx
+    from paged_cache.block import Block
+    from paged_cache.tiers import format as fmt
+    from paged_cache.tiers.ssd import SSDTier
+    sys.path.insert(0, {tests!r})
+    from test_ssd_tier import make_block
+    t = SSDTier(Path({root!r}), max_bytes={budget}, compression={comp!r},
+                queue_max_bytes=1 << 20, queue_full_policy="write-on-caller")
+    i = {start}
+    while True:
+        b = make_block(i, n=512 + (i % 7) * 300)
+        raw = fmt.raw_tensors(b)
+        t.enqueue(b.key, raw, b.meta) if i % 2 else t.write_sync(b.key, raw, b.meta)
+        print(i, flush=True)
+        i += 1
+""")
+
+
+def test_sigkill_while_writing_never_serves_a_partial_block(tmp_path: Path, long_run: bool) -> None:
+    root = tmp_path / "c"
+    rng = random.Random(99)
+    budget = 200_000
+    kills = 40 if long_run else 5
+    start = 0
+    for k in range(kills):
+        comp = "lz4" if k % 2 else "none"
+        code = CHILD.format(tests=str(Path(__file__).parent), root=str(root), budget=budget,
+                            comp=comp, start=start)
+        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        for _ in range(rng.randint(3, 40)):  # kill at a random point once writing is under way
+            line = child.stdout.readline()
+            assert line, "child died before being killed"
+            start = int(line) + 1
+        time.sleep(rng.random() * 0.05)
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        child.stdout.close()
+        with tier(root, max_bytes=budget) as t:
+            assert list((root / "tmp").iterdir()) == []  # no temp file survives reopening
+            files = block_files(root)
+            assert {p.name[:64] for p in files} == manifest_keys(root)
+            labels = {key_of(i): i for i in range(start + 5000)}  # the child may be ahead of its output
+            for path in files:
+                key = path.name[:64]
+                got = t.read(key)
+                assert got is not None, "a renamed file is always complete"
+                label = labels[key]
+                assert same(got, make_block(label, n=512 + (label % 7) * 300))
+            assert t.stats()["damaged"] == 0 and disk_bytes(root) <= budget
