@@ -1,0 +1,58 @@
+"""`paged-cache config`: print the effective configuration and where each value came from."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from paged_cache.cli.options import add_config_arguments, config_from_args
+from paged_cache.config import CacheConfig, format_size
+
+
+def register(subparsers: Any) -> None:
+    """Add the `config` subcommand."""
+    parser = subparsers.add_parser(
+        "config", help="show the effective cache configuration and each value's source",
+        description="Resolve default < --config TOML < PAGED_CACHE_* env < flags and print it.")
+    add_config_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.set_defaults(func=run)
+
+
+def _describe(config: CacheConfig) -> dict[str, Any]:
+    """{field: {value, source[, bytes/human]}} including the resolved SSD budget."""
+    out: dict[str, Any] = {}
+    for name, value in config.to_dict().items():
+        entry: dict[str, Any] = {"value": value, "source": config.sources[name]}
+        if name.endswith("_bytes") and isinstance(value, int):
+            entry["human"] = format_size(value)
+        out[name] = entry
+    if not config.hot_cache_only:
+        budget = config.ssd_budget_bytes()
+        out["ssd_max_bytes"]["effective_bytes"] = budget
+        out["ssd_max_bytes"]["effective_human"] = format_size(budget)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the configuration; exit status 2 with the error on stderr when it is invalid."""
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"paged-cache config: {exc}", file=sys.stderr)
+        return 2
+    described = _describe(config)
+    if args.json:
+        print(json.dumps(described, indent=2))
+        return 0
+    width = max(map(len, described))
+    for name, entry in described.items():
+        value = entry["value"]
+        if "human" in entry:
+            value = f"{value} ({entry['human']})"
+        if "effective_human" in entry:
+            value = f"{value} (now {entry['effective_human']})"
+        print(f"{name:<{width}}  {value}  [{entry['source']}]")
+    return 0

@@ -1,0 +1,55 @@
+"""The one shared set of CacheConfig flags for every `paged-cache` subcommand (and engines).
+
+`add_config_arguments(parser)` adds ``--config FILE`` and one flag per CacheConfig field;
+`config_from_args(args)` layers default < TOML (--config) < PAGED_CACHE_* env < flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Mapping
+
+from paged_cache.config import (COMPRESSIONS, QUEUE_FULL_POLICIES, WRITE_POLICIES, CacheConfig)
+
+_CHOICES = {"compression": COMPRESSIONS, "write_policy": WRITE_POLICIES,
+            "queue_full_policy": QUEUE_FULL_POLICIES}
+_METAVARS = {"block_size": "TOKENS", "hot_cache_max_bytes": "SIZE", "ssd_dir": "DIR",
+             "ssd_max_bytes": "SIZE|auto", "write_queue_max_bytes": "SIZE"}
+
+
+def flag_of(name: str) -> str:
+    """The command-line flag of a CacheConfig field: block_size -> --block-size."""
+    return "--" + name.replace("_", "-")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add --config FILE and a flag per CacheConfig field (all default to "not given")."""
+    group = parser.add_argument_group("cache configuration",
+                                      "precedence: default < --config TOML < PAGED_CACHE_* env < flags")
+    group.add_argument("--config", dest="config_file", metavar="FILE", default=None,
+                       help="TOML file with a [paged_cache] table (or settings at top level)")
+    for name in CacheConfig.field_names():
+        help_text = CacheConfig.field_help(name)
+        if name == "hot_cache_only":
+            group.add_argument(flag_of(name), dest=name, default=None,
+                               action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            group.add_argument(flag_of(name), dest=name, default=None, help=help_text,
+                               choices=_CHOICES.get(name), metavar=_METAVARS.get(name))
+
+
+def config_from_args(args: argparse.Namespace,
+                     environ: Mapping[str, str] | None = None) -> CacheConfig:
+    """The effective CacheConfig of parsed args; ``config.sources`` says where each value came from.
+
+    Raises ValueError (naming the field and the accepted form) on any invalid value.
+    """
+    flags = {name: getattr(args, name) for name in CacheConfig.field_names()
+             if getattr(args, name, None) is not None}
+    config = CacheConfig.layered(toml_path=getattr(args, "config_file", None),
+                                 environ=os.environ if environ is None else environ,
+                                 overrides=flags, override_source="flag")
+    for name in flags:
+        config.sources[name] = f"flag:{flag_of(name)}"
+    return config

@@ -1,0 +1,337 @@
+"""CacheConfig: the storage settings, their defaults, size parsing, and the env / TOML sources.
+
+Values come from (lowest to highest precedence) built-in defaults, a TOML file, ``PAGED_CACHE_*``
+environment variables and command-line flags; `CacheConfig.layered` merges them and records where
+each effective value came from (shown by ``paged-cache config``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from decimal import Decimal
+from typing import Any, Mapping
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+log = logging.getLogger("paged_cache.config")
+
+ENV_PREFIX = "PAGED_CACHE_"
+TOML_TABLE = "paged_cache"
+
+COMPRESSIONS = ("none", "lz4")
+WRITE_POLICIES = ("write-through", "write-back")
+QUEUE_FULL_POLICIES = ("skip", "write-on-caller")
+
+# Decimal units are powers of 1000, binary (…iB) powers of 1024; matched case-insensitively.
+SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+SIZE_FORM = "a non-negative int of bytes or a string like '512MB', '8GB', '1.5GiB' " \
+            "(B, KB/MB/GB/TB = powers of 1000, KiB/MiB/GiB/TiB = powers of 1024)"
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+HOT_RAM_SHARE = 0.25          # default hot budget: a quarter of physical RAM ...
+HOT_DEFAULT_CAP = 8 * 2**30   # ... capped at 8 GiB
+HOT_FALLBACK = 2 * 2**30      # when physical RAM cannot be read
+SSD_AUTO_SHARE = 0.5          # ssd_max_bytes="auto": half of (free space + the cache's own bytes)
+QUEUE_DEFAULT = 256 * 2**20   # write queue: 256 MiB of raw block buffers
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
+class _Unset:
+    """Marker for a field the caller did not give (so the default applies and it is not explicit)."""
+
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+UNSET: Any = _Unset()
+
+
+def parse_size(value: Any, name: str) -> int:
+    """Bytes from an int or a size string ('512MB', '1.5GiB'); ValueError names `name`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"{name}: expected {SIZE_FORM}, got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0 or value != value or value == float("inf"):
+            raise ValueError(f"{name}: expected {SIZE_FORM}, got {value!r}")
+        if isinstance(value, float) and not value.is_integer():
+            raise ValueError(f"{name}: expected a whole number of bytes, got {value!r}")
+        return int(value)
+    match = _SIZE_RE.match(value)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in SIZE_UNITS:
+        raise ValueError(f"{name}: expected {SIZE_FORM}, got {value!r}")
+    return int(Decimal(match.group(1)) * SIZE_UNITS[unit])
+
+
+def format_size(nbytes: int) -> str:
+    """Human-readable binary size, e.g. 1610612736 -> '1.5 GiB'."""
+    size = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{int(size)} B" if unit == "B" else f"{size:.4g} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def parse_bool(value: Any, name: str) -> bool:
+    """A bool from a bool or one of 1/0, true/false, yes/no, on/off (any case)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in TRUE_WORDS + FALSE_WORDS:
+        return value.strip().lower() in TRUE_WORDS
+    raise ValueError(f"{name}: expected a bool (true/false, 1/0, yes/no, on/off), got {value!r}")
+
+
+def physical_memory_bytes() -> int | None:
+    """Installed RAM from sysconf, or None where it cannot be read."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def default_hot_cache_max_bytes() -> int:
+    """A quarter of physical RAM, at most 8 GiB (2 GiB when RAM is unknown)."""
+    ram = physical_memory_bytes()
+    return HOT_FALLBACK if not ram else min(int(ram * HOT_RAM_SHARE), HOT_DEFAULT_CAP)
+
+
+def default_ssd_dir() -> Path:
+    """$XDG_CACHE_HOME/paged-cache, else ~/.cache/paged-cache."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "paged-cache"
+
+
+def filesystem_space(path: Path) -> tuple[int, int]:
+    """(total, free) bytes of the filesystem that holds `path` (or would: its nearest existing
+    ancestor, so nothing is created)."""
+    probe = path.absolute()
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    usage = shutil.disk_usage(probe)
+    return usage.total, usage.free
+
+
+def _choice(value: Any, name: str, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value.strip().lower() not in choices:
+        raise ValueError(f"{name}: expected one of {', '.join(choices)}, got {value!r}")
+    return value.strip().lower()
+
+
+def _block_size(value: Any, name: str) -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}: expected a positive int (tokens per block), got {value!r}")
+    return value
+
+
+def _path(value: Any, name: str) -> Path:
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{name}: expected a directory path, got {value!r}")
+    return Path(os.path.expanduser(value))
+
+
+def _size_or_auto(value: Any, name: str) -> int | str:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    return parse_size(value, name)
+
+
+# name -> (parser(value, name) -> normalized, help text). Order = display order.
+_FIELD_SPECS: dict[str, tuple[Any, str]] = {
+    "block_size": (_block_size, "tokens per block (positive int; default 256)"),
+    "hot_cache_max_bytes": (parse_size,
+                            "RAM budget of the hot tier (size; default 1/4 of RAM, at most 8 GiB)"),
+    "ssd_dir": (_path, "directory of the SSD tier (default ($XDG_CACHE_HOME or ~/.cache)/paged-cache)"),
+    "ssd_max_bytes": (_size_or_auto,
+                      "SSD budget (size or 'auto' = half of free space plus the cache's own bytes)"),
+    "hot_cache_only": (parse_bool, "keep blocks in RAM only: no directory, no files, no writer thread"),
+    "compression": (lambda v, n: _choice(v, n, COMPRESSIONS), "block file compression: none | lz4"),
+    "write_policy": (lambda v, n: _choice(v, n, WRITE_POLICIES),
+                     "write-through (queue every put for SSD; default) | write-back (on eviction/close)"),
+    "write_queue_max_bytes": (parse_size, "byte bound of the SSD write queue (default 256 MiB)"),
+    "queue_full_policy": (lambda v, n: _choice(v, n, QUEUE_FULL_POLICIES),
+                          "when the write queue is full: skip (drop the write, count it; default) | "
+                          "write-on-caller (write synchronously)"),
+}
+
+_DEFAULTS: dict[str, Any] = {
+    "block_size": 256,
+    "hot_cache_max_bytes": default_hot_cache_max_bytes,
+    "ssd_dir": default_ssd_dir,
+    "ssd_max_bytes": "auto",
+    "hot_cache_only": False,
+    "compression": "none",
+    "write_policy": "write-through",
+    "write_queue_max_bytes": QUEUE_DEFAULT,
+    "queue_full_policy": "skip",
+}
+
+# Settings that only mean something with an SSD tier: giving one explicitly with hot_cache_only
+# is a contradiction (the value that would be a no-op is allowed).
+_SSD_ONLY_NOOP: dict[str, Any] = {"ssd_dir": UNSET, "ssd_max_bytes": 0, "compression": "none"}
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Storage settings of a PagedSSDCacheManager; normalized and validated on construction.
+
+    Omitted fields take their defaults (see docs/configuration.md). Sizes accept ints or strings
+    such as "512MB" / "1.5GiB"; ``ssd_max_bytes`` also accepts "auto".
+    """
+
+    block_size: int = UNSET
+    hot_cache_max_bytes: int = UNSET
+    ssd_dir: Path = UNSET
+    ssd_max_bytes: int | str = UNSET
+    hot_cache_only: bool = UNSET
+    compression: str = UNSET
+    write_policy: str = UNSET
+    write_queue_max_bytes: int = UNSET
+    queue_full_policy: str = UNSET
+    explicit: frozenset = field(init=False, repr=False, compare=False)
+    sources: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        explicit = set()
+        for name, (parse, _) in _FIELD_SPECS.items():
+            value = getattr(self, name)
+            if value is UNSET:
+                default = _DEFAULTS[name]
+                value = default() if callable(default) else default
+            else:
+                explicit.add(name)
+            object.__setattr__(self, name, parse(value, name))
+        object.__setattr__(self, "explicit", frozenset(explicit))
+        object.__setattr__(self, "sources", {n: "constructor" if n in explicit else "default"
+                                             for n in _FIELD_SPECS})
+        self._check_consistency()
+
+    def _check_consistency(self) -> None:
+        if self.hot_cache_only:
+            for name, noop in _SSD_ONLY_NOOP.items():
+                value = getattr(self, name)
+                if name in self.explicit and value != noop:
+                    shown = str(value) if isinstance(value, Path) else value
+                    raise ValueError(
+                        f"{name}: {shown!r} contradicts hot_cache_only=True (nothing "
+                        f"is written to SSD); drop {name} or set hot_cache_only=False")
+        elif self.ssd_max_bytes == 0:
+            raise ValueError("ssd_max_bytes: 0 leaves no SSD space; give a size or 'auto', "
+                             "or set hot_cache_only=True")
+
+    # ----------------------------------------------------------------------------- sources
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """The configurable fields, in display order."""
+        return tuple(_FIELD_SPECS)
+
+    @classmethod
+    def field_help(cls, name: str) -> str:
+        """One-line description of a field (used by the CLI and docs)."""
+        return _FIELD_SPECS[name][1]
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "CacheConfig":
+        """Defaults overlaid with PAGED_CACHE_<FIELD> variables (unknown PAGED_CACHE_* keys raise)."""
+        return cls.layered(environ=os.environ if environ is None else environ)
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike) -> "CacheConfig":
+        """Defaults overlaid with a TOML file's [paged_cache] table (or its top level)."""
+        return cls.layered(toml_path=path)
+
+    @classmethod
+    def layered(cls, *, toml_path: str | os.PathLike | None = None,
+                environ: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None,
+                override_source: str = "constructor") -> "CacheConfig":
+        """Merge default < TOML < env < overrides, and record each value's source in ``sources``."""
+        values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
+        layers = []
+        if toml_path is not None:
+            layers.append(read_toml(toml_path))
+        if environ is not None:
+            layers.append(read_env(environ))
+        if overrides:
+            unknown = sorted(set(overrides) - set(_FIELD_SPECS))
+            if unknown:
+                raise ValueError(f"{unknown[0]}: unknown setting; expected one of "
+                                 f"{', '.join(_FIELD_SPECS)}")
+            layers.append({k: (v, override_source) for k, v in overrides.items()})
+        for layer in layers:
+            for name, (value, source) in layer.items():
+                values[name], sources[name] = value, source
+        config = cls(**values)
+        object.__setattr__(config, "sources",
+                           {n: sources.get(n, "default") for n in _FIELD_SPECS})
+        return config
+
+    # ----------------------------------------------------------------------------- views
+
+    def to_dict(self) -> dict[str, Any]:
+        """Field values as JSON-friendly types (paths as strings)."""
+        return {n: str(v) if isinstance(v, Path) else v
+                for n in _FIELD_SPECS for v in [getattr(self, n)]}
+
+    def ssd_budget_bytes(self, cache_bytes: int = 0) -> int:
+        """The SSD budget in bytes: explicit sizes are capped at the filesystem's size; "auto" is
+        SSD_AUTO_SHARE of (free space + `cache_bytes`, the bytes the cache already holds there)."""
+        total, free = filesystem_space(self.ssd_dir)
+        if self.ssd_max_bytes == "auto":
+            return int(SSD_AUTO_SHARE * min(free + cache_bytes, total))
+        if self.ssd_max_bytes > total:
+            log.warning("ssd_max_bytes %s exceeds the filesystem size %s; capping it",
+                        format_size(self.ssd_max_bytes), format_size(total))
+            return total
+        return self.ssd_max_bytes
+
+
+def read_env(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    """PAGED_CACHE_<FIELD> variables as {field: (raw string, "env:NAME")}; unknown ones raise."""
+    out = {}
+    for key, value in environ.items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        name = key[len(ENV_PREFIX):].lower()
+        if name not in _FIELD_SPECS:
+            raise ValueError(f"{key}: unknown setting; expected one of "
+                             f"{', '.join(ENV_PREFIX + n.upper() for n in _FIELD_SPECS)}")
+        out[name] = (value, f"env:{key}")
+    return out
+
+
+def read_toml(path: str | os.PathLike) -> dict[str, tuple[Any, str]]:
+    """Settings of a TOML file: its [paged_cache] table if present, else its top level."""
+    path = Path(path)
+    try:
+        with path.open("rb") as fh:
+            doc = tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"config file: cannot read TOML from {path}: {exc}") from exc
+    table = doc.get(TOML_TABLE) if isinstance(doc.get(TOML_TABLE), dict) else doc
+    where = f"{path}[{TOML_TABLE}]" if table is not doc else str(path)
+    unknown = sorted(set(table) - set(_FIELD_SPECS))
+    if unknown:
+        raise ValueError(f"{unknown[0]}: unknown setting in {where}; expected one of "
+                         f"{', '.join(_FIELD_SPECS)}")
+    return {name: (value, f"toml:{path}") for name, value in table.items()}

@@ -1,0 +1,242 @@
+"""PagedSSDCacheManager: the block store (hot RAM tier + optional SSD tier) behind the prefix cache.
+
+Reads look in the hot tier, then the SSD writer's queue, then the SSD files (checksum verified) and
+promote what they find into the hot tier. Writes never wait on disk: with write-through every put
+is queued for the SSD writer; with write-back a block is queued when it leaves the hot tier.
+With ``hot_cache_only`` there is no SSD tier at all: no directory, no files, no thread, no queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Literal
+
+import mlx.core as mx
+
+from paged_cache.block import Block, check_key
+from paged_cache.config import CacheConfig, filesystem_space
+from paged_cache.tiers.format import RawTensors, check_meta, raw_tensors
+from paged_cache.tiers.hot import HotTier
+
+log = logging.getLogger("paged_cache.manager")
+
+Tier = Literal["hot", "pending", "ssd"]
+
+
+class PagedSSDCacheManager:
+    """Tiered store of Blocks: `put`, `get` (take=), `tier_of`, `contains`, `discard`, `flush`,
+    `close`, `stats`. Thread-safe; a context manager whose exit closes (and so flushes) it."""
+
+    def __init__(self, config: CacheConfig | None = None) -> None:
+        if config is not None and not isinstance(config, CacheConfig):
+            raise TypeError(f"config: expected a CacheConfig or None, got {type(config).__name__}")
+        self.config = config if config is not None else CacheConfig()
+        self._lock = threading.RLock()
+        self._closed = False
+        self._discards = 0  # bumped by discard(): an SSD read that raced one is not promoted
+        self.counters = dict(puts=0, puts_existing=0, puts_dropped=0, gets=0, misses=0,
+                             promotions=0, takes=0, discards=0, spills=0, evicted_dropped=0,
+                             evicted_dropped_bytes=0)
+        self._hits = dict(hot=0, pending=0, ssd=0)
+        self._ssd = None if self.config.hot_cache_only else self._open_ssd()
+        self._hot = HotTier(self.config.hot_cache_max_bytes, on_evict=self._on_evict)
+        log.debug("opened: %s", self.config)
+
+    def _open_ssd(self) -> Any:
+        from paged_cache.tiers.ssd import SSDTier
+
+        cfg = self.config
+        auto = cfg.ssd_max_bytes == "auto"
+        # "auto" counts the cache's own files as free space, so it is sized after opening (with
+        # the filesystem size as the opening budget, nothing is evicted at startup for it).
+        opening = filesystem_space(cfg.ssd_dir)[0] if auto else cfg.ssd_budget_bytes()
+        ssd = SSDTier(cfg.ssd_dir, max_bytes=max(opening, 1), compression=cfg.compression,
+                      queue_max_bytes=cfg.write_queue_max_bytes,
+                      queue_full_policy=cfg.queue_full_policy)
+        if auto:
+            ssd.max_bytes = max(cfg.ssd_budget_bytes(cache_bytes=ssd.stats()["bytes"] or 0), 1)
+        log.info("SSD tier at %s: budget %d bytes", cfg.ssd_dir, ssd.max_bytes)
+        return ssd
+
+    # ------------------------------------------------------------------------------ writes
+
+    def put(self, block: Block) -> bool:
+        """Store `block`; True when it is now held as new, False when the key was already held
+        (or, without an SSD tier, when the block is larger than the whole hot budget)."""
+        raw = self._validated(block)
+        with self._lock:
+            self._check_open()
+            if block.key in self._hot:
+                self._hot.get(block.key)
+                self.counters["puts_existing"] += 1
+                return False
+            if self._ssd is not None and self._ssd.contains(block.key):
+                self._ssd.touch(block.key)
+                self.counters["puts_existing"] += 1
+                return False
+            self.counters["puts"] += 1
+            persisted = (self._ssd is not None and self.config.write_policy == "write-through"
+                         and self._persist(block, raw))
+            if self._hot.insert(block, persisted=persisted):
+                return True
+            if self._ssd is not None and (persisted or self._persist(block, raw)):
+                return True
+            self.counters["puts_dropped"] += 1
+            log.debug("block %s (%d bytes) dropped: larger than the hot budget, no SSD copy",
+                      block.key[:12], block.nbytes)
+            return False
+
+    @staticmethod
+    def _validated(block: Block) -> RawTensors:
+        """Check the block (key, arrays, storable dtypes, meta) and return its raw buffers."""
+        if not isinstance(block, Block):
+            raise TypeError(f"block: expected a paged_cache.Block, got {type(block).__name__}")
+        Block(block.key, block.arrays, block.meta)  # re-runs Block's own validation
+        check_meta(block.meta)
+        mx.eval(*block.arrays.values())
+        return raw_tensors(block)
+
+    def _persist(self, block: Block, raw: RawTensors | None = None) -> bool:
+        """Hand the block to the SSD writer (never waits on disk under the "skip" policy)."""
+        return self._ssd.enqueue(block.key, raw if raw is not None else raw_tensors(block),
+                                 dict(block.meta))
+
+    def _on_evict(self, block: Block, persisted: bool) -> None:
+        """Hot-tier eviction: spill an unpersisted block to SSD, or drop it (counted)."""
+        if persisted:
+            return
+        if self._ssd is not None and self._persist(block):
+            self.counters["spills"] += 1
+            return
+        self.counters["evicted_dropped"] += 1
+        self.counters["evicted_dropped_bytes"] += block.nbytes
+
+    # ------------------------------------------------------------------------------ reads
+
+    def get(self, key: str, *, take: bool = False) -> Block | None:
+        """The block for `key` from the fastest tier holding it, or None.
+
+        take=True hands the arrays over: the block leaves the hot tier (spilled to SSD first if it
+        had no SSD copy yet) and is not promoted. Callers must not mutate the arrays they get.
+        """
+        check_key(key)
+        with self._lock:
+            self._check_open()
+            self.counters["gets"] += 1
+            block = self._get_hot(key, take)
+            if block is not None:
+                self._hits["hot"] += 1
+                return block
+            discards = self._discards
+        if self._ssd is None:
+            return self._miss()
+        tier: Tier = "pending"
+        block = self._ssd.read_pending(key)
+        if block is None:
+            tier, block = "ssd", self._ssd.read(key)
+        if block is None:
+            return self._miss()
+        with self._lock:
+            self._hits[tier] += 1
+            if take:
+                self.counters["takes"] += 1
+            elif discards == self._discards and not self._closed:
+                if self._hot.insert(block, persisted=True):
+                    self.counters["promotions"] += 1
+        return block
+
+    def _get_hot(self, key: str, take: bool) -> Block | None:
+        if not take:
+            return self._hot.get(key)
+        taken = self._hot.take(key)
+        if taken is None:
+            return None
+        block, persisted = taken
+        self.counters["takes"] += 1
+        if not persisted and self._ssd is not None and self._persist(block):
+            self.counters["spills"] += 1
+        return block
+
+    def _miss(self) -> None:
+        with self._lock:
+            self.counters["misses"] += 1
+        return None
+
+    def tier_of(self, key: str) -> Tier | None:
+        """Where `key` is held now ("hot", "pending" write, "ssd"), or None; no payload I/O."""
+        check_key(key)
+        with self._lock:
+            self._check_open()
+            if key in self._hot:
+                return "hot"
+            if self._ssd is None:
+                return None
+            if self._ssd.has_pending(key):
+                return "pending"
+            return "ssd" if self._ssd.contains(key) else None
+
+    def contains(self, key: str) -> bool:
+        """True when some tier holds `key`."""
+        return self.tier_of(key) is not None
+
+    def discard(self, key: str) -> None:
+        """Drop `key` from every tier (a pending write is cancelled)."""
+        check_key(key)
+        with self._lock:
+            self._check_open()
+            self._discards += 1
+            held = self._hot.discard(key)
+            if self._ssd is not None and self._ssd.contains(key):
+                self._ssd.discard(key)
+                held = True
+            if held:
+                self.counters["discards"] += 1
+
+    # ------------------------------------------------------------------------------ lifecycle
+
+    def flush(self) -> None:
+        """Give every hot block without an SSD copy to the writer, then wait until all are written."""
+        with self._lock:
+            if self._closed or self._ssd is None:
+                return
+            self._ssd.flush()
+            for block in self._hot.unpersisted():
+                if self._ssd.write_sync(block.key, raw_tensors(block), dict(block.meta)):
+                    self._hot.mark_persisted(block.key)
+
+    def close(self) -> None:
+        """Flush, stop the writer, release the hot tier's arrays; idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self.flush()
+            if self._ssd is not None:
+                self._ssd.close()
+            self._hot.clear()
+            self._closed = True
+            log.debug("closed")
+
+    def __enter__(self) -> "PagedSSDCacheManager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("PagedSSDCacheManager is closed")
+
+    # ------------------------------------------------------------------------------ stats
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and gauges: totals, "hits" by tier, the "hot" tier's and (with SSD) the "ssd"
+        tier's own stats (see docs/storage.md for every key)."""
+        with self._lock:
+            out: dict[str, Any] = dict(self.counters)
+            out["hits"] = dict(self._hits, total=sum(self._hits.values()))
+            out["hot_cache_only"] = self.config.hot_cache_only
+            out["hot"] = self._hot.stats()
+            if self._ssd is not None:
+                out["ssd"] = self._ssd.stats()
+            return out

@@ -1,0 +1,186 @@
+"""Hot tier: a byte-budgeted LRU of Blocks that keeps their live mx.arrays (no bytes round trip).
+
+The budget is a hard bound: room is made by evicting least-recently-used blocks *before* a block
+is inserted, and a block larger than the whole budget is refused. Evicted blocks go to a callback
+(the manager spills them to SSD or drops them); after large evictions MLX's buffer cache is
+cleared so the freed memory really returns to the system.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import mlx.core as mx
+
+from paged_cache.block import Block
+
+log = logging.getLogger("paged_cache.tiers.hot")
+
+# Clear MLX's buffer cache once evicted bytes reach a quarter of the budget, within these bounds.
+CLEAR_CACHE_MIN_BYTES = 1 * 2**20
+CLEAR_CACHE_MAX_BYTES = 64 * 2**20
+
+
+@dataclass
+class _Entry:
+    block: Block
+    nbytes: int
+    persisted: bool   # True when an SSD copy exists or is queued: evicting it loses nothing
+
+
+EvictCallback = Callable[[Block, bool], None]   # (block, persisted)
+
+
+class HotTier:
+    """LRU of Blocks bounded by ``max_bytes``; thread-safe. ``mx.clear_cache()`` runs whenever
+    ``clear_cache_bytes`` (default: a quarter of the budget, 1-64 MiB) have been evicted."""
+
+    def __init__(self, max_bytes: int, on_evict: EvictCallback | None = None, *,
+                 clear_cache_bytes: int | None = None) -> None:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"max_bytes: expected a non-negative int, got {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self._on_evict = on_evict
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.RLock()
+        self._unreleased = 0   # evicted bytes since the last mx.clear_cache()
+        self._clear_threshold = clear_cache_bytes if clear_cache_bytes is not None else \
+            min(max(max_bytes // 4, CLEAR_CACHE_MIN_BYTES), CLEAR_CACHE_MAX_BYTES)
+        self.counters = dict(hits=0, misses=0, inserts=0, evictions=0, evicted_bytes=0,
+                             rejected=0, takes=0, discards=0, cache_clears=0,
+                             evict_errors=0)
+
+    # ------------------------------------------------------------------------------ writes
+
+    def insert(self, block: Block, *, persisted: bool) -> bool:
+        """Insert (or refresh) `block` as most recently used, evicting LRU blocks first.
+
+        Returns False, counted as ``rejected``, when the block is larger than the whole budget.
+        """
+        nbytes = block.nbytes
+        evicted: list[_Entry] = []
+        with self._lock:
+            old = self._entries.pop(block.key, None)
+            if old is not None:
+                self._bytes -= old.nbytes
+            if nbytes > self.max_bytes:
+                self.counters["rejected"] += 1
+                return False
+            while self._bytes + nbytes > self.max_bytes:   # no local may keep an evicted entry
+                evicted.append(self._entries.popitem(last=False)[1])
+                self._bytes -= evicted[-1].nbytes
+            self._evicted(evicted)
+            self._entries[block.key] = _Entry(block, nbytes, persisted)
+            self._bytes += nbytes
+            self.counters["inserts"] += 1
+        return True
+
+    def mark_persisted(self, key: str) -> None:
+        """Record that `key` now has an SSD copy (evicting it needs no write)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                entry.persisted = True
+
+    def unpersisted(self) -> list[Block]:
+        """Blocks held without an SSD copy, least recently used first (for flush / write-back)."""
+        with self._lock:
+            return [e.block for e in self._entries.values() if not e.persisted]
+
+    def _evicted(self, entries: list[_Entry]) -> None:
+        """Hand evicted entries to the callback, then release MLX's cache after large evictions."""
+        if not entries:
+            return
+        freed = sum(e.nbytes for e in entries)
+        self.counters["evictions"] += len(entries)
+        self.counters["evicted_bytes"] += freed
+        while entries:
+            entry = entries.pop(0)
+            if self._on_evict is not None:
+                try:
+                    self._on_evict(entry.block, entry.persisted)
+                except Exception:  # one failed spill must not break the insert that evicted it
+                    self.counters["evict_errors"] += 1
+                    log.exception("eviction callback failed for block %s", entry.block.key[:12])
+            del entry
+        self._unreleased += freed
+        if self._unreleased >= self._clear_threshold:
+            self.release_memory()
+
+    def release_memory(self) -> None:
+        """Return MLX's cached (freed but kept) buffers to the system."""
+        with self._lock:
+            self._unreleased = 0
+            self.counters["cache_clears"] += 1
+        mx.clear_cache()
+
+    # ------------------------------------------------------------------------------ reads
+
+    def get(self, key: str) -> Block | None:
+        """The block (now most recently used), or None; counts a hit or a miss."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self.counters["misses"] += 1
+                return None
+            self._entries.move_to_end(key)
+            self.counters["hits"] += 1
+            return entry.block
+
+    def take(self, key: str) -> tuple[Block, bool] | None:
+        """Remove and return ``(block, persisted)``: the caller takes the arrays over (a hit, and
+        counted in ``takes``); None (not counted as a miss) when absent."""
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is None:
+                return None
+            self._bytes -= entry.nbytes
+            self.counters["hits"] += 1
+            self.counters["takes"] += 1
+            return entry.block, entry.persisted
+
+    def discard(self, key: str) -> bool:
+        """Drop `key` without calling the eviction callback; True if it was held."""
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is None:
+                return False
+            self._bytes -= entry.nbytes
+            self.counters["discards"] += 1
+            return True
+
+    def clear(self) -> None:
+        """Drop every block (no callback) and release MLX's buffer cache."""
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+        self.release_memory()
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes currently held (never above ``max_bytes``)."""
+        return self._bytes
+
+    def keys(self) -> list[str]:
+        """Held keys, least recently used first."""
+        with self._lock:
+            return list(self._entries)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters plus the gauges ``bytes``, ``blocks``, ``max_bytes``."""
+        with self._lock:
+            return dict(self.counters, bytes=self._bytes, blocks=len(self._entries),
+                        max_bytes=self.max_bytes)

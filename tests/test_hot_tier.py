@@ -1,0 +1,187 @@
+"""HotTier: byte-budgeted LRU of live mx.arrays; evict-before-insert; memory really returns."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import threading
+from collections import OrderedDict
+
+import mlx.core as mx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from paged_cache.block import Block
+from paged_cache.tiers.hot import HotTier
+
+
+def key_of(i: int) -> str:
+    return hashlib.sha256(str(i).encode()).hexdigest()
+
+
+def make_block(i: int, nbytes: int, dtype=mx.float32) -> Block:
+    """A block of `nbytes` payload (a multiple of the dtype size) with values derived from i."""
+    n = nbytes // dtype.size
+    array = (mx.arange(n, dtype=mx.float32) + i).astype(dtype)
+    mx.eval(array)
+    return Block(key_of(i), {"k": array}, {"i": str(i)})
+
+
+def test_lru_order_and_eviction_callback_sees_lru_first():
+    evicted: list[tuple[str, bool]] = []
+    hot = HotTier(4000, on_evict=lambda b, persisted: evicted.append((b.key, persisted)))
+    blocks = [make_block(i, 1000) for i in range(5)]
+    for b in blocks[:4]:
+        assert hot.insert(b, persisted=(b.meta["i"] == "1"))
+    assert hot.nbytes == 4000 and len(hot) == 4
+    assert hot.get(blocks[0].key) is blocks[0]            # 0 becomes most recent
+    assert hot.insert(blocks[4], persisted=False)
+    assert evicted == [(blocks[1].key, True)]             # 1 was least recently used
+    assert hot.keys() == [blocks[i].key for i in (2, 3, 0, 4)]
+    assert hot.get(key_of(99)) is None
+    stats = hot.stats()
+    assert (stats["hits"], stats["misses"], stats["evictions"], stats["bytes"], stats["blocks"]) == \
+        (1, 1, 1, 4000, 4)
+
+
+def test_budget_is_made_before_insert_never_exceeded():
+    hot: HotTier
+
+    def check(block: Block, persisted: bool) -> None:
+        # Called while room is being made: the incoming block is not in yet, the evicted one is out.
+        assert incoming.key not in hot and block.key not in hot
+        assert hot.nbytes + incoming.nbytes <= hot.max_bytes
+        calls.append(block.key)
+
+    calls: list[str] = []
+
+    hot = HotTier(10_000, on_evict=check)
+    for i, size in enumerate([3000, 3000, 3000, 6000, 1000, 9000, 10_000, 500]):
+        incoming = make_block(i, size)
+        assert hot.insert(incoming, persisted=False)
+        assert hot.nbytes <= hot.max_bytes
+        assert hot.nbytes == sum(hot.get(k).nbytes for k in hot.keys())
+    assert len(calls) >= 5
+
+
+def test_oversized_block_is_refused_and_counted_without_evicting():
+    hot = HotTier(5000)
+    small = make_block(0, 4000)
+    assert hot.insert(small, persisted=False)
+    assert not hot.insert(make_block(1, 5004), persisted=False)
+    assert hot.keys() == [small.key] and hot.stats()["rejected"] == 1
+
+
+def test_take_discard_and_persisted_flags():
+    hot = HotTier(10_000)
+    a, b = make_block(0, 1000), make_block(1, 1000)
+    hot.insert(a, persisted=False)
+    hot.insert(b, persisted=True)
+    assert hot.unpersisted() == [a]
+    hot.mark_persisted(a.key)
+    assert hot.unpersisted() == []
+    assert hot.take(a.key) == (a, True)
+    assert a.key not in hot and hot.nbytes == 1000 and hot.take(a.key) is None
+    assert hot.discard(b.key) and not hot.discard(b.key)
+    assert hot.nbytes == 0 and len(hot) == 0
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "1GB", True])
+def test_bad_budget(bad):
+    with pytest.raises(ValueError, match="max_bytes"):
+        HotTier(bad)
+
+
+@settings(max_examples=60, deadline=None)
+@given(budget=st.integers(0, 20), ops=st.lists(
+    st.tuples(st.sampled_from(["insert", "get", "take", "discard"]), st.integers(0, 7),
+              st.integers(1, 12)), max_size=40))
+def test_matches_an_lru_model(budget, ops):
+    """Every operation sequence leaves exactly the blocks a plain LRU model predicts (sizes in KiB)."""
+    unit = 256
+    hot = HotTier(budget * unit)
+    model: OrderedDict[str, int] = OrderedDict()
+    for op, i, size in ops:
+        key = key_of(i)
+        if op == "insert":
+            model.pop(key, None)
+            if size * unit <= budget * unit:
+                while sum(model.values()) + size * unit > budget * unit:
+                    model.popitem(last=False)
+                model[key] = size * unit
+            hot.insert(make_block(i, size * unit), persisted=False)
+        elif op == "get":
+            assert (hot.get(key) is not None) == (key in model)
+            if key in model:
+                model.move_to_end(key)
+        elif op == "take":
+            assert (hot.take(key) is not None) == (model.pop(key, None) is not None)
+        else:
+            assert hot.discard(key) == (model.pop(key, None) is not None)
+        assert hot.keys() == list(model)
+        assert hot.nbytes == sum(model.values()) <= budget * unit
+
+
+def test_threads_share_the_tier_safely():
+    blocks = [make_block(i, 512) for i in range(64)]
+    hot = HotTier(512 * 16)
+    errors: list[BaseException] = []
+
+    def worker(offset: int) -> None:
+        try:
+            for round_ in range(200):
+                b = blocks[(offset * 7 + round_) % len(blocks)]
+                hot.insert(b, persisted=True)
+                got = hot.get(blocks[(round_ * 3) % len(blocks)].key)
+                assert got is None or got.nbytes == 512
+                assert hot.nbytes <= hot.max_bytes
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert hot.nbytes == 512 * len(hot) <= hot.max_bytes
+
+
+def test_memory_stays_within_budget_while_streaming_blocks_through():
+    """40 fresh 4 MiB blocks through a 32 MiB tier: active memory stays within budget + 1 block
+    (the incoming one), peak within budget + 2, and nothing is left after clear()."""
+    block_bytes, budget = 4 * 2**20, 32 * 2**20
+    gc.collect()
+    mx.clear_cache()
+    base_active = mx.get_active_memory()
+    mx.reset_peak_memory()
+    hot = HotTier(budget)
+    for i in range(40):
+        hot.insert(make_block(i, block_bytes), persisted=True)   # the test keeps no reference
+        assert mx.get_active_memory() - base_active <= budget + block_bytes
+    assert mx.get_peak_memory() - base_active <= budget + 2 * block_bytes
+    hot.clear()
+    gc.collect()
+    assert mx.get_active_memory() - base_active <= 0
+    assert mx.get_cache_memory() == 0
+
+
+@pytest.mark.parametrize("clears", [True, False])
+def test_large_eviction_returns_memory_to_the_system(clears):
+    """One 30 MiB block evicting eight ~4 MiB blocks: the freed buffers leave MLX's cache at once
+    (the control with clearing disabled shows they would otherwise stay cached)."""
+    budget = 32 * 2**20
+    gc.collect()
+    mx.clear_cache()
+    hot = HotTier(budget, clear_cache_bytes=None if clears else 2**62)
+    for i in range(8):
+        hot.insert(make_block(i, 4 * 2**20 - i * 4096), persisted=True)
+    cached_before = mx.get_cache_memory()
+    hot.insert(make_block(100, 30 * 2**20), persisted=True)
+    assert len(hot) == 1
+    if clears:
+        assert mx.get_cache_memory() == 0 and hot.stats()["cache_clears"] >= 1
+    else:
+        assert mx.get_cache_memory() - cached_before >= 28 * 2**20
+    hot.clear()
