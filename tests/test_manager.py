@@ -514,9 +514,6 @@ class SSDMachine(ManagerMachine):
     def discard(self, i: int) -> None:
         self.manager.discard(key_of(i))
         self.held.discard(i)
-        # SSDTier.discard cancels a write already in flight without waiting for it: its file is
-        # visible until the writer removes it. flush() waits for that (reported to ssd.py's owner).
-        self.manager.flush()
 
     @rule()
     def reopen(self) -> None:

@@ -78,6 +78,7 @@ class SSDTier:
         self._cond = threading.Condition()
         self._queue: deque[_Item] = deque()
         self._pending: dict[str, _Item] = {}
+        self._writing: _Item | None = None     # the item the writer thread is encoding now
         self._queue_bytes = 0
         self._closed = False
         self._failing = False
@@ -158,12 +159,15 @@ class SSDTier:
         return key in self._pending or self._file_compression(key) is not None
 
     def discard(self, key: str) -> None:
-        """Drop the block: a queued write is cancelled, the file then its manifest row are removed."""
+        """Drop the block: a queued write is cancelled (an in-progress one is waited for), then the
+        file and its manifest row are removed, so ``contains`` is False once this returns."""
         check_key(key)
         with self._cond:
             item = self._pending.pop(key, None)
             if item is not None:
                 item.cancelled = True
+                while self._writing is item:
+                    self._cond.wait()
         self._forget(key)
 
     def touch(self, key: str) -> None:
@@ -270,12 +274,14 @@ class SSDTier:
                     item = None
                 else:
                     item = self._queue[0]
+                    self._writing = item
             if item is None:
                 self._flush_deferred()
                 continue
             if not item.cancelled:
                 self._write(item)
             with self._cond:
+                self._writing = None
                 self._queue.popleft()
                 if self._pending.get(item.key) is item:
                     del self._pending[item.key]
