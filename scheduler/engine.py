@@ -1,0 +1,346 @@
+"""Scheduler: request queue, block-aligned chunked prefill, decode loop, stores and snapshots.
+
+One ``step()`` admits queued requests, runs one prefill chunk of the oldest prefilling request
+and one decode step of every decoding request. All MLX work happens on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, deque
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from paged_cache.caches import cache_layout, make_bounded_cache
+from scheduler.chunks import next_chunk_end
+from scheduler.decode import BatchDecoder, SequentialDecoder, is_batchable
+from scheduler.request import GenerationResult, Request, Sampler, State
+from scheduler.snapshots import SnapshotStore, release
+
+logger = logging.getLogger("paged_cache.scheduler")
+
+DEFAULT_BLOCK_SIZE = 256
+DEFAULT_SNAPSHOT_MAX_BYTES = 256 * 2**20
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return value
+
+
+def _token_list(name: str, tokens: Any) -> list[int]:
+    if isinstance(tokens, mx.array):
+        tokens = tokens.tolist()
+    try:
+        values = list(tokens)
+    except TypeError:
+        raise ValueError(f"{name}: expected a sequence of token ids, got {type(tokens).__name__}")
+    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in values):
+        raise ValueError(f"{name}: expected non-negative int token ids")
+    return values
+
+
+class Scheduler:
+    """Drives generation for many requests over one model, reusing and filling a prefix cache.
+
+    Options: ``block_size`` (only without a prefix cache; else the cache's), ``prefill_chunk_size``
+    (a multiple of the block size; default the multiple nearest 512), ``max_kv_size`` / ``keep`` /
+    ``preallocate`` (bounded rotating windows, see ``make_bounded_cache``), ``snapshot_max_bytes``
+    (per-request snapshot bound), ``max_batch`` (requests in flight), ``caching`` (fetch/store on
+    or off) and ``batch_decode`` (None: batch through BatchGenerator when the layout allows).
+    """
+
+    def __init__(self, model: nn.Module, prefix_cache: Any = None, *,
+                 block_size: Optional[int] = None, prefill_chunk_size: Optional[int] = None,
+                 max_kv_size: Optional[int] = None, keep: int = 4, preallocate: bool = True,
+                 snapshot_max_bytes: int = DEFAULT_SNAPSHOT_MAX_BYTES, max_batch: int = 8,
+                 caching: bool = True, batch_decode: Optional[bool] = None) -> None:
+        self.model = model
+        self.prefix_cache = prefix_cache
+        self.block_size = self._pick_block_size(prefix_cache, block_size)
+        if prefill_chunk_size is None:
+            prefill_chunk_size = max(1, round(512 / self.block_size)) * self.block_size
+        _positive_int("prefill_chunk_size", prefill_chunk_size)
+        if prefill_chunk_size % self.block_size:
+            raise ValueError(f"prefill_chunk_size: expected a multiple of block_size="
+                             f"{self.block_size}, got {prefill_chunk_size}")
+        self.prefill_chunk_size = prefill_chunk_size
+        self.max_batch = _positive_int("max_batch", max_batch)
+        SnapshotStore(snapshot_max_bytes)  # validates the bound once, here
+        self.snapshot_max_bytes = snapshot_max_bytes
+        self.caching = bool(caching) and prefix_cache is not None
+        self._make_cache = self._cache_factory(max_kv_size, keep, preallocate)
+        self._needs_snapshots = self.caching and bool(prefix_cache.needs_snapshots)
+
+        batchable = is_batchable(self._make_cache())
+        if batch_decode and not batchable:
+            raise ValueError("batch_decode: this cache layout cannot be batched (a layer has no "
+                             "merge, or a rotating window keeps attention-sink rows)")
+        self.batch_decode = batchable if batch_decode is None else bool(batch_decode)
+        self._decoder: BatchDecoder | SequentialDecoder = (
+            BatchDecoder(model, self.max_batch) if self.batch_decode else SequentialDecoder(model))
+
+        self._next_id = 0
+        self._queue: deque[Request] = deque()
+        self._prefilling: deque[Request] = deque()
+        self._live: dict[int, Request] = {}
+        self._counts: Counter[str] = Counter()
+
+    # -- construction helpers -------------------------------------------------------------
+
+    @staticmethod
+    def _pick_block_size(prefix_cache: Any, block_size: Optional[int]) -> int:
+        if prefix_cache is None:
+            return _positive_int("block_size", DEFAULT_BLOCK_SIZE if block_size is None else block_size)
+        if block_size is not None and block_size != prefix_cache.block_size:
+            raise ValueError(f"block_size: {block_size} differs from the prefix cache's "
+                             f"{prefix_cache.block_size}; leave it unset")
+        return prefix_cache.block_size
+
+    def _cache_factory(self, max_kv_size: Optional[int], keep: int,
+                       preallocate: bool) -> Callable[[], list[Any]]:
+        if max_kv_size is None:
+            if self.prefix_cache is not None:
+                return self.prefix_cache.make_cache
+            return lambda: make_prompt_cache(self.model)
+        make_bounded_cache(self.model, max_kv_size, keep, preallocate)  # validates the options
+
+        def factory() -> list[Any]:
+            return make_bounded_cache(self.model, max_kv_size, keep, preallocate)
+
+        if self.prefix_cache is not None:
+            ours, theirs = cache_layout(factory()), cache_layout(self.prefix_cache.make_cache())
+            if ours != theirs:
+                raise ValueError(
+                    "max_kv_size: the prefix cache rebuilds a different layout "
+                    f"({theirs}) than the scheduler's ({ours}); build BlockAwarePrefixCache with "
+                    "make_cache=lambda: make_bounded_cache(model, max_kv_size, keep)")
+        return factory
+
+    # -- public API -----------------------------------------------------------------------
+
+    def submit(self, prompt_tokens: Sequence[int] | mx.array, max_tokens: int = 256,
+               sampler: Optional[Sampler] = None,
+               stop_tokens: Optional[Iterable[int]] = None) -> Request:
+        """Queue a request and return its handle; ``step()`` (or ``run()``) makes progress."""
+        prompt = _token_list("prompt_tokens", prompt_tokens)
+        if not prompt:
+            raise ValueError("prompt_tokens: expected at least one token")
+        _positive_int("max_tokens", max_tokens)
+        if sampler is not None and not callable(sampler):
+            raise ValueError(f"sampler: expected a callable, got {type(sampler).__name__}")
+        stops = frozenset(_token_list("stop_tokens", stop_tokens or ()))
+        req = Request(id=self._next_id, prompt=prompt, max_tokens=max_tokens, sampler=sampler,
+                      stop_tokens=stops, snapshots=SnapshotStore(self.snapshot_max_bytes, self.block_size))
+        self._next_id += 1
+        self._queue.append(req)
+        self._live[req.id] = req
+        self._counts["requests_submitted"] += 1
+        self._counts["prompt_tokens"] += len(prompt)
+        return req
+
+    def generate(self, prompt_tokens: Sequence[int] | mx.array, max_tokens: int = 256,
+                 sampler: Optional[Sampler] = None,
+                 stop_tokens: Optional[Iterable[int]] = None) -> GenerationResult:
+        """Run one request to the end (other requests in flight progress too); greedy by default.
+
+        Raises the request's error if it failed.
+        """
+        req = self.submit(prompt_tokens, max_tokens, sampler, stop_tokens)
+        while not req.done:
+            self.step()
+        if req.error is not None:
+            raise req.error
+        return req.result()
+
+    def stream(self, prompt_tokens: Sequence[int] | mx.array, max_tokens: int = 256,
+               sampler: Optional[Sampler] = None,
+               stop_tokens: Optional[Iterable[int]] = None) -> Iterator[int]:
+        """Yield the request's tokens as they are produced; closing the generator cancels it."""
+        req = self.submit(prompt_tokens, max_tokens, sampler, stop_tokens)
+        sent = 0
+        try:
+            while True:
+                while sent < len(req.tokens):
+                    sent += 1
+                    yield req.tokens[sent - 1]
+                if req.done:
+                    break
+                self.step()
+        finally:
+            if not req.done:
+                self._finish(req, "cancelled")
+        if req.error is not None:
+            raise req.error
+
+    def cancel(self, req: Request) -> None:
+        """Cancel ``req``: it ends (``finish_reason='cancelled'``) at the next step."""
+        req.cancel()
+
+    def run(self) -> None:
+        """Step until no request is queued or in flight."""
+        while self._live:
+            self.step()
+
+    def step(self) -> list[tuple[Request, int]]:
+        """Admit, run one prefill chunk and one decode step; returns the tokens produced."""
+        for req in [r for r in self._live.values() if r.cancel_requested]:
+            self._finish(req, "cancelled")
+        while self._queue and len(self._prefilling) + len(self._decoder) < self.max_batch:
+            req = self._queue.popleft()
+            req.state = State.PREFILL
+            self._prefilling.append(req)
+        if self._prefilling:
+            req = self._prefilling[0]
+            try:
+                self._prefill_chunk(req)
+            except Exception as exc:
+                self._fail(req, exc)
+        return self._decode_step()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, and snapshots held right now (0 once every request has ended)."""
+        live = list(self._live.values())
+        out: dict[str, Any] = {
+            "requests_submitted": 0, "requests_finished": 0, "prompt_tokens": 0,
+            "cached_tokens": 0, "generated_tokens": 0, "stores": 0, "stored_tokens": 0,
+            "store_errors": 0, "snapshots_captured": 0,
+        }
+        out.update(self._counts)
+        out.update(
+            queued=len(self._queue), prefilling=len(self._prefilling),
+            decoding=len(self._decoder), batch_decode=self.batch_decode,
+            snapshots=sum(len(r.snapshots) for r in live),
+            snapshot_bytes=sum(r.snapshots.nbytes for r in live),
+            snapshots_dropped=self._counts["snapshots_dropped"]
+            + sum(r.snapshots.dropped for r in live),
+        )
+        return out
+
+    # -- prefill --------------------------------------------------------------------------
+
+    def _start(self, req: Request) -> None:
+        cache, n = None, 0
+        if self.caching:
+            cache, n = self.prefix_cache.fetch(req.prompt)
+            if cache is not None and n > 0:
+                req.cache_tier = getattr(self.prefix_cache.last_fetch, "tier", None)
+            else:
+                cache, n = None, 0
+        req.cache = cache if cache is not None else self._make_cache()
+        req.covered = req.cached_tokens = req.last_capture = n
+        self._counts["cached_tokens"] += n
+
+    def _prefill_chunk(self, req: Request) -> None:
+        if req.cache is None:
+            self._start(req)
+        stop = len(req.prompt) - 1  # the last prompt token is fed by the first decode step
+        if req.covered < stop:
+            end = next_chunk_end(req.covered, stop, self.block_size, self.prefill_chunk_size)
+            self.model(mx.array(req.prompt[req.covered:end])[None], cache=req.cache)
+            mx.eval([c.state for c in req.cache])
+            req.covered = end
+            if end % self.block_size == 0:
+                self._capture(req, req.cache)
+            mx.clear_cache()
+        if req.covered == stop:
+            self._store(req, req.cache)  # now, so a concurrent request can already hit
+            self._prefilling.popleft()
+            req.state = State.DECODE
+            self._decoder.add(req)
+
+    def _capture(self, req: Request, cache: list[Any]) -> None:
+        if not self._needs_snapshots:
+            return
+        snapshot = self.prefix_cache.capture_boundary(cache, req.last_capture)
+        req.last_capture = req.covered
+        if snapshot is not None:
+            req.snapshots.add(snapshot)
+            self._counts["snapshots_captured"] += 1
+
+    def _store(self, req: Request, cache: list[Any]) -> None:
+        """Store the cache's blocks with the request's snapshots, then free the snapshots."""
+        if not self.caching:
+            return
+        snapshots = req.snapshots.take()
+        try:
+            stored = self.prefix_cache.store(req.cache_tokens, cache, snapshots=snapshots)
+        except Exception:
+            self._counts["store_errors"] += 1
+            logger.exception("store failed for request %d; generation continues", req.id)
+            return
+        finally:
+            release(snapshots.values())
+        req.stored_tokens = max(req.stored_tokens, int(stored or 0))
+        self._counts["stores"] += 1
+        self._counts["stored_tokens"] += int(stored or 0)
+
+    # -- decode ---------------------------------------------------------------------------
+
+    def _decode_step(self) -> list[tuple[Request, int]]:
+        if not len(self._decoder):
+            return []
+        try:
+            results = self._decoder.step()
+        except Exception as exc:  # the batch is lost as a whole
+            for req in self._decoder.reset():
+                self._fail(req, exc)
+            return []
+        events = []
+        for req, token in results:
+            if isinstance(token, BaseException):
+                self._fail(req, token)
+                continue
+            try:
+                self._on_token(req, token)
+            except Exception as exc:
+                self._fail(req, exc)
+                continue
+            events.append((req, token))
+        return events
+
+    def _on_token(self, req: Request, token: int) -> None:
+        if req.first_token_at is None:
+            req.first_token_at = time.perf_counter()
+        req.tokens.append(token)
+        self._counts["generated_tokens"] += 1
+        if req.covered % self.block_size == 0 and req.covered > req.last_capture:
+            self._capture(req, self._decoder.cache_of(req))
+        reason = ("stop" if token in req.stop_tokens
+                  else "length" if len(req.tokens) >= req.max_tokens else None)
+        if reason is not None:
+            self._decoder.remove(req)
+            self._store(req, req.cache)  # prompt + generated tokens
+            self._finish(req, reason)
+
+    # -- endings --------------------------------------------------------------------------
+
+    def _fail(self, req: Request, exc: BaseException) -> None:
+        logger.warning("request %d failed: %r", req.id, exc)
+        req.error = exc
+        self._finish(req, "error")
+
+    def _finish(self, req: Request, reason: str) -> None:
+        """End ``req`` from any state: free its snapshots and cache, record the result."""
+        if req.done:
+            return
+        if req.state is State.QUEUED:
+            self._queue.remove(req)
+        elif req.state is State.PREFILL:
+            self._prefilling.remove(req)
+        elif req.state is State.DECODE:
+            self._decoder.remove(req, keep_cache=False)
+        self._counts["snapshots_dropped"] += req.snapshots.dropped
+        req.snapshots.clear()
+        req.cache = None
+        req.state = State.DONE
+        req.finish_reason = reason
+        req.finished_at = time.perf_counter()
+        self._live.pop(req.id, None)
+        self._counts["requests_finished"] += 1
+        self._counts[f"finished_{reason}"] += 1
