@@ -1,0 +1,61 @@
+"""ArraysCache (recurrent state: qwen3_next, mamba, baichuan_m1's conv tail): no token axis.
+
+The only exact way back to position P is a state taken at P: a block carries the state at its
+end boundary when the Scheduler captured one there (or the live cache sits exactly at that end),
+and records per block whether it does (``has_state``). A rebuild at ``n`` needs a block ending at
+``n`` with a state; the arrays are shared, not copied (the model replaces, never mutates, them).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from mlx_lm.models.cache import ArraysCache
+
+from paged_cache.handlers.base import Arrays, Captured, LayerHandler, Part, Span, owned
+
+
+class ArraysHandler(LayerHandler):
+    """State snapshots per block boundary; never a partial or guessed state."""
+
+    kind = "arrays"
+    cache_types = (ArraysCache,)
+    needs_snapshots = True
+
+    def layout(self, layer: Any) -> dict:
+        return {"class": type(layer).__name__,
+                "entries": [None if a is None else [list(a.shape[1:]), str(a.dtype)]
+                            for a in layer.cache]}
+
+    def _copy(self, layer: Any) -> Arrays:
+        return {f"s{i}": owned(a) for i, a in enumerate(layer.cache) if a is not None}
+
+    def capture(self, layer: Any, since: int, boundary: int) -> Captured | None:
+        if layer.cache[0] is None:
+            return None
+        return self._copy(layer), {"at": boundary}
+
+    def cut(self, layer: Any, spans: Sequence[tuple[int, int]], captures: dict[int, Captured],
+            live_at: int) -> list[tuple[Arrays, dict]]:
+        out = []
+        for _, end in spans:
+            if end in captures:
+                state = dict(captures[end][0])
+            elif end == live_at and layer.cache[0] is not None:
+                state = self._copy(layer)
+            else:
+                state = {}
+            desc = {"has_state": bool(state), "size": len(layer.cache)}
+            out.append((state, desc))
+        return out
+
+    def plan(self, layer: Any, spans: Sequence[Span], n: int) -> list[int] | None:
+        for i, span in enumerate(spans):
+            if span.end == n and span.desc.get("has_state"):
+                return [i]
+        return None
+
+    def rebuild(self, layer: Any, parts: Sequence[Part], n: int, capacity: int) -> Any:
+        part = next(p for p in parts if p.end == n and p.desc.get("has_state"))
+        layer.cache = [part.arrays.pop(f"s{i}", None) for i in range(part.desc["size"])]
+        return layer

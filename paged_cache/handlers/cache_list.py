@@ -1,0 +1,82 @@
+"""CacheList (baichuan_m1, falcon_h1, ...): every member is cut and rebuilt by its own handler.
+
+A block stores each member's own slice under ``m<j>.``; never the cumulative state per block.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from mlx_lm.models.cache import CacheList
+
+from paged_cache.handlers.base import Arrays, Captured, LayerHandler, Part, Span
+
+
+def split_prefixed(arrays: Arrays, prefix: str, *, pop: bool = False) -> Arrays:
+    """The entries of ``arrays`` named ``prefix + name``, renamed to ``name`` (popped if asked)."""
+    names = [k for k in arrays if k.startswith(prefix)]
+    get = arrays.pop if pop else arrays.get
+    return {k[len(prefix):]: get(k) for k in names}
+
+
+class CacheListHandler(LayerHandler):
+    """Delegates to one handler per member."""
+
+    kind = "cache_list"
+    cache_types = (CacheList,)
+
+    @staticmethod
+    def members(layer: Any) -> list[tuple[Any, LayerHandler]]:
+        from paged_cache.handlers import require_handler
+        return [(member, require_handler(member)) for member in layer.caches]
+
+    def layout(self, layer: Any) -> dict:
+        return {"class": type(layer).__name__,
+                "members": [h.layout(m) for m, h in self.members(layer)]}
+
+    def offset(self, layer: Any) -> int | None:
+        offsets = [h.offset(m) for m, h in self.members(layer)]
+        known = [o for o in offsets if o is not None]
+        return known[0] if known else None
+
+    def capture(self, layer: Any, since: int, boundary: int) -> Captured | None:
+        arrays: Arrays = {}
+        infos = []
+        from paged_cache.handlers import layer_needs_snapshots
+        for j, (member, handler) in enumerate(self.members(layer)):
+            got = handler.capture(member, since, boundary) if layer_needs_snapshots(member) else None
+            infos.append(None if got is None else got[1])
+            if got is not None:
+                arrays.update({f"m{j}.{k}": v for k, v in got[0].items()})
+        return (arrays, {"members": infos}) if any(i is not None for i in infos) else None
+
+    def cut(self, layer: Any, spans: Sequence[tuple[int, int]], captures: dict[int, Captured],
+            live_at: int) -> list[tuple[Arrays, dict]]:
+        out: list[tuple[Arrays, dict]] = [({}, {"members": []}) for _ in spans]
+        for j, (member, handler) in enumerate(self.members(layer)):
+            mine = {b: (split_prefixed(arrays, f"m{j}."), info["members"][j])
+                    for b, (arrays, info) in captures.items() if info["members"][j] is not None}
+            for (arrays, desc), (m_arrays, m_desc) in zip(out, handler.cut(member, spans, mine, live_at)):
+                arrays.update({f"m{j}.{k}": v for k, v in m_arrays.items()})
+                desc["members"].append(m_desc)
+        return out
+
+    def plan(self, layer: Any, spans: Sequence[Span], n: int) -> list[int] | None:
+        needed: set[int] = set()
+        for j, (member, handler) in enumerate(self.members(layer)):
+            idx = handler.plan(member, [Span(s.start, s.end, s.desc["members"][j]) for s in spans], n)
+            if idx is None:
+                return None
+            needed.update(idx)
+        return sorted(needed)
+
+    def rebuild(self, layer: Any, parts: Sequence[Part], n: int, capacity: int) -> Any:
+        spans = [Span(p.start, p.end, p.desc) for p in parts]
+        rebuilt = []
+        for j, (member, handler) in enumerate(self.members(layer)):
+            idx = handler.plan(member, [Span(s.start, s.end, s.desc["members"][j]) for s in spans], n)
+            sub = [Part(parts[i].start, parts[i].end, parts[i].desc["members"][j],
+                        split_prefixed(parts[i].arrays, f"m{j}.", pop=True)) for i in idx]
+            rebuilt.append(handler.rebuild(member, sub, n, capacity))
+        layer.caches = tuple(rebuilt)
+        return layer

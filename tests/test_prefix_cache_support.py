@@ -1,0 +1,94 @@
+"""Helpers shared by the prefix-cache tests (no tests here): the Scheduler's part, played by hand.
+
+Prefill runs in block-aligned chunks and captures a boundary snapshot after each chunk, as the
+Scheduler does; exactness compares a warm run (fetch + continue) with a cold run of the same
+chunking, logits max abs diff 0.0, for the rest of the prompt and 8 greedy decode steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import mlx.core as mx
+
+from paged_cache.config import CacheConfig
+from paged_cache.manager import PagedSSDCacheManager
+from paged_cache.prefix_cache import BlockAwarePrefixCache
+
+DECODE_STEPS = 8
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    """Deterministic token ids in [0, 256)."""
+    return [(i * 37 + seed * 101 + 5) % 256 for i in range(n)]
+
+
+def prefill(model: Any, cache: list, tokens: list[int], start: int, block: int,
+            prefix: BlockAwarePrefixCache | None = None, snapshots: dict | None = None) -> mx.array:
+    """Feed tokens[start:] in chunks ending on block boundaries; capture after each boundary."""
+    outs, s = [], start
+    while s < len(tokens):
+        e = min((s // block + 1) * block, len(tokens))
+        outs.append(model(mx.array([tokens[s:e]]), cache=cache))
+        if prefix is not None and e % block == 0:
+            snap = prefix.capture_boundary(cache, s, boundary=e)
+            if snap is not None:
+                snapshots[e] = snap
+        s = e
+    mx.eval(outs)
+    return mx.concatenate(outs, axis=1)
+
+
+def store_prompt(model: Any, prefix: BlockAwarePrefixCache, tokens: list[int],
+                 decode: int = 0) -> list[int]:
+    """Prefill (+ ``decode`` 1-token steps), store, free the snapshots; return the tokens stored."""
+    cache, snaps = prefix.make_cache(), {}
+    logits = prefill(model, cache, tokens, 0, prefix.block_size, prefix, snaps)
+    tokens = list(tokens)
+    for _ in range(decode):
+        tok = mx.argmax(logits[:, -1:], axis=-1)
+        tokens.append(tok.item())
+        logits = model(tok, cache=cache)
+    # the last decoded token's KV is in the cache: store exactly what the cache covers
+    prefix.store(tokens, cache, snapshots=snaps)
+    for snap in snaps.values():
+        snap.release()
+    return tokens
+
+
+def assert_exact(model: Any, prefix: BlockAwarePrefixCache, query: list[int],
+                 make_cache: Callable[[], list] | None = None, decoded_from: int | None = None) -> int:
+    """Fetch for ``query``, continue warm and cold (same chunking), assert 0.0 diff; return n.
+
+    ``decoded_from``: the stored cache fed tokens from there on one at a time (decode), so the
+    cold run does the same for its first ``n`` tokens.
+    """
+    block = prefix.block_size
+    cache, n = prefix.fetch(query)
+    assert n <= len(query) - 1
+    cold = (make_cache or prefix.make_cache)()
+    if n:
+        assert cache is not None and len(cache) == len(cold)
+        split = n if decoded_from is None else min(n, decoded_from)
+        prefill(model, cold, query[:split], 0, block)
+        for tok in query[split:n]:
+            model(mx.array([[tok]]), cache=cold)
+    else:
+        assert cache is None
+        cache = (make_cache or prefix.make_cache)()
+    ref = prefill(model, cold, query, n, block)
+    got = prefill(model, cache, query, n, block)
+    diff = mx.abs(ref.astype(mx.float32) - got.astype(mx.float32)).max().item()
+    assert diff == 0.0, f"prefill logits differ by {diff} (n={n})"
+    for step in range(DECODE_STEPS):
+        tok = mx.argmax(ref[:, -1:], axis=-1)
+        ref, got = model(tok, cache=cold), model(tok, cache=cache)
+        diff = mx.abs(ref.astype(mx.float32) - got.astype(mx.float32)).max().item()
+        assert diff == 0.0, f"decode step {step} logits differ by {diff} (n={n})"
+    return n
+
+
+def hot_prefix(model: Any, block: int, **kwargs: Any) -> BlockAwarePrefixCache:
+    """A prefix cache over a hot-only manager."""
+    manager = PagedSSDCacheManager(CacheConfig(hot_cache_only=True, block_size=block))
+    return BlockAwarePrefixCache(manager, model, **kwargs)
