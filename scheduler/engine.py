@@ -257,7 +257,8 @@ class Scheduler:
     def _capture(self, req: Request, cache: list[Any]) -> None:
         if not self._needs_snapshots:
             return
-        snapshot = self.prefix_cache.capture_boundary(cache, req.last_capture)
+        snapshot = self.prefix_cache.capture_boundary(cache, req.last_capture,
+                                                       boundary=req.covered)
         req.last_capture = req.covered
         if snapshot is not None:
             req.snapshots.add(snapshot)

@@ -17,7 +17,7 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def models():
-    return {arch: tiny_model(arch) for arch in ("llama", "gemma3_text", "qwen3_next", "baichuan_m1")}
+    return {arch: tiny_model(arch) for arch in ("llama", "gemma3_text", "qwen3_next", "baichuan_m1", "mamba")}
 
 
 def _manager(tmp_path=None, hot="64MB"):
@@ -28,7 +28,7 @@ def _manager(tmp_path=None, hot="64MB"):
                                             ssd_dir=tmp_path / "ssd", ssd_max_bytes="256MB"))
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3_next", "baichuan_m1"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3_next", "baichuan_m1", "mamba"])
 @pytest.mark.parametrize("batch", [False, None])
 def test_multi_turn_hits_and_equals_cold(models, arch, batch):
     model = models[arch]
