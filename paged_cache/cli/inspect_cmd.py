@@ -1,0 +1,302 @@
+"""Read-only views of a cache directory: `inspect`, `ls`, `show`, `chains`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import asdict
+from typing import Any
+
+from paged_cache.cli import render
+from paged_cache.cli.options import config_from_args
+from paged_cache.tiers import format as fmt
+from paged_cache.tiers.inventory import CacheDir, check_file, is_key, read_header
+from paged_cache.tiers.maintenance import quarantine_files
+from paged_cache.tiers.manifest import COMPLETE, Row
+from paged_cache.tiers.summary import (ModelSummary, layer_counts, model_of, model_summaries,
+                                       prefix_forests, resolve_model)
+
+SORTS = ("age", "size")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add inspect, ls, show and chains."""
+    p = subparsers.add_parser("inspect", help="totals per model of a cache directory",
+                              description="Blocks, tokens, bytes, compression, cache types, access "
+                                          "times and budget use per model fingerprint (SSD tier).")
+    render.add_dir_arguments(p)
+    p.set_defaults(func=render.dir_command("inspect", run_inspect))
+
+    p = subparsers.add_parser("ls", help="one row per stored block")
+    render.add_dir_arguments(p)
+    p.add_argument("--model", metavar="FP", help="only this model fingerprint (or a unique prefix)")
+    p.add_argument("--sort", choices=SORTS, default="age",
+                   help="age: least recently used first (default); size: largest first")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="show at most N blocks")
+    p.set_defaults(func=render.dir_command("ls", run_ls))
+
+    p = subparsers.add_parser("show", help="one block: metadata, layers, tensors, checksum state")
+    p.add_argument("where", nargs="+", metavar="[DIR] KEY",
+                   help=f"KEY: a block key or a unique prefix of one; DIR: {render.DIR_HELP}")
+    render.add_dir_arguments(p, positional=False)
+    p.set_defaults(func=_show_entry)
+
+    p = subparsers.add_parser("chains", help="prefix trees: shared blocks, longest chains")
+    render.add_dir_arguments(p)
+    p.add_argument("--limit", type=int, default=5, metavar="N",
+                   help="blocks / chains listed per model in the tables (default 5)")
+    p.set_defaults(func=render.dir_command("chains", run_chains))
+
+
+# ---- inspect ---------------------------------------------------------------------------------
+def run_inspect(args: argparse.Namespace, cache: CacheDir) -> int:
+    rows = cache.rows()
+    models = model_summaries(rows.values())
+    total_bytes = sum(r.file_bytes for r in rows.values())
+    budget = _budget(args, cache, total_bytes)
+    quarantined = quarantine_files(cache)
+    totals = {
+        "models": len(models),
+        "blocks": sum(m.blocks for m in models),
+        "reserved": sum(m.reserved for m in models),
+        "tokens": sum(m.tokens for m in models),
+        "file_bytes": sum(m.file_bytes for m in models),
+        "raw_bytes": sum(m.raw_bytes for m in models),
+        "manifest_bytes": total_bytes,
+    }
+    totals["compression_ratio"] = (totals["raw_bytes"] / totals["file_bytes"]
+                                   if totals["file_bytes"] else None)
+    data = {
+        "dir": str(cache.path),
+        "hot_tier": render.HOT_TIER_NOTE,
+        "totals": totals,
+        "budget": budget,
+        "quarantine": {"files": len(quarantined), "bytes": sum(q.size for q in quarantined)},
+        "models": [_model_json(m) for m in models],
+    }
+    if args.json:
+        render.print_json(data)
+        return render.EXIT_OK
+    out = render.console()
+    out.print(f"[bold]{cache.path}[/]: {totals['blocks']} blocks, {totals['tokens']} tokens, "
+              f"{render.size(totals['file_bytes'])} on disk, {len(models)} model(s)")
+    if budget["max_bytes"]:
+        out.print(f"SSD budget {render.size(budget['max_bytes'])} ({budget['setting']}, from "
+                  f"{budget['source']}): {budget['used_ratio']:.1%} used")
+    out.print(render.table(None, ["model", "blocks", "tokens", "on disk", "raw", "ratio",
+                                  "cache types", "oldest access", "newest access", "writing"],
+                           [[render.short(m.fingerprint), m.blocks, m.tokens, render.size(m.file_bytes),
+                             render.size(m.raw_bytes), _ratio(m.compression_ratio),
+                             _types(m.cache_types), render.ago(m.oldest_access),
+                             render.ago(m.newest_access), m.reserved] for m in models],
+                           right=("blocks", "tokens", "on disk", "raw", "ratio", "writing")))
+    if quarantined:
+        out.print(f"quarantine/: {len(quarantined)} file(s), "
+                  f"{render.size(data['quarantine']['bytes'])} (moved aside by verify --repair)")
+    out.print(f"[dim]{render.HOT_TIER_NOTE}[/]")
+    return render.EXIT_OK
+
+
+def _budget(args: argparse.Namespace, cache: CacheDir, used: int) -> dict[str, Any]:
+    """The SSD budget the effective configuration gives this directory, and its use."""
+    config = config_from_args(args)
+    budget = dataclasses.replace(config, ssd_dir=cache.path, hot_cache_only=False)
+    max_bytes = budget.ssd_budget_bytes(cache_bytes=used)
+    return {"max_bytes": max_bytes, "used_bytes": used,
+            "used_ratio": used / max_bytes if max_bytes else None,
+            "setting": config.ssd_max_bytes, "source": config.sources["ssd_max_bytes"]}
+
+
+def _model_json(m: ModelSummary) -> dict[str, Any]:
+    return dict(m.to_dict(), oldest_access_iso=render.iso(m.oldest_access),
+                newest_access_iso=render.iso(m.newest_access))
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _types(counts: dict[str, int]) -> str:
+    return ", ".join(f"{kind} x{n}" for kind, n in sorted(counts.items())) or "-"
+
+
+# ---- ls --------------------------------------------------------------------------------------
+def run_ls(args: argparse.Namespace, cache: CacheDir) -> int:
+    if args.limit is not None and args.limit < 0:
+        raise ValueError(f"--limit: expected an integer >= 0, got {args.limit}")
+    rows = list(cache.rows().values())
+    if args.model is not None:
+        model = resolve_model(args.model, (model_of(r) for r in rows))
+        rows = [r for r in rows if model_of(r) == model]
+    if args.sort == "size":
+        rows.sort(key=lambda r: (-r.file_bytes, r.key))
+    else:
+        rows.sort(key=lambda r: (r.last_access, r.key))
+    rows = rows[:args.limit] if args.limit is not None else rows
+    if args.json:
+        render.print_json([_row_json(r) for r in rows])
+        return render.EXIT_OK
+    render.console().print(render.table(
+        f"{len(rows)} block(s) in {cache.path}",
+        ["key", "model", "tokens", "on disk", "raw", "compression", "cache types", "last access",
+         "state"],
+        [[render.short(r.key), render.short(r.fingerprint), r.tokens, render.size(r.file_bytes),
+          render.size(r.raw_bytes), r.compression, _types(layer_counts(r)), render.ago(r.last_access),
+          _state(r)] for r in rows],
+        right=("tokens", "on disk", "raw")))
+    return render.EXIT_OK
+
+
+def _state(row: Row) -> str:
+    return "complete" if row.state == COMPLETE else "writing"
+
+
+def _row_json(row: Row) -> dict[str, Any]:
+    out = asdict(row)
+    out.update(state=_state(row), layers=layer_counts(row), created_iso=render.iso(row.created),
+               last_access_iso=render.iso(row.last_access))
+    return out
+
+
+# ---- show ------------------------------------------------------------------------------------
+def _show_entry(args: argparse.Namespace) -> int:
+    if len(args.where) > 2:
+        return render.fail("show", f"expected [DIR] KEY, got {len(args.where)} arguments")
+    args.dir, args.key = (None, *args.where) if len(args.where) == 1 else args.where
+    return render.dir_command("show", run_show)(args)
+
+
+def run_show(args: argparse.Namespace, cache: CacheDir) -> int:
+    rows = cache.rows()
+    key = _resolve_key(args.key, rows, cache)
+    row = rows.get(key)
+    files = cache.files_of(key)
+    data: dict[str, Any] = {
+        "key": key,
+        "manifest": _row_json(row) if row is not None else None,
+        "files": [{"path": str(f.path), "compression": f.compression, "bytes": f.size}
+                  for f in files],
+        "children": sorted(k for k, r in rows.items() if r.parent == key),
+    }
+    data["checksum"], header = _checksum_state(files)
+    data.update(_header_json(header) if header is not None else {"meta": None, "layers": []})
+    if args.json:
+        render.print_json(data)
+        return render.EXIT_OK
+    out = render.console()
+    out.print(f"[bold]block {key}[/]")
+    meta = data["meta"] or {}
+    facts = [
+        ["model", meta.get(fmt.META_FINGERPRINT) or (row and row.fingerprint) or "-"],
+        ["parent", meta.get(fmt.META_PARENT, row.parent if row else None) or "(chain start)"],
+        ["tokens", f"{meta.get('start', '?')} + {meta.get(fmt.META_TOKENS, row.tokens if row else '?')}"],
+        ["children", len(data["children"])],
+        ["files", ", ".join(f"{f['path']} ({render.size(f['bytes'])})" for f in data["files"]) or "none"],
+        ["manifest", "no row" if row is None else
+         f"{_state(row)}, {row.compression}, last access {render.ago(row.last_access)}"],
+        ["checksum", data["checksum"]["state"] + (f": {data['checksum']['reason']}"
+                                                  if data["checksum"]["reason"] else "")],
+    ]
+    out.print(render.table(None, ["", ""], facts, header=False))
+    for layer in data["layers"]:
+        out.print(render.table(
+            f"layer {layer['index']}: {json.dumps(layer['descriptor'])}",
+            ["tensor", "dtype", "shape", "bytes"],
+            [[t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "()", render.size(t["bytes"])]
+             for t in layer["tensors"]], right=("bytes",)))
+    return render.EXIT_OK
+
+
+def _resolve_key(prefix: str, rows: dict[str, Row], cache: CacheDir) -> str:
+    prefix = prefix.lower()
+    if is_key(prefix):
+        return prefix
+    if not prefix or any(c not in "0123456789abcdef" for c in prefix):
+        raise ValueError(f"KEY: expected a block key or a prefix of one (hex), got {prefix!r}")
+    keys = {k for k in rows if k.startswith(prefix)}
+    keys |= {k for k in cache.scan().files if k.startswith(prefix)}
+    if len(keys) != 1:
+        what = "matches no block" if not keys else f"matches {len(keys)} blocks; give more characters"
+        raise ValueError(f"KEY: {prefix!r} {what} in {cache.path}")
+    return keys.pop()
+
+
+def _checksum_state(files: list) -> tuple[dict[str, Any], fmt.Header | None]:
+    if not files:
+        return {"state": "no file", "reason": None}, None
+    try:
+        return {"state": "ok", "reason": None}, check_file(files[0])
+    except (OSError, ValueError) as exc:
+        try:
+            header = read_header(files[0])
+        except (OSError, ValueError):
+            header = None
+        return {"state": "damaged", "reason": str(exc)}, header
+
+
+def _header_json(header: fmt.Header) -> dict[str, Any]:
+    meta = {k: v for k, v in header.meta.items() if k not in fmt.RESERVED_META}
+    try:
+        descriptors = json.loads(meta.get(fmt.META_LAYERS, "[]"))
+    except ValueError:
+        descriptors = []
+    tensors: dict[int, list[dict[str, Any]]] = {}
+    for name, dtype, shape, begin, end in header.tensors:
+        index = name[1:].split(".", 1)[0] if name.startswith("l") else ""
+        layer = int(index) if index.isdigit() else -1
+        tensors.setdefault(layer, []).append({"name": name, "dtype": dtype.name,
+                                              "shape": list(shape), "bytes": end - begin})
+    count = max(len(descriptors), max(tensors, default=-1) + 1)
+    layers = [{"index": i, "descriptor": descriptors[i] if i < len(descriptors) else None,
+               "tensors": tensors.get(i, [])} for i in range(count)]
+    if -1 in tensors:
+        layers.append({"index": None, "descriptor": None, "tensors": tensors[-1]})
+    return {"meta": meta, "format_version": header.meta.get(fmt.META_VERSION),
+            "data_checksum": header.meta.get(fmt.META_CHECKSUM), "layers": layers}
+
+
+# ---- chains ----------------------------------------------------------------------------------
+def run_chains(args: argparse.Namespace, cache: CacheDir) -> int:
+    if args.limit < 0:
+        raise ValueError(f"--limit: expected an integer >= 0, got {args.limit}")
+    forests = prefix_forests(cache.rows().values())
+    data = []
+    for f in forests:
+        attached = [t for t in f.trees if not t.detached]
+        data.append({
+            "fingerprint": f.fingerprint,
+            "trees": len(attached),
+            "detached_trees": len(f.trees) - len(attached),
+            "blocks": len(f.nodes),
+            "detached_blocks": sum(t.blocks for t in f.trees if t.detached),
+            "conversations": sum(t.conversations for t in f.trees),
+            "shared_blocks": sum(t.shared_blocks for t in f.trees),
+            "max_depth": max((t.depth for t in f.trees), default=0),
+            "max_tokens": max((t.tokens for t in attached), default=0),
+            "tree_list": [asdict(t) for t in f.trees],
+            "most_shared": [asdict(n) for n in f.shared(args.limit)],
+            "longest": [asdict(n) for n in f.longest(args.limit)],
+        })
+    if args.json:
+        render.print_json(data)
+        return render.EXIT_OK
+    out = render.console()
+    if not data:
+        out.print(f"{cache.path}: no stored blocks")
+    for d in data:
+        out.print(f"[bold]model {render.short(d['fingerprint'])}[/]: {d['trees']} tree(s), "
+                  f"{d['blocks']} blocks, {d['conversations']} stored sequence(s), "
+                  f"{d['shared_blocks']} shared block(s), longest {d['max_tokens']} tokens")
+        if d["detached_trees"]:
+            out.print(f"  {d['detached_blocks']} block(s) in {d['detached_trees']} detached tree(s): "
+                      "their parent block is not on disk, so a fetch cannot reach them from here")
+        out.print(render.table("most shared blocks", ["block", "depth", "ends at token", "sequences"],
+                               [[render.short(n["key"]), n["depth"], n["end_tokens"],
+                                 n["conversations"]] for n in d["most_shared"]],
+                               right=("depth", "ends at token", "sequences")))
+        out.print(render.table("longest chains", ["last block", "first block", "blocks", "tokens"],
+                               [[render.short(n["key"]), render.short(n["root"]), n["depth"],
+                                 n["end_tokens"]] for n in d["longest"]],
+                               right=("blocks", "tokens")))
+    return render.EXIT_OK

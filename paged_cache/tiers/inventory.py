@@ -1,0 +1,258 @@
+"""Read-only view of a cache directory: manifest rows, the block files present, file checks.
+
+Safe on a directory a live server is writing: block files only appear by atomic rename from
+``tmp/`` and are never modified in place, the manifest is read in one short SQLite read
+transaction (WAL: it never blocks a writer), and nothing here calls MLX or takes a write lock.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import stat
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import xxhash
+
+from paged_cache.block import KEY_HEX_LEN
+from paged_cache.tiers import format as fmt
+from paged_cache.tiers.manifest import SCHEMA_VERSION, ManifestError, Row
+from paged_cache.tiers.ssd import MANIFEST_NAME, STALE_SECONDS, _pid_alive
+
+BLOCKS_DIR, TMP_DIR, QUARANTINE_DIR = "blocks", "tmp", "quarantine"
+_COLUMNS = tuple(f.name for f in fields(Row))
+_SUFFIX_TO_COMPRESSION = {suffix: comp for comp, suffix in fmt.SUFFIXES.items()}
+_HEX = frozenset("0123456789abcdef")
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+LZ4_MAX_RATIO = 255  # an lz4 frame cannot expand more than this (bounds decompression)
+
+
+class NotACacheError(ValueError):
+    """The path is not a paged-cache directory (no manifest / blocks directory)."""
+
+
+@dataclass(frozen=True)
+class BlockFile:
+    """One entry under blocks/<fan>/ named like a block file."""
+
+    key: str
+    compression: str
+    path: Path
+    size: int
+    mtime: float
+    regular: bool
+
+
+@dataclass(frozen=True)
+class OtherFile:
+    """A file that is not a block file: a stray name in blocks/ or a temp file in tmp/."""
+
+    path: Path
+    size: int
+    mtime: float
+    reason: str
+    live: bool = False  # a temp file a living writer may still be writing
+
+
+@dataclass
+class Scan:
+    """What ``CacheDir.scan`` found on disk."""
+
+    files: dict[str, list[BlockFile]] = field(default_factory=dict)  # key -> its file(s)
+    strays: list[OtherFile] = field(default_factory=list)
+    temps: list[OtherFile] = field(default_factory=list)
+
+    @property
+    def block_files(self) -> list[BlockFile]:
+        return [f for group in self.files.values() for f in group]
+
+
+def is_key(text: str) -> bool:
+    """True for a block key (KEY_HEX_LEN lower-case hex characters)."""
+    return len(text) == KEY_HEX_LEN and _HEX.issuperset(text)
+
+
+class CacheDir:
+    """A cache directory opened for reading; raises NotACacheError if ``path`` is not one.
+
+    Nothing is created except what any SQLite WAL reader creates (``manifest.sqlite-wal`` /
+    ``-shm``, mode 0600 like the manifest), and only once the directory is known to be a cache.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise NotACacheError(f"{self.path}: not a directory")
+        manifest = self.path / MANIFEST_NAME
+        try:
+            st = os.stat(manifest, follow_symlinks=False)
+        except FileNotFoundError:
+            raise NotACacheError(f"{self.path}: not a paged-cache directory (no {MANIFEST_NAME})") from None
+        if not stat.S_ISREG(st.st_mode) or not (self.path / BLOCKS_DIR).is_dir():
+            raise NotACacheError(f"{self.path}: not a paged-cache directory ({MANIFEST_NAME} is not "
+                                 f"a regular file or {BLOCKS_DIR}/ is missing)")
+        self.manifest_path = manifest
+        with self._connect():  # validates the schema once
+            pass
+
+    # ---- manifest ------------------------------------------------------------------------
+    def _connect(self) -> "_ReadTxn":
+        return _ReadTxn(self.manifest_path)
+
+    def rows(self) -> dict[str, Row]:
+        """key -> manifest row for every row (reservations included), read in one transaction."""
+        with self._connect() as db:
+            cur = db.execute(f"SELECT {','.join(_COLUMNS)} FROM blocks")
+            return {r[0]: Row(*r) for r in cur}
+
+    def row(self, key: str) -> Row | None:
+        """The manifest row of ``key``, or None."""
+        with self._connect() as db:
+            r = db.execute(f"SELECT {','.join(_COLUMNS)} FROM blocks WHERE key = ?", (key,)).fetchone()
+        return Row(*r) if r else None
+
+    # ---- files ---------------------------------------------------------------------------
+    def block_path(self, key: str, compression: str) -> Path:
+        """Where the file of ``key`` with ``compression`` lives."""
+        return self.path / BLOCKS_DIR / key[:2] / (key + fmt.SUFFIXES[compression])
+
+    def files_of(self, key: str) -> list[BlockFile]:
+        """The block file(s) of ``key`` present now (stat only)."""
+        out = []
+        for comp in fmt.COMPRESSIONS:
+            found = _stat_block(self.block_path(key, comp), key, comp)
+            if found is not None:
+                out.append(found)
+        return out
+
+    def scan(self) -> Scan:
+        """Walk blocks/ and tmp/ (stat only, no payload reads); entries vanishing meanwhile are skipped."""
+        scan = Scan()
+        for fan in _entries(self.path / BLOCKS_DIR):
+            if len(fan.name) != 2 or not _HEX.issuperset(fan.name) or not fan.is_dir(follow_symlinks=False):
+                _add_other(scan.strays, fan, "not a fan-out directory of blocks/")
+                continue
+            for entry in _entries(Path(fan.path)):
+                key, comp = entry.name[:KEY_HEX_LEN], _SUFFIX_TO_COMPRESSION.get(entry.name[KEY_HEX_LEN:])
+                if comp is None or not is_key(key) or not key.startswith(fan.name):
+                    _add_other(scan.strays, entry, "not a block file name")
+                    continue
+                found = _stat_block(Path(entry.path), key, comp)
+                if found is not None:
+                    scan.files.setdefault(key, []).append(found)
+        for entry in _entries(self.path / TMP_DIR):
+            parts = entry.name.split(".")
+            pid = int(parts[1]) if len(parts) == 4 and parts[1].isdigit() else None
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            live = pid is not None and _pid_alive(pid) and time.time() - st.st_mtime <= STALE_SECONDS
+            reason = "being written" if live else "temp file of a dead or stale writer"
+            scan.temps.append(OtherFile(Path(entry.path), st.st_size, st.st_mtime, reason, live))
+        return scan
+
+
+class _ReadTxn:
+    """A read-only connection holding one read transaction for the ``with`` block."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __enter__(self) -> sqlite3.Connection:
+        uri = self.path.absolute().as_uri() + "?mode=ro"
+        try:
+            self.db = sqlite3.connect(uri, uri=True, timeout=10.0, isolation_level=None)
+            self.db.execute("BEGIN")
+            row = self.db.execute("SELECT value FROM info WHERE name = 'schema'").fetchone()
+        except sqlite3.DatabaseError as exc:
+            self._close()
+            raise ManifestError(f"{self.path}: unreadable manifest ({exc}); opening the cache with "
+                                f"the library rebuilds it from the block files") from None
+        if row is None or row[0] != SCHEMA_VERSION:
+            self._close()
+            raise ManifestError(f"{self.path}: manifest schema {row and row[0]!r}, this version "
+                                f"reads {SCHEMA_VERSION!r}")
+        return self.db
+
+    def __exit__(self, *exc: object) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        db = getattr(self, "db", None)
+        if db is not None:
+            try:
+                if db.in_transaction:
+                    db.execute("COMMIT")
+            finally:
+                db.close()
+            self.db = None
+
+
+def _entries(directory: Path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(directory) as it:
+            return sorted(it, key=lambda e: e.name)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _add_other(out: list[OtherFile], entry: os.DirEntry, reason: str) -> None:
+    try:
+        st = entry.stat(follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    out.append(OtherFile(Path(entry.path), st.st_size, st.st_mtime, reason))
+
+
+def _stat_block(path: Path, key: str, comp: str) -> BlockFile | None:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return BlockFile(key, comp, path, st.st_size, st.st_mtime, stat.S_ISREG(st.st_mode))
+
+
+def decoded_limit(file_size: int) -> int:
+    """Most bytes a block file of ``file_size`` may decompress to (same bound the SSD tier uses)."""
+    return LZ4_MAX_RATIO * file_size + (1 << 16)
+
+
+def read_file(f: BlockFile) -> bytes:
+    """The whole block file, opened without following symlinks; BlockFileError if not a regular file."""
+    try:
+        fd = os.open(f.path, _READ_FLAGS)
+    except OSError as exc:
+        raise fmt.BlockFileError(f"cannot open safely: {exc.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise fmt.BlockFileError("not a regular file")
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            return fh.read()
+    finally:
+        os.close(fd)
+
+
+def read_header(f: BlockFile) -> fmt.Header:
+    """The validated header of a block file (format, version, header checksum); payload not read."""
+    data = read_file(f)
+    header, _ = fmt.split_file(data, max_bytes=decoded_limit(len(data)))
+    fmt.verify_header(header, f.key)
+    return header
+
+
+def check_file(f: BlockFile) -> fmt.Header:
+    """Everything a reader checks, without MLX: header, key, suffix, payload checksum.
+
+    Returns the header; raises BlockFileError (a ValueError) naming the damage.
+    """
+    data = read_file(f)
+    if (f.compression == "lz4") != (data[:4] == fmt.LZ4_MAGIC):
+        raise fmt.BlockFileError("file suffix does not match its compression")
+    header, body = fmt.split_file(data, max_bytes=decoded_limit(len(data)))
+    fmt.verify_header(header, f.key)
+    if xxhash.xxh3_128_hexdigest(body) != header.meta.get(fmt.META_CHECKSUM):
+        raise fmt.BlockFileError("payload checksum mismatch")
+    return header

@@ -1,0 +1,382 @@
+"""`paged-cache inspect / ls / show / chains / stats` on real cache directories written by the library."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import http.server
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
+from paged_cache.block import Block
+from paged_cache.cli.main import main
+from paged_cache.cli.stats_endpoint import stats_response
+from paged_cache.hashing import ROOT_PARENT
+from paged_cache.stats import render_prometheus
+from paged_cache.testing import tiny_model
+
+FP_A, FP_B = "a" * 64, "b" * 64
+
+
+def run_cli(*argv: str) -> tuple[int, str, str]:
+    """paged_cache.cli.main.main in-process: (exit status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(list(argv))
+    return status, out.getvalue(), err.getvalue()
+
+
+def cli_json(*argv: str):
+    status, out, err = run_cli(*argv, "--json")
+    assert status == 0, err
+    return json.loads(out)
+
+
+def key_of(label: object) -> str:
+    return hashlib.sha256(str(label).encode()).hexdigest()
+
+
+def make_block(label: object, *, fingerprint: str, parent: str, tokens: int, start: int = 0,
+               n: int = 64, layers: int = 2) -> Block:
+    """A block of ``layers`` KV-like layers whose content is a pure function of its label."""
+    seed = int(key_of(label)[:6], 16) % 997
+    arrays = {}
+    for i in range(layers):
+        base = mx.arange(n * tokens, dtype=mx.float32).reshape(1, 2, tokens, n // 2) * 0.5 + seed + i
+        arrays[f"l{i}.keys"] = base.astype(mx.float16)
+        arrays[f"l{i}.values"] = (base + 1).astype(mx.float16)
+    meta = {"fingerprint": fingerprint, "parent": parent, "start": str(start), "tokens": str(tokens),
+            "layers": json.dumps([{"type": "KVCache"}] * layers)}
+    return Block(key_of(label), arrays, meta)
+
+
+def chain(prefix: str, fingerprint: str, sizes: list[int], parent: str = ROOT_PARENT) -> list[Block]:
+    """Consecutive blocks of one sequence (each the parent of the next)."""
+    blocks, start = [], 0
+    for j, tokens in enumerate(sizes):
+        b = make_block(f"{prefix}-{j}", fingerprint=fingerprint, parent=parent, tokens=tokens, start=start)
+        blocks.append(b)
+        parent, start = b.key, start + tokens
+    return blocks
+
+
+def store(directory: Path, blocks: list[Block], **config) -> None:
+    opts = dict(ssd_dir=directory, ssd_max_bytes="1GB", hot_cache_max_bytes="1MB", block_size=16)
+    opts.update(config)
+    with PagedSSDCacheManager(CacheConfig(**opts)) as manager:
+        for b in blocks:
+            assert manager.put(b)
+
+
+def disk_files(directory: Path) -> dict[str, Path]:
+    return {p.name.split(".")[0]: p for p in (directory / "blocks").rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory) -> dict:
+    """Two models: model A has two sequences sharing 2 blocks, model B one lz4-free chain."""
+    directory = tmp_path_factory.mktemp("synthetic")
+    trunk = chain("trunk", FP_A, [16, 16])
+    a1 = chain("a1", FP_A, [16, 5], parent=trunk[-1].key)
+    a2 = chain("a2", FP_A, [16, 16, 9], parent=trunk[-1].key)
+    b = chain("b", FP_B, [16, 16, 16, 3])
+    blocks = trunk + a1 + a2 + b
+    store(directory, blocks)
+    return {"dir": directory, "blocks": {blk.key: blk for blk in blocks}, "a": trunk + a1 + a2, "b": b}
+
+
+def test_inspect_totals_match_what_was_stored(synthetic):
+    d, blocks = synthetic["dir"], synthetic["blocks"]
+    data = cli_json("inspect", str(d))
+    files = disk_files(d)
+    assert set(files) == set(blocks)
+    assert data["totals"]["blocks"] == len(blocks)
+    assert data["totals"]["tokens"] == sum(int(b.meta["tokens"]) for b in blocks.values())
+    assert data["totals"]["raw_bytes"] == sum(b.nbytes for b in blocks.values())
+    assert data["totals"]["file_bytes"] == sum(p.stat().st_size for p in files.values())
+    models = {m["fingerprint"]: m for m in data["models"]}
+    assert set(models) == {FP_A, FP_B}
+    for fp, group in ((FP_A, synthetic["a"]), (FP_B, synthetic["b"])):
+        m = models[fp]
+        assert m["blocks"] == len(group)
+        assert m["tokens"] == sum(int(b.meta["tokens"]) for b in group)
+        assert m["raw_bytes"] == sum(b.nbytes for b in group)
+        assert m["file_bytes"] == sum(files[b.key].stat().st_size for b in group)
+        assert m["compression_ratio"] == pytest.approx(m["raw_bytes"] / m["file_bytes"])
+        assert m["cache_types"] == {"KVCache": 2}
+        assert m["compression"] == {"none": len(group)}
+        assert m["oldest_access"] <= m["newest_access"] <= time.time()
+    assert data["budget"]["used_bytes"] == data["totals"]["file_bytes"]
+    assert "not visible from outside" in data["hot_tier"]
+
+    status, out, _ = run_cli("inspect", str(d), "--ssd-max-bytes", "1MB")
+    assert status == 0
+    assert "not visible from outside" in out and FP_A[:12] in out and FP_B[:12] in out
+    assert "SSD budget 976.6 KiB" in out
+
+
+def test_ls_filters_and_sorts(synthetic):
+    d, blocks = synthetic["dir"], synthetic["blocks"]
+    rows = cli_json("ls", str(d))
+    assert {r["key"] for r in rows} == set(blocks)
+    assert [r["last_access"] for r in rows] == sorted(r["last_access"] for r in rows)
+    for r in rows:
+        b = blocks[r["key"]]
+        assert r["tokens"] == int(b.meta["tokens"]) and r["raw_bytes"] == b.nbytes
+        assert r["parent"] == b.meta["parent"] and r["fingerprint"] == b.meta["fingerprint"]
+    only_b = cli_json("ls", str(d), "--model", FP_B[:6], "--sort", "size")
+    assert {r["key"] for r in only_b} == {b.key for b in synthetic["b"]}
+    assert [r["file_bytes"] for r in only_b] == sorted((r["file_bytes"] for r in only_b), reverse=True)
+    assert len(cli_json("ls", str(d), "--limit", "3")) == 3
+    status, _, err = run_cli("ls", str(d), "--model", "c0ffee")
+    assert status == 2 and "--model" in err and "matches no" in err
+
+
+def test_show_block_layers_and_checksum(synthetic, tmp_path):
+    d, blocks = synthetic["dir"], synthetic["blocks"]
+    block = synthetic["a"][2]
+    data = cli_json("show", str(d), block.key[:10])
+    assert data["key"] == block.key and data["checksum"] == {"state": "ok", "reason": None}
+    assert data["meta"] == block.meta
+    assert data["manifest"]["parent"] == synthetic["a"][1].key
+    assert [len(layer["tensors"]) for layer in data["layers"]] == [2, 2]
+    for layer in data["layers"]:
+        assert layer["descriptor"] == {"type": "KVCache"}
+        for t in layer["tensors"]:
+            a = block.arrays[t["name"]]
+            assert t["shape"] == list(a.shape) and t["dtype"] == "float16" and t["bytes"] == a.nbytes
+    trunk_end = synthetic["a"][1]
+    assert cli_json("show", str(d), trunk_end.key)["children"] == sorted(
+        [synthetic["a"][2].key, synthetic["a"][4].key])
+
+    copy = tmp_path / "copy"
+    shutil.copytree(d, copy)
+    path = disk_files(copy)[block.key]
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    damaged = cli_json("show", str(copy), block.key)
+    assert damaged["checksum"]["state"] == "damaged" and "checksum" in damaged["checksum"]["reason"]
+    assert damaged["layers"]  # the header is still shown
+    status, out, _ = run_cli("show", str(copy), block.key[:8])
+    assert status == 0 and "damaged" in out and "l1.values" in out
+    status, _, err = run_cli("show", str(d), "zz")
+    assert status == 2 and "KEY" in err
+
+
+def test_chains_of_synthetic_trees(synthetic):
+    data = {f["fingerprint"]: f for f in cli_json("chains", str(synthetic["dir"]))}
+    a, b = data[FP_A], data[FP_B]
+    assert (a["trees"], a["blocks"], a["conversations"], a["shared_blocks"]) == (1, 7, 2, 2)
+    assert a["max_tokens"] == 16 + 16 + 16 + 16 + 9 and a["max_depth"] == 5
+    assert {n["key"] for n in a["most_shared"]} == {synthetic["a"][0].key, synthetic["a"][1].key}
+    assert [n["end_tokens"] for n in a["longest"]] == [73, 53]
+    assert (b["trees"], b["blocks"], b["conversations"], b["shared_blocks"]) == (1, 4, 1, 0)
+    assert b["max_tokens"] == 51 and b["detached_trees"] == 0
+
+
+def test_chains_of_a_real_prefix_cache(tmp_path):
+    """Three conversations of a tiny llama sharing a 40-token prefix, stored by the prefix cache."""
+    model = tiny_model("llama")
+    lengths = [52, 70, 90]
+    config = CacheConfig(ssd_dir=tmp_path, ssd_max_bytes="1GB", hot_cache_max_bytes="1MB", block_size=16)
+    with PagedSSDCacheManager(config) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        for conv, n in enumerate(lengths):
+            tokens = list(range(40)) + [100 + conv] * (n - 40)
+            cache = prefix.make_cache()
+            model(mx.array([tokens]), cache=cache)
+            mx.eval([c.keys for c in cache])
+            prefix.store(tokens, cache)
+        fingerprint = prefix.fingerprint
+    [forest] = cli_json("chains", str(tmp_path))
+    assert forest["fingerprint"] == fingerprint
+    assert forest["trees"] == 1 and forest["conversations"] == 3
+    assert forest["max_tokens"] == max(lengths)
+    # blocks 0 and 1 (tokens 0..32) are shared by all three; block 2 (32..48) differs from token 40 on
+    assert [(n["depth"], n["conversations"]) for n in forest["most_shared"]] == [(2, 3), (1, 3)]
+    assert sorted(n["end_tokens"] for n in forest["longest"]) == lengths
+    inspect = cli_json("inspect", str(tmp_path))
+    expected_blocks = sum(-(-n // 16) for n in lengths) - 2 * (len(lengths) - 1)  # 2 shared blocks
+    assert inspect["totals"]["blocks"] == expected_blocks == forest["blocks"]
+    assert inspect["totals"]["tokens"] == 32 + sum(n - 32 for n in lengths)
+
+
+def test_detached_tree_is_reported(tmp_path):
+    orphan_parent = key_of("never stored")
+    store(tmp_path, chain("x", FP_A, [16, 16]) + chain("y", FP_A, [16, 4], parent=orphan_parent))
+    [forest] = cli_json("chains", str(tmp_path))
+    assert (forest["trees"], forest["detached_trees"], forest["detached_blocks"]) == (1, 1, 2)
+    status, out, _ = run_cli("chains", str(tmp_path))
+    assert status == 0 and "detached" in out
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty", "file", "other", "bad-manifest"])
+def test_not_a_cache_directory(tmp_path, kind):
+    target = tmp_path / "target"
+    if kind == "empty":
+        target.mkdir()
+    elif kind == "file":
+        target.write_text("hello")
+    elif kind == "other":
+        target.mkdir()
+        (target / "notes.txt").write_text("x")
+        (target / "blocks").mkdir()
+    elif kind == "bad-manifest":
+        target.mkdir()
+        (target / "blocks").mkdir()
+        (target / "manifest.sqlite").write_bytes(b"this is not sqlite" * 100)
+    before = sorted(os.listdir(target)) if target.is_dir() else None
+    for command in (["inspect"], ["ls"], ["show", str(target), "ab"], ["chains"], ["verify"],
+                    ["prune", "--max-bytes", "0"], ["purge", "--yes"]):
+        argv = command if command[0] == "show" else command[:1] + [str(target)] + command[1:]
+        status, out, err = run_cli(*argv)
+        assert status == 2, (command, out, err)
+        assert f"paged-cache {command[0]}: error:" in err and str(target) in err
+        if kind in ("empty", "other", "missing"):
+            assert "not a" in err
+        if kind == "bad-manifest":
+            assert "unreadable manifest" in err
+    after = sorted(os.listdir(target)) if target.is_dir() else None
+    assert before == after  # nothing created in a directory that is not a cache
+
+
+def test_reading_while_another_process_writes(tmp_path):
+    """inspect / verify / chains never see a torn file or false damage while a writer runs."""
+    script = f"""
+import sys, time, mlx.core as mx
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_cli_inspect import chain, FP_A
+from paged_cache import CacheConfig, PagedSSDCacheManager
+config = CacheConfig(ssd_dir={str(tmp_path)!r}, ssd_max_bytes="400KB", hot_cache_max_bytes="64KB")
+with PagedSSDCacheManager(config) as m:
+    print("ready", flush=True)
+    for i in range(100000):
+        for b in chain(f"live{{i}}", FP_A, [16, 16, 7]):
+            m.put(b)
+        if i % 10 == 0:
+            m.flush()
+"""
+    writer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "ready"
+        time.sleep(0.5)
+        rounds = 0
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline or rounds < 3:
+            verify = cli_json("verify", str(tmp_path))
+            assert verify["findings"] == [] and verify["exit_status"] == 0, verify["findings"]
+            inspect = cli_json("inspect", str(tmp_path))
+            assert inspect["totals"]["manifest_bytes"] <= 400_000
+            cli_json("chains", str(tmp_path))
+            cli_json("ls", str(tmp_path))
+            rounds += 1
+        assert writer.poll() is None
+        assert verify["files_checked"] > 0
+    finally:
+        writer.terminate()
+        writer.wait(timeout=30)
+
+
+def test_console_script_subprocess(synthetic):
+    exe = Path(sys.executable).parent / "paged-cache"
+    result = subprocess.run([str(exe), "inspect", str(synthetic["dir"]), "--json"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["totals"]["blocks"] == len(synthetic["blocks"])
+    result = subprocess.run([str(exe), "ls", str(synthetic["dir"] / "blocks")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "not a paged-cache directory" in result.stderr
+
+
+# ---- stats of a running server ---------------------------------------------------------------
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+
+def serve_stats(source) -> tuple[_Server, str]:
+    """A real HTTP server answering the stats endpoint exactly as `paged-cache serve` must."""
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            response = stats_response(self.path, source)
+            if response is None:
+                self.send_error(404)
+                return
+            status, content_type, body = response
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = _Server(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+ISSUE_KEYS = {  # the counters issue 6 asks the library to expose, as flattened names
+    "manager": ["hits_hot", "hits_pending", "hits_ssd", "misses", "hot_hits", "hot_misses",
+                "ssd_hits", "ssd_misses", "hot_evictions", "ssd_evictions", "hot_bytes", "ssd_bytes",
+                "ssd_queue_bytes", "ssd_write_drops", "ssd_damaged"],
+    "prefix": ["tokens_requested", "tokens_matched", "tokens_saved", "partial_block_tokens_lost",
+               "walkbacks", "walkback_tokens_lost", "restore_seconds", "store_seconds"],
+}
+
+
+def test_stats_of_a_running_server(tmp_path):
+    model = tiny_model("llama")
+    config = CacheConfig(ssd_dir=tmp_path, ssd_max_bytes="1GB", hot_cache_max_bytes="16KB", block_size=16)
+    with PagedSSDCacheManager(config) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        tokens = list(range(50))
+        cache = prefix.make_cache()
+        model(mx.array([tokens]), cache=cache)
+        prefix.store(tokens, cache)
+        manager.flush()
+        prefix.fetch(tokens + [7, 8])
+        prefix.fetch([999, 998, 997])
+        sections = lambda: {"manager": manager.stats(), "prefix": prefix.stats()}  # noqa: E731
+        server, url = serve_stats(sections)
+        try:
+            doc = cli_json("stats", "--url", url)
+            expected = sections()
+            assert doc["prefix"] == expected["prefix"]
+            assert doc["manager"]["hits"] == expected["manager"]["hits"]
+            assert doc["manager"]["ssd"]["bytes"] == expected["manager"]["ssd"]["bytes"] > 0
+            assert doc["prefix"]["hits"] == 1 and doc["prefix"]["misses"] == 1
+            assert doc["prefix"]["tokens_requested"] == 52 + 3
+            assert doc["prefix"]["tokens_matched"] == 50
+            assert doc["paged_cache"]["pid"] == os.getpid()
+            from paged_cache.stats import flatten
+            for section, keys in ISSUE_KEYS.items():
+                missing = set(keys) - set(flatten(doc[section]))
+                assert not missing, (section, missing)
+
+            status, out, _ = run_cli("stats", "--url", url, "--prometheus")
+            assert status == 0 and out == render_prometheus(sections())
+            assert "paged_cache_prefix_tokens_matched_total 50" in out
+            status, out, _ = run_cli("stats", "--url", url)
+            assert status == 0 and "token hit ratio" in out and "tokens_matched" in out
+            status, _, err = run_cli("stats", "--url", url + "/nothing-here")
+            assert status == 1 and "HTTP 404" in err
+        finally:
+            server.shutdown()
+            server.server_close()
+    status, _, err = run_cli("stats", "--url", url, "--timeout", "2")
+    assert status == 1 and "no server answering" in err
+    status, _, err = run_cli("stats", "--url", "localhost:8080")
+    assert status == 2 and "--url" in err
