@@ -263,6 +263,32 @@ def test_lru_prefers_recently_used(tmp_path: Path) -> None:
         assert all(t.contains(b.key) for b in blocks[2:])
 
 
+def test_eviction_takes_leaves_before_their_parents(tmp_path: Path) -> None:
+    """A chain read parent-first has its parent touched earliest; eviction must still trim the
+    chain from its tail, or the remaining children would be unreachable on disk."""
+    root = tmp_path / "c"
+    chain = []
+    for i in range(3):
+        block = make_block(f"chain-{i}")
+        if chain:
+            block.meta["parent"] = chain[-1].key
+        chain.append(block)
+    with tier(root) as t:
+        put(t, chain[0])
+        t.flush()
+        size = disk_bytes(root)
+    with tier(root, max_bytes=3 * size) as t:
+        for b in chain[1:]:
+            put(t, b)
+            t.flush()
+        for b in chain:                     # a fetch walks the chain root first
+            time.sleep(0.01)
+            t.touch(b.key)
+        put(t, make_block("newcomer"))      # needs one block of room
+        t.flush()
+        assert [t.contains(b.key) for b in chain] == [True, True, False]
+
+
 def test_reconcile_orphans_missing_files_temps_and_strays(tmp_path: Path) -> None:
     root = tmp_path / "c"
     blocks = [make_block(i) for i in range(4)]

@@ -34,6 +34,7 @@ CREATE TABLE IF NOT EXISTS blocks(
     writer TEXT NOT NULL
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS blocks_lru ON blocks(state, last_access);
+CREATE INDEX IF NOT EXISTS blocks_parent ON blocks(parent);
 CREATE TABLE IF NOT EXISTS totals(id INTEGER PRIMARY KEY CHECK (id = 0),
                                   blocks INTEGER NOT NULL, bytes INTEGER NOT NULL);
 INSERT OR IGNORE INTO totals VALUES (0, 0, 0);
@@ -158,23 +159,16 @@ class Manifest:
                 self._db.execute("DELETE FROM blocks WHERE key = ?", (row.key,))
             used = self._db.execute("SELECT bytes FROM totals WHERE id = 0").fetchone()[0]
             need = used + row.file_bytes - max_bytes
-            victims: list[tuple[str, str, int]] = []
+            victims: list[tuple[str, int]] = []
             if need > 0:
-                cur = self._db.execute("SELECT key, compression, file_bytes FROM blocks WHERE state = ? "
-                                       "ORDER BY last_access", (COMPLETE,))
-                for key, comp, size in cur:
-                    if need <= 0:
-                        break
-                    victims.append((key, comp, size))
-                    need -= size
-                if need > 0:
+                evictable = self._db.execute("SELECT COALESCE(SUM(file_bytes), 0) FROM blocks "
+                                             "WHERE state = ?", (COMPLETE,)).fetchone()[0]
+                if need > evictable:
                     return "full", []
-            for key, comp, _ in victims:
-                remove_file(key)
-            self._db.executemany("DELETE FROM blocks WHERE key = ?", [(v[0],) for v in victims])
+                victims = self._evict(need, remove_file)
             self._db.execute(f"INSERT INTO blocks({','.join(_COLUMNS)}) VALUES "
                              f"({','.join('?' * len(_COLUMNS))})", _values(row))
-        return "reserved", [(k, s) for k, _, s in victims]
+        return "reserved", victims
 
     def complete(self, key: str, writer: str) -> bool:
         """Mark a reservation complete after the rename; False if the row was dropped meanwhile."""
@@ -216,20 +210,30 @@ class Manifest:
                 self._apply(touches, forgets)
 
     def evict_to(self, max_bytes: int, remove_file: Callable[[str], None]) -> list[tuple[str, int]]:
-        """Evict LRU complete rows (file first, then row) until the total fits ``max_bytes``."""
-        evicted: list[tuple[str, int]] = []
+        """Evict complete rows (see ``_evict``) until the total fits ``max_bytes``."""
         with self._txn():
             used = self._db.execute("SELECT bytes FROM totals WHERE id = 0").fetchone()[0]
-            if used <= max_bytes:
-                return evicted
-            cur = self._db.execute("SELECT key, compression, file_bytes FROM blocks WHERE state = ? "
-                                   "ORDER BY last_access", (COMPLETE,))
-            for key, comp, size in cur.fetchall():
-                if used <= max_bytes:
+            return self._evict(used - max_bytes, remove_file)
+
+    def _evict(self, need: int, remove_file: Callable[[str], None]) -> list[tuple[str, int]]:
+        """Free ``need`` bytes inside the caller's transaction, file first, then row.
+
+        Least recently used first, but leaves before their parents: a fetch reads (and so touches)
+        a parent before its children, so plain LRU would evict parents first and strand the rest
+        of their chains on disk where no fetch can reach them.
+        """
+        evicted: list[tuple[str, int]] = []
+        while need > 0:
+            batch = (self._db.execute(_LRU_LEAVES, (COMPLETE,)).fetchall()
+                     or self._db.execute(_LRU_ANY, (COMPLETE,)).fetchall())
+            if not batch:
+                break
+            for key, size in batch:
+                if need <= 0:
                     break
                 remove_file(key)
                 self._db.execute("DELETE FROM blocks WHERE key = ?", (key,))
-                used -= size
+                need -= size
                 evicted.append((key, size))
         return evicted
 
@@ -240,6 +244,11 @@ class Manifest:
         if touches:
             self._db.executemany("UPDATE blocks SET last_access = MAX(last_access, ?) WHERE key = ?",
                                  [(t, k) for k, t in touches.items()])
+
+
+_LRU_LEAVES = ("SELECT key, file_bytes FROM blocks b WHERE state = ? AND NOT EXISTS "
+               "(SELECT 1 FROM blocks c WHERE c.parent = b.key) ORDER BY last_access LIMIT 64")
+_LRU_ANY = "SELECT key, file_bytes FROM blocks WHERE state = ? ORDER BY last_access LIMIT 64"
 
 
 class _Txn:
