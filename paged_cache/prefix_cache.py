@@ -274,7 +274,7 @@ class BlockAwarePrefixCache:
             for i, layer_cuts in enumerate(cuts):
                 block_arrays, desc = layer_cuts[pos]
                 arrays.update({f"l{i}.{name}": a for name, a in block_arrays.items()})
-                descs.append(desc)
+                descs.append({"type": type(cache[i]).__name__, **desc})
                 layer_cuts[pos] = None
             mx.eval(list(arrays.values()))
             s, e = spans[j]

@@ -18,15 +18,16 @@ COUNTER_WORDS = frozenset({
     "promotions", "spills", "dropped", "drops", "fallbacks", "failures", "errors", "writes",
     "reads", "stores", "fetches", "requests", "clears", "existing", "removed", "aborts",
     "cancels", "snapshots", "prefills", "tokens", "write", "read", "damaged", "adopted",
+    "walkbacks",
 })
 # A last name part that makes the value a level, not a count (hot_bytes, hot_max_bytes, ...).
 GAUGE_WORDS = frozenset({
     "bytes", "blocks", "max", "size", "entries", "ratio", "rate", "only", "capacity", "budget",
     "depth", "length", "active", "current", "live", "inflight", "queued", "open", "last", "files",
 })
-# ... unless the name ends like these (bytes that only accumulate).
-COUNTER_SUFFIXES = ("_total", "_evicted_bytes", "_dropped_bytes", "_bytes_written", "_bytes_read",
-                    "_written_bytes", "_read_bytes", "_write_bytes")
+# ... unless the name ends like these (bytes and seconds that only accumulate).
+COUNTER_SUFFIXES = ("_total", "_seconds", "_evicted_bytes", "_dropped_bytes", "_bytes_written",
+                    "_bytes_read", "_written_bytes", "_read_bytes", "_write_bytes")
 _INVALID = re.compile(r"[^a-zA-Z0-9_:]")
 
 

@@ -211,6 +211,8 @@ def test_chains_of_a_real_prefix_cache(tmp_path):
     expected_blocks = sum(-(-n // 16) for n in lengths) - 2 * (len(lengths) - 1)  # 2 shared blocks
     assert inspect["totals"]["blocks"] == expected_blocks == forest["blocks"]
     assert inspect["totals"]["tokens"] == 32 + sum(n - 32 for n in lengths)
+    [model_row] = inspect["models"]
+    assert model_row["cache_types"] == {"KVCache": 2}   # the layer mix: 2 KVCache layers per block
 
 
 def test_detached_tree_is_reported(tmp_path):

@@ -381,7 +381,8 @@ def test_prometheus_exposition_of_manager_stats(tmp_path):
             manager.put(make_block(i))
         manager.get(key_of(0))
         manager.get(key_of(99))
-        text = render_prometheus({"manager": manager.stats(), "prefix": {"lookups": 3}})
+        text = render_prometheus({"manager": manager.stats(),
+                                  "prefix": {"lookups": 3, "walkbacks": 1, "store_seconds": 0.5}})
     lines = text.splitlines()
     assert "# TYPE paged_cache_manager_hits_ssd_total counter" in lines
     assert "# TYPE paged_cache_manager_hot_bytes gauge" in lines
@@ -389,6 +390,8 @@ def test_prometheus_exposition_of_manager_stats(tmp_path):
     assert "# TYPE paged_cache_manager_ssd_write_bytes_total counter" in lines
     assert "paged_cache_manager_misses_total 1" in lines
     assert "paged_cache_manager_hot_cache_only 0" in lines
+    assert "# TYPE paged_cache_prefix_walkbacks_total counter" in lines
+    assert "# TYPE paged_cache_prefix_store_seconds_total counter" in lines
     assert not any("compression" in line for line in lines)   # strings are not exported
     names = [line.split()[0] for line in lines if not line.startswith("#")]
     assert len(names) == len(set(names)) and all(
