@@ -14,6 +14,14 @@ from typing import Sequence
 
 COMMAND_MODULES: list[str] = [
     # appended by the modules that add subcommands, e.g. "paged_cache.cli.config_cmd"
+    "paged_cache.cli.make_model",
+    "paged_cache.cli.serve",
+    "paged_cache.cli.demo",
+    "paged_cache.cli.config_cmd",
+    "paged_cache.cli.inspect_cmd",
+    "paged_cache.cli.verify_cmd",
+    "paged_cache.cli.prune_cmd",
+    "paged_cache.cli.stats_cmd",
 ]
 
 
@@ -33,7 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the process exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "accepts_extra_args", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra_args = extra   # passed through by subcommands that set accepts_extra_args
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("paged_cache").setLevel(args.log_level)
     if not getattr(args, "func", None):
