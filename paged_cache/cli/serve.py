@@ -1,0 +1,64 @@
+"""`paged-cache serve --model DIR [cache flags] [mlx_lm.server options]`: mlx_lm.server with the
+tiered prompt cache in place of its LRUPromptCache."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from paged_cache.cli.options import add_config_arguments, config_from_args
+
+SERVER_LOG_DEFAULT = "INFO"   # mlx_lm.server's own --log-level default
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the serve subcommand (unknown options are passed to mlx_lm.server)."""
+    parser = subparsers.add_parser(
+        "serve", help="run mlx_lm.server with the tiered (RAM + SSD) prompt cache",
+        description="Start mlx_lm.server (OpenAI-compatible HTTP API) with paged-cache's tiered "
+                    "block cache in place of its in-memory LRUPromptCache. Options not listed "
+                    "here (--host, --port, --max-tokens, --prompt-cache-bytes, --log-level, ...) "
+                    "are passed to mlx_lm.server unchanged; see `mlx_lm.server --help`.")
+    parser.add_argument("--model", required=True,
+                        help="mlx-lm model directory or Hugging Face repo (as mlx_lm.server)")
+    add_config_arguments(parser)
+    parser.set_defaults(func=run, accepts_extra_args=True)
+
+
+def _server_log_level(server_argv: list[str]) -> str:
+    """The --log-level mlx_lm.server will use (its default INFO unless passed through)."""
+    probe = argparse.ArgumentParser(add_help=False)
+    probe.add_argument("--log-level", default=SERVER_LOG_DEFAULT, type=str.upper)
+    return probe.parse_known_args(server_argv)[0].log_level
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the cache config from the shared flags and run the server until stopped."""
+    try:
+        config = config_from_args(args)
+    except ValueError as error:
+        print(f"paged-cache serve: error: {error}", file=sys.stderr)
+        return 2
+    server_argv = ["--model", args.model, *args.extra_args]
+    # mlx_lm.server's logging.basicConfig is a no-op once ours ran: apply its level here, and let
+    # the per-request cache lines (INFO, paged_cache) show at that level.
+    level = logging.getLevelName(_server_log_level(args.extra_args))
+    if not isinstance(level, int):
+        print("paged-cache serve: error: --log-level: expected DEBUG, INFO, WARNING, ERROR or "
+              "CRITICAL", file=sys.stderr)
+        return 2
+    logging.getLogger().setLevel(level)
+    ours = logging.getLogger("paged_cache")
+    ours.setLevel(min(level, ours.getEffectiveLevel()))
+    from paged_cache.integrations.mlx_lm import serve_main
+
+    status = serve_main(config, server_argv)
+    # The manager is closed (every block written). Skip interpreter finalization: there, MLX's
+    # threads of the stopped server abort the process about half the time (std::terminate, plain
+    # mlx_lm.server too), which would turn a clean stop into exit status -6.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -1,0 +1,182 @@
+"""PagedPromptCache: LRUPromptCache's interface over the tiered block cache (in process)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
+
+from paged_cache.config import CacheConfig
+from paged_cache.integrations.mlx_lm import ModelBinding, PagedPromptCache, model_id_for
+from paged_cache.manager import PagedSSDCacheManager
+from paged_cache.testing import tiny_model, write_model_dir
+
+BLOCK = 16
+KEY = ("/models/tiny", None, None)  # what mlx_lm.server passes as the model key
+
+
+def prefill(model, tokens, cache=None, chunk=BLOCK):
+    """Prefill ``tokens`` into ``cache`` in ``chunk``-token steps; return the cache."""
+    cache = make_prompt_cache(model) if cache is None else cache
+    for s in range(0, len(tokens), chunk):
+        mx.eval(model(mx.array(tokens[s:s + chunk])[None], cache=cache))
+    return cache
+
+
+def last_logits(model, cache, token):
+    out = model(mx.array([[token]]), cache=cache)
+    mx.eval(out)
+    return out[0, -1]
+
+
+@pytest.fixture
+def model():
+    return tiny_model("llama")
+
+
+def make(tmp_path, model, **kw):
+    hot_only = kw.pop("hot_cache_only", False)
+    cfg = dict(block_size=BLOCK, hot_cache_max_bytes=kw.pop("hot", 64 * 2**20))
+    cfg.update(hot_cache_only=True) if hot_only else cfg.update(ssd_dir=tmp_path / "ssd")
+    manager = PagedSSDCacheManager(CacheConfig(**cfg))
+    return manager, PagedPromptCache.for_model(manager, model, **kw)
+
+
+def tokens_of(n, seed=0):
+    return [(seed * 7 + 3 * i) % 250 for i in range(n)]
+
+
+def test_fetch_is_exact_and_mutation_safe(tmp_path, model):
+    manager, cache = make(tmp_path, model)
+    with manager:
+        seq = tokens_of(100)
+        cache.insert_cache(KEY, seq, prefill(model, seq), cache_type="assistant")
+        prompt = seq + [5, 6, 7]
+        got, rest = cache.fetch_nearest_cache(KEY, prompt)
+        n = len(prompt) - len(rest)
+        assert n == 100 and rest == [5, 6, 7]
+        cold = prefill(model, prompt[:n])
+        want = last_logits(model, cold, rest[0])
+        assert mx.abs(last_logits(model, got, rest[0]) - want).max().item() == 0.0
+        # The server mutates what it got: generation appends, trim moves the offset, and even
+        # overwriting the buffers in place must not reach the stored blocks.
+        for _ in zip(range(5), generate_step(mx.array(rest[1:]), model, prompt_cache=got)):
+            pass
+        got[0].trim(30)
+        got[0].keys[...] = 0.0
+        again, rest2 = cache.fetch_nearest_cache(KEY, prompt)
+        assert rest2 == rest
+        assert mx.abs(last_logits(model, again, rest[0]) - want).max().item() == 0.0
+        assert again[0] is not got[0] and again[0].keys is not got[0].keys
+
+
+def test_miss_unknown_model_and_short_prompts(tmp_path, model):
+    manager = PagedSSDCacheManager(CacheConfig(block_size=BLOCK, ssd_dir=tmp_path / "ssd"))
+    with manager:
+        cache = PagedPromptCache(manager, lambda key: ModelBinding(model) if key == KEY else None)
+        seq = tokens_of(64)
+        assert cache.fetch_nearest_cache(KEY, seq) == (None, seq)
+        cache.insert_cache(("/other", None, None), seq, prefill(model, seq))  # not loaded: ignored
+        assert len(cache) == 0 and cache.nbytes == 0
+        cache.insert_cache(KEY, seq, prefill(model, seq))
+        assert cache.fetch_nearest_cache(("/other", None, None), seq + [1]) == (None, seq + [1])
+        got, rest = cache.fetch_nearest_cache(KEY, seq[:1])
+        assert got is None and rest == seq[:1]   # a prompt must keep one token to feed
+        got, rest = cache.fetch_nearest_cache(KEY, seq)
+        assert len(rest) == 1   # an exact match leaves the last token to recompute
+
+
+def test_byte_and_sequence_limits_spill_to_ssd(tmp_path, model):
+    kv = prefill(model, tokens_of(64))
+    per_seq = sum(c.keys[..., :64, :].nbytes + c.values[..., :64, :].nbytes for c in kv)
+    limit = per_seq * 3 // 2  # room for one and a half 64-token sequences of blocks
+    manager, cache = make(tmp_path, model, max_bytes=limit, max_size=3)
+    with manager:
+        seqs = [tokens_of(64, seed=s) for s in range(4)]
+        for s in seqs:
+            cache.insert_cache(KEY, s, prefill(model, s), cache_type="user")
+            assert cache.nbytes <= limit
+            assert len(cache) <= 3
+        assert len(cache) == 1   # the byte limit binds before the sequence limit
+        stats = cache.stats_by_type()
+        assert stats["user"]["n_sequences"] == len(cache) >= 1
+        assert sum(v["n_bytes"] for v in stats.values()) == cache.nbytes
+        assert manager.stats()["spills"] + manager.stats()["ssd"]["blocks"] > 0
+        # The oldest sequence left RAM but is still served, from SSD (once the writer is done).
+        manager.flush()
+        got, rest = cache.fetch_nearest_cache(KEY, seqs[0] + [9])
+        assert rest == [9]
+        assert cache.prefix_cache(KEY).last_fetch.tier in ("ssd", "mixed")
+        cache.trim_to(n_bytes=0)
+        assert cache.nbytes == 0 and len(cache) == 0
+        cache.trim_to(n_sequences=0)
+        got, rest = cache.fetch_nearest_cache(KEY, seqs[3] + [9])
+        assert rest == [9]   # still on SSD
+
+
+def test_hot_cache_only_trim_drops(tmp_path, model):
+    manager, cache = make(tmp_path, model, hot_cache_only=True)
+    with manager:
+        seq = tokens_of(48)
+        cache.insert_cache(KEY, seq, prefill(model, seq), cache_type="system")
+        assert cache.stats_by_type()["system"]["n_sequences"] == 1
+        assert cache.nbytes > 0
+        cache.trim_to(n_sequences=0)
+        assert cache.nbytes == 0
+        assert cache.fetch_nearest_cache(KEY, seq + [1]) == (None, seq + [1])
+    assert not (tmp_path / "ssd").exists()
+
+
+def test_bad_input_is_reported_and_keeps_what_is_stored(tmp_path, model, caplog):
+    manager, cache = make(tmp_path, model)
+    with manager:
+        seq = tokens_of(40)
+        cache.insert_cache(KEY, seq, prefill(model, seq))
+        with pytest.raises(ValueError, match="cache_type"):
+            cache.insert_cache(KEY, seq, prefill(model, seq), cache_type="tool")
+        # A cache that disagrees with its tokens is not stored, and does not raise into the
+        # server's generation thread: it is logged and counted.
+        with caplog.at_level("WARNING", logger="paged_cache.integrations.mlx_lm"):
+            cache.insert_cache(KEY, seq + [1, 2], prefill(model, seq))
+            cache.insert_cache(KEY, seq, [prefill(model, seq)[0]])   # one layer missing
+        assert cache.store_errors == 2
+        assert "offset" in caplog.text and "cache entries" in caplog.text
+        with pytest.raises(TypeError, match="tokens"):
+            cache.fetch_nearest_cache(KEY, "not tokens")
+        with pytest.raises(ValueError, match="max_bytes"):
+            PagedPromptCache(manager, lambda k: None, max_bytes=-1)
+        with pytest.raises(TypeError, match="manager"):
+            PagedPromptCache(LRUPromptCache(), lambda k: None)
+        got, rest = cache.fetch_nearest_cache(KEY, seq + [3])
+        assert rest == [3]
+
+
+def test_same_interface_as_lru_prompt_cache():
+    public = {n for n in dir(LRUPromptCache) if not n.startswith("_")} - {"CacheEntry", "CacheOrder"}
+    assert public <= set(dir(PagedPromptCache))
+    assert hasattr(PagedPromptCache, "__len__")
+
+
+def test_model_id_changes_with_weights(tmp_path):
+    path = write_model_dir(tmp_path / "m", "llama", seed=0)
+    first = model_id_for(str(path))
+    assert first == model_id_for(str(path))
+    write_model_dir(tmp_path / "m", "llama", seed=1, layers=1)
+    assert model_id_for(str(path)) != first
+    assert model_id_for("org/some-repo") == "hf:org/some-repo"
+
+
+def test_sequence_limit_moves_oldest_out_of_ram(tmp_path, model):
+    manager, cache = make(tmp_path, model, max_size=2)
+    with manager:
+        seqs = [tokens_of(32, seed=s) for s in range(3)]
+        for s in seqs:
+            cache.insert_cache(KEY, s, prefill(model, s), cache_type="assistant")
+        assert len(cache) == 2
+        assert cache.stats_by_type()["assistant"]["n_sequences"] == 2
+        manager.flush()
+        got, rest = cache.fetch_nearest_cache(KEY, seqs[0] + [1])
+        assert rest == [1] and cache.prefix_cache(KEY).last_fetch.tier == "ssd"
+        got, rest = cache.fetch_nearest_cache(KEY, seqs[2] + [1])
+        assert rest == [1] and cache.prefix_cache(KEY).last_fetch.tier == "hot"

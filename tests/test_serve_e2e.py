@@ -1,0 +1,155 @@
+"""End to end: `paged-cache serve` in a subprocess, driven by the official openai client."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from paged_cache.testing import write_model_dir
+
+BYTE_LIMIT = 128_000   # --prompt-cache-bytes for the SSD server: small enough to force spills
+SYSTEM = "You are a terse assistant for a cache test. " * 3
+QUESTIONS = ["What is a KV cache?", "Why split it into blocks of tokens?",
+             "And what happens after a restart of the server?", "Thanks. One more detail?"]
+# Per turn: streamed or not, and a seed (a seeded request takes mlx_lm.server's sequential path;
+# the others go through its BatchGenerator).
+MODES = [(False, None), (True, None), (False, 7), (True, 7)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return write_model_dir(tmp_path_factory.mktemp("model") / "tiny-llama", "llama")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def server(argv: list[str], log: Path, env_extra: dict | None = None):
+    """Start a server subprocess, wait for /health, yield (client, log path); stop it (SIGTERM)."""
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", **(env_extra or {}))
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, *argv, "--host", "127.0.0.1", "--port", str(port),
+                                 "--max-tokens", "12"], stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"server exited early:\n{log.read_text()[-3000:]}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"server did not start:\n{log.read_text()[-3000:]}"
+            time.sleep(0.3)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        yield client, proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+        proc.wait(timeout=60)
+
+
+def ask(client: OpenAI, messages: list[dict], stream: bool, seed: int | None) -> tuple[str, int, int]:
+    """One chat completion (greedy): (text, cached prompt tokens, prompt tokens)."""
+    kw = dict(model="default_model", messages=messages, temperature=0.0, max_tokens=12, seed=seed)
+    if not stream:
+        r = client.chat.completions.create(**kw)
+        return (r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens,
+                r.usage.prompt_tokens)
+    text, usage = "", None
+    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True},
+                                                **kw):
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        if chunk.usage is not None:
+            usage = chunk.usage
+    return text, usage.prompt_tokens_details.cached_tokens, usage.prompt_tokens
+
+
+def conversation(client: OpenAI, turns: int = len(QUESTIONS)) -> list[tuple[str, int, int]]:
+    """A multi-turn chat; each turn's history holds the server's own previous replies."""
+    messages = [{"role": "system", "content": SYSTEM}]
+    results = []
+    for question, (stream, seed) in zip(QUESTIONS[:turns], MODES):
+        messages.append({"role": "user", "content": question})
+        results.append(ask(client, messages, stream, seed))
+        messages.append({"role": "assistant", "content": results[-1][0]})
+    return results
+
+
+def block_files(directory: Path) -> list[Path]:
+    return list(directory.rglob("*.safetensors")) if directory.exists() else []
+
+
+def paged_argv(model_dir: Path, *extra: str) -> list[str]:
+    return ["-m", "paged_cache.cli.main", "serve", "--model", str(model_dir), "--block-size", "16",
+            *extra]
+
+
+def test_serve_matches_plain_server_and_reuses_across_restart(model_dir, tmp_path):
+    with server(["-m", "mlx_lm", "server", "--model", str(model_dir)], tmp_path / "plain.log") as (c, _):
+        plain = conversation(c)
+    ssd = tmp_path / "ssd"
+    log = tmp_path / "paged.log"
+    argv = paged_argv(model_dir, "--ssd-dir", str(ssd), "--prompt-cache-bytes", str(BYTE_LIMIT),
+                      "--log-level", "DEBUG")
+    with server(argv, log) as (c, proc):
+        paged = conversation(c)
+    assert proc.returncode == 0, log.read_text()[-3000:]
+
+    # Greedy outputs equal those of mlx_lm.server with its own prompt cache.
+    assert [t for t, _, _ in paged] == [t for t, _, _ in plain]
+    # Cached tokens grow turn by turn, on both server paths (turns 3-4 are sequential).
+    cached = [c for _, c, _ in paged]
+    assert cached[0] == 0
+    assert all(b > a for a, b in zip(cached, cached[1:])), cached
+    assert all(c < p for _, c, p in paged)
+    # The byte limit holds after every insert on both paths; spilled blocks were still reused.
+    text = log.read_text()
+    hot = [int(m) for m in re.findall(r"insert: \w+, \d+ tokens; hot tier (\d+) bytes", text)]
+    assert hot and max(hot) <= BYTE_LIMIT, hot
+    assert len(re.findall(r"paged_cache\.integrations\.mlx_lm INFO request: ", text)) == len(MODES)
+    files = block_files(ssd)
+    assert files
+
+    # A new server process on the same directory serves the conversation's prefix from SSD.
+    with server(paged_argv(model_dir, "--ssd-dir", str(ssd)), tmp_path / "restart.log") as (c, _):
+        again = conversation(c, turns=1)
+        messages = [{"role": "system", "content": SYSTEM}]
+        for (reply, _, _), question in zip(paged[:-1], QUESTIONS):
+            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
+        messages.append({"role": "user", "content": QUESTIONS[len(paged) - 1]})
+        last = ask(c, messages, stream=False, seed=None)
+    restart_log = (tmp_path / "restart.log").read_text()
+    assert again[0][0] == plain[0][0]
+    assert again[0][1] > 0 and "cached (ssd)" in restart_log   # the system prompt came from disk
+    assert last[0] == paged[-1][0]
+    assert last[1] >= paged[-1][1]
+
+
+def test_serve_hot_cache_only_writes_nothing(model_dir, tmp_path):
+    xdg = tmp_path / "xdg"
+    log = tmp_path / "hot.log"
+    with server(paged_argv(model_dir, "--hot-cache-only"), log, {"XDG_CACHE_HOME": str(xdg)}) as (c, proc):
+        results = conversation(c, turns=3)
+    assert proc.returncode == 0, log.read_text()[-3000:]
+    cached = [c for _, c, _ in results]
+    assert cached[0] == 0 and all(b > a for a, b in zip(cached, cached[1:])), cached
+    assert not block_files(xdg) and not (xdg / "paged-cache").exists()
+    assert not block_files(tmp_path)
