@@ -1,0 +1,385 @@
+"""The demo: a multi-turn chat workload through the Scheduler with the tiered cache.
+
+Several conversations share a long system prompt; the manager is restarted between the two phases
+so the second phase is served from SSD. Every turn is also run cold (no cache, same chunking) to
+show what the cache saves. The embedded model is tiny with random weights: its text is
+meaningless, the cache mechanics, timings and memory are real.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.core as mx
+
+from paged_cache.config import CacheConfig, format_size
+from paged_cache.integrations.mlx_lm import model_id_for
+from paged_cache.manager import PagedSSDCacheManager
+from paged_cache.prefix_cache import BlockAwarePrefixCache
+from paged_cache.testing.model_dir import dir_model_config, is_model_dir, write_model_dir
+
+# The embedded model: a small llama whose KV is large next to its compute (no grouped-query
+# attention), so a cache hit clearly beats a cold prefill of a ~2k-token prompt on a laptop CPU.
+DEMO_ARCH = "llama"
+DEMO_SIZES = dict(layers=2, hidden=64, intermediate=128, heads=2, kv_heads=2, head_dim=32)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Conversations sharing a system prompt; ``turns[phase]`` turns per conversation and phase."""
+
+    system_chars: int
+    conversations: int
+    turns: tuple[int, int]
+    question_chars: int
+    max_tokens: int
+
+
+FULL = Workload(system_chars=1600, conversations=3, turns=(2, 2), question_chars=160, max_tokens=16)
+SHORT = Workload(system_chars=500, conversations=2, turns=(1, 1), question_chars=80, max_tokens=4)
+
+
+@dataclass
+class TurnRow:
+    """One measured turn (cached run and cold run of the same prompt)."""
+
+    phase: int
+    conversation: str
+    turn: int
+    prompt_tokens: int
+    cached_tokens: int
+    tier: str
+    ttft_cached_s: float
+    ttft_cold_s: float
+    same_first_token: bool
+    hot_bytes: int
+    ssd_bytes: int
+    peak_cached_bytes: int
+    peak_cold_bytes: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.conversation}{self.turn}"
+
+    @property
+    def speedup(self) -> float:
+        return self.ttft_cold_s / self.ttft_cached_s if self.ttft_cached_s > 0 else float("inf")
+
+
+@dataclass
+class DemoResult:
+    rows: list[TurnRow]
+    wall_s: float
+    config: CacheConfig
+    model: str
+    plot: Path | None
+
+
+# ------------------------------------------------------------------------------ model & text
+
+
+def ensure_demo_model(directory: Path) -> Path:
+    """Build the embedded demo model in ``directory`` unless an identical one is already there."""
+    wanted = dir_model_config(DEMO_ARCH, **DEMO_SIZES)
+    if is_model_dir(directory):
+        have = json.loads((directory / "config.json").read_text())
+        if all(have.get(k) == v for k, v in wanted.items()):
+            return directory
+    return write_model_dir(directory, DEMO_ARCH, seed=0, **DEMO_SIZES)
+
+
+_WORDS = ("cache block token prefix memory request model layer tier disk budget reuse evict "
+          "restore policy server session answer context window state chunk batch").split()
+
+
+def _text(rng: random.Random, chars: int, lead: str = "") -> str:
+    words = [lead] if lead else []
+    while sum(len(w) + 1 for w in words) < chars:
+        words.append(rng.choice(_WORDS))
+    return " ".join(words)[:chars]
+
+
+def system_prompt(workload: Workload) -> str:
+    """The shared system prompt: a deterministic pseudo-handbook of about ``system_chars``."""
+    rng = random.Random(0)
+    rules, n = [], 1
+    while sum(len(r) + 1 for r in rules) < workload.system_chars:
+        rules.append(f"Rule {n}: " + _text(rng, 70) + ".")
+        n += 1
+    return "You are the support assistant. Follow the handbook.\n" + "\n".join(rules)[
+        : workload.system_chars]
+
+
+def question(conversation: int, turn: int, chars: int) -> str:
+    rng = random.Random(1000 * conversation + turn)
+    return _text(rng, chars, lead=f"Question {turn} of conversation {conversation}:")
+
+
+# ------------------------------------------------------------------------------ the workload
+
+
+def _encode(tokenizer: Any, messages: list[dict]) -> list[int]:
+    if getattr(tokenizer, "has_chat_template", False):
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+    return list(tokenizer.encode(text))
+
+
+class _Tiered:
+    """The cached side: manager + prefix cache + scheduler, reopened on restart()."""
+
+    def __init__(self, model: Any, config: CacheConfig, model_id: str) -> None:
+        self.model, self.config, self.model_id = model, config, model_id
+        self.manager: PagedSSDCacheManager | None = None
+        self.open()
+
+    def open(self) -> None:
+        from scheduler import Scheduler
+
+        self.manager = PagedSSDCacheManager(self.config)
+        self.prefix = BlockAwarePrefixCache(self.manager, self.model, model_id=self.model_id)
+        self.scheduler = Scheduler(self.model, self.prefix)
+
+    def restart(self) -> None:
+        """Close (flush) the manager and open a new one on the same directory."""
+        self.close()
+        mx.clear_cache()
+        self.open()
+
+    def close(self) -> None:
+        if self.manager is not None:
+            self.manager.close()
+            self.manager = None
+
+    def tier_bytes(self) -> tuple[int, int]:
+        """(hot tier bytes, SSD tier bytes) now."""
+        stats = self.manager.stats()
+        return int(stats["hot"]["bytes"]), int((stats.get("ssd") or {}).get("bytes") or 0)
+
+
+def _measure(run: Callable[[], Any]) -> tuple[Any, int]:
+    mx.reset_peak_memory()
+    result = run()
+    return result, int(mx.get_peak_memory())
+
+
+def run_workload(model: Any, tokenizer: Any, config: CacheConfig, model_id: str,
+                 workload: Workload, on_turn: Callable[[TurnRow], None]) -> list[TurnRow]:
+    """Run both phases; call ``on_turn`` after every measured turn."""
+    from scheduler import Scheduler
+
+    eos = set(getattr(tokenizer, "eos_token_ids", None) or ())
+    system = system_prompt(workload)
+    names = [chr(ord("A") + i) for i in range(workload.conversations)]
+    histories = {name: [{"role": "system", "content": system}] for name in names}
+    cold = Scheduler(model, None, block_size=config.block_size)
+    cold.generate(_encode(tokenizer, [{"role": "user", "content": "warm up"}]), max_tokens=1)
+    tiered = _Tiered(model, config, model_id)
+    rows: list[TurnRow] = []
+    turn_no = dict.fromkeys(names, 0)
+    try:
+        for phase, turns in enumerate(workload.turns, start=1):
+            if phase > 1:
+                tiered.restart()
+            for _ in range(turns):
+                for i, name in enumerate(names):
+                    turn_no[name] += 1
+                    history = histories[name]
+                    history.append({"role": "user", "content": question(
+                        i, turn_no[name], workload.question_chars)})
+                    prompt = _encode(tokenizer, history)
+                    cached, peak_cached = _measure(lambda: tiered.scheduler.generate(
+                        prompt, max_tokens=workload.max_tokens, stop_tokens=eos))
+                    base, peak_cold = _measure(lambda: cold.generate(prompt, max_tokens=1))
+                    reply = [t for t in cached.tokens if t not in eos]
+                    history.append({"role": "assistant", "content": tokenizer.decode(reply)})
+                    hot, ssd = tiered.tier_bytes()
+                    row = TurnRow(phase, name, turn_no[name], len(prompt), cached.cached_tokens,
+                                  (cached.cache_tier or "miss") if cached.cached_tokens else "miss",
+                                  cached.ttft_s, base.ttft_s, cached.tokens[:1] == base.tokens[:1],
+                                  hot, ssd, peak_cached, peak_cold)
+                    rows.append(row)
+                    on_turn(row)
+    finally:
+        tiered.close()
+    return rows
+
+
+# ------------------------------------------------------------------------------ output
+
+
+def turn_table(rows: list[TurnRow]) -> Any:
+    """A rich Table with one row per turn."""
+    from rich.table import Table
+
+    table = Table(title="paged-cache demo: one row per chat turn (a line marks the restart)",
+                  title_style="bold", caption="TTFT with the cache vs a cold prefill of the same "
+                  "prompt; same = first token equals the cold run's; peak = MLX peak memory")
+    for header, justify in (("turn", "left"), ("prompt", "right"), ("cached", "right"),
+                            ("tier", "left"), ("TTFT", "right"), ("cold", "right"),
+                            ("speedup", "right"), ("same", "center"), ("RAM tier", "right"),
+                            ("SSD", "right"), ("peak / cold", "right")):
+        table.add_column(header, justify=justify, no_wrap=True)
+    tier_style = {"hot": "green", "ssd": "cyan", "mixed": "cyan", "miss": "red"}
+    previous_phase = None
+    for r in rows:
+        if previous_phase is not None and r.phase != previous_phase:
+            table.add_section()
+        previous_phase = r.phase
+        table.add_row(r.label, str(r.prompt_tokens), str(r.cached_tokens),
+                      f"[{tier_style.get(r.tier, 'white')}]{r.tier}[/]",
+                      f"{r.ttft_cached_s * 1e3:.0f} ms", f"{r.ttft_cold_s * 1e3:.0f} ms",
+                      f"{r.speedup:.1f}x", "✓" if r.same_first_token else "[red]✗[/]",
+                      _mib(r.hot_bytes), _mib(r.ssd_bytes),
+                      f"{_mib(r.peak_cached_bytes)} / {_mib(r.peak_cold_bytes)}")
+    return table
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+def summary_lines(result: DemoResult) -> list[str]:
+    """Plain-text summary of the run."""
+    rows = result.rows
+    prompt = sum(r.prompt_tokens for r in rows)
+    cached = sum(r.cached_tokens for r in rows)
+    t_cached = sum(r.ttft_cached_s for r in rows)
+    t_cold = sum(r.ttft_cold_s for r in rows)
+    lines = [
+        f"model: {result.model}",
+        f"cache: block {result.config.block_size} tokens, "
+        + ("hot tier only" if result.config.hot_cache_only else f"SSD tier at {result.config.ssd_dir}"),
+        f"{len(rows)} turns, {prompt} prompt tokens, {cached} served from the cache "
+        f"({100 * cached / max(prompt, 1):.0f}%)",
+        f"time to first token: {t_cached:.2f} s with the cache vs {t_cold:.2f} s cold "
+        f"({t_cold / max(t_cached, 1e-9):.1f}x)",
+    ]
+    for tier in ("hot", "ssd", "mixed", "miss"):
+        picked = [r for r in rows if r.tier == tier]
+        if picked:
+            mean = sum(r.speedup for r in picked) / len(picked)
+            lines.append(f"  {tier:5s}: {len(picked)} turns, mean speedup {mean:.1f}x")
+    phase2 = [r for r in rows if r.phase == 2]
+    if phase2:
+        lines.append(f"after the restart: {sum(r.cached_tokens > 0 for r in phase2)}/{len(phase2)} "
+                     f"turns hit ({', '.join(sorted({r.tier for r in phase2}))})")
+    lines.append(f"first generated token equal to the cold run: "
+                 f"{sum(r.same_first_token for r in rows)}/{len(rows)} turns")
+    last = rows[-1] if rows else None
+    if last is not None:
+        lines.append(f"memory at the end: hot tier {format_size(last.hot_bytes)}, "
+                     f"SSD {format_size(last.ssd_bytes)}")
+    lines.append(f"wall time {result.wall_s:.1f} s")
+    if result.plot is not None:
+        lines.append(f"plot: {result.plot}")
+    return lines
+
+
+def write_plot(rows: list[TurnRow], path: Path) -> Path | None:
+    """PNG of TTFT (cached vs cold) and memory per turn; None when matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = list(range(len(rows)))
+    labels = [r.label for r in rows]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    ax1.plot(x, [r.ttft_cold_s * 1e3 for r in rows], "o-", label="cold prefill", color="tab:red")
+    ax1.plot(x, [r.ttft_cached_s * 1e3 for r in rows], "o-", label="with paged-cache",
+             color="tab:green")
+    ax1.set_ylabel("TTFT (ms)")
+    ax1.set_title("Time to first token per turn")
+    mib = 2**20
+    ax2.plot(x, [r.hot_bytes / mib for r in rows], "s-", label="hot tier (RAM)")
+    ax2.plot(x, [r.ssd_bytes / mib for r in rows], "^-", label="SSD tier")
+    ax2.plot(x, [r.peak_cached_bytes / mib for r in rows], ".--", label="peak MLX memory, cached")
+    ax2.plot(x, [r.peak_cold_bytes / mib for r in rows], ".--", label="peak MLX memory, cold")
+    ax2.set_ylabel("MiB")
+    ax2.set_title("Memory per turn")
+    restart = next((i for i, r in enumerate(rows) if r.phase == 2), None)
+    for ax in (ax1, ax2):
+        if restart is not None:
+            ax.axvline(restart - 0.5, color="grey", linestyle=":", label="manager restart")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    ax2.set_xticks(x, labels)
+    ax2.set_xlabel("conversation / turn")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_results(result: DemoResult, path: Path) -> None:
+    """The rows as JSON (for scripts and tests)."""
+    data = {"model": result.model, "wall_s": result.wall_s, "config": result.config.to_dict(),
+            "rows": [dataclasses.asdict(r) for r in result.rows]}
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+# ------------------------------------------------------------------------------ entry
+
+
+def demo_config(config: CacheConfig, output: Path) -> CacheConfig:
+    """The demo's config: its own fresh SSD directory under ``output`` unless one was given."""
+    if config.hot_cache_only or "ssd_dir" in config.explicit:
+        return config
+    ssd = output / "ssd"
+    shutil.rmtree(ssd, ignore_errors=True)  # the demo's own directory: start from empty
+    return dataclasses.replace(config, ssd_dir=ssd)
+
+
+def run_demo(config: CacheConfig, *, output: Path, model_dir: Path | None = None,
+             short: bool = False, console: Any = None) -> DemoResult:
+    """Build/reuse the model, run the workload with a live table and progress bar, write the
+    PNG plot and a JSON of the rows under ``output``, print the summary; return the result."""
+    import mlx_lm
+    from rich.console import Console, Group
+    from rich.live import Live
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = console or Console(width=None if sys.stdout.isatty() else 120)
+    output.mkdir(parents=True, exist_ok=True)
+    workload = SHORT if short else FULL
+    start = time.perf_counter()
+    if model_dir is None:
+        with console.status("building the embedded demo model"):
+            model_dir = ensure_demo_model(output / "model")
+    with console.status(f"loading {model_dir}"):
+        model, tokenizer = mlx_lm.load(str(model_dir))
+    config = demo_config(config, output)
+    shown: list[TurnRow] = []
+    progress = Progress(TextColumn("{task.description}"), BarColumn(),
+                        TextColumn("{task.completed}/{task.total} turns"), TimeElapsedColumn())
+    task = progress.add_task("chat turns", total=workload.conversations * sum(workload.turns))
+
+    def on_turn(row: TurnRow) -> None:
+        shown.append(row)
+        progress.advance(task)
+        live.update(Group(turn_table(shown), progress))
+
+    with Live(Group(turn_table(shown), progress), console=console, refresh_per_second=4) as live:
+        rows = run_workload(model, tokenizer, config, model_id_for(str(model_dir)), workload,
+                            on_turn)
+    result = DemoResult(rows, time.perf_counter() - start, config, str(model_dir), None)
+    result.plot = write_plot(rows, output / "demo.png")
+    result.wall_s = time.perf_counter() - start
+    write_results(result, output / "demo-results.json")
+    for line in summary_lines(result):
+        console.print(line, highlight=False)
+    if result.plot is None:
+        console.print("matplotlib is not installed: no plot (pip install 'paged-cache[plot]')")
+    return result

@@ -1,0 +1,69 @@
+"""`paged-cache demo --short` runs end to end (real CLI subprocess) and writes its plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from paged_cache.testing import write_model_dir
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run_demo(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "paged_cache.cli.main", "demo", "--short", *args],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def results(output: Path) -> list[dict]:
+    return json.loads((output / "demo-results.json").read_text())["rows"]
+
+
+def check_common(run: subprocess.CompletedProcess, output: Path) -> list[dict]:
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (output / "demo.png").read_bytes().startswith(PNG_MAGIC)
+    assert "paged-cache demo" in run.stdout and "time to first token" in run.stdout
+    rows = results(output)
+    assert [r["phase"] for r in rows] == [1, 1, 2, 2]
+    assert rows[0]["cached_tokens"] == 0 and rows[0]["tier"] == "miss"
+    assert rows[1]["cached_tokens"] > 0 and rows[1]["tier"] == "hot"   # shared system prompt
+    assert all(r["same_first_token"] for r in rows)   # the cache changes no output
+    assert all(r["cached_tokens"] < r["prompt_tokens"] for r in rows)
+    return rows
+
+
+def test_demo_short_ssd_then_hot_only(tmp_path):
+    out = tmp_path / "demo"
+    rows = check_common(run_demo("--output", str(out)), out)
+    # After the manager restart the first turn is served from the SSD tier.
+    assert rows[2]["tier"] == "ssd" and rows[2]["cached_tokens"] > rows[0]["prompt_tokens"] // 2
+    blocks = sorted((out / "ssd").rglob("*.safetensors"))
+    assert blocks
+    weights = out / "model" / "model.safetensors"
+    built = weights.stat().st_mtime_ns
+
+    # Same output dir, hot tier only: the embedded model is reused and the restart loses the
+    # cache (the first turn after it is a miss); nothing is written to disk.
+    rows = check_common(run_demo("--output", str(out), "--hot-cache-only"), out)
+    assert weights.stat().st_mtime_ns == built
+    assert rows[2]["tier"] == "miss" and rows[2]["ssd_bytes"] == 0
+    assert sorted((out / "ssd").rglob("*.safetensors")) == blocks
+
+
+def test_demo_with_model_dir_hybrid(tmp_path):
+    model = write_model_dir(tmp_path / "qwen3_next", "qwen3_next")
+    out = tmp_path / "demo"
+    rows = check_common(run_demo("--output", str(out), "--model", str(model),
+                                 "--ssd-dir", str(tmp_path / "ssd")), out)
+    assert rows[2]["tier"] == "ssd" and rows[2]["cached_tokens"] > 0
+    assert not (out / "model").exists()
+    assert list((tmp_path / "ssd").rglob("*.safetensors"))
+
+
+def test_demo_bad_model_dir(tmp_path):
+    run = run_demo("--output", str(tmp_path / "o"), "--model", str(tmp_path / "missing"))
+    assert run.returncode == 2 and "--model" in run.stderr
