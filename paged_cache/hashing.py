@@ -2,15 +2,18 @@
 
 A block key commits to the model fingerprint, the namespace, the parent block's key and the
 block's token ids, so equal keys mean equal prefixes computed by a compatible model and layout.
+The model identity hashes the config and a sampled digest of the weights (see weights_digest).
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import hashlib
 import json
 from typing import Any, Iterable, Sequence
 
+import mlx.core as mx
 import numpy as np
 
 _DOMAIN = b"paged-cache/block/v1\0"
@@ -28,6 +31,34 @@ def _digest(*parts: bytes) -> str:
 def token_bytes(tokens: Sequence[int]) -> bytes:
     """Canonical byte encoding of token ids (int64 little-endian)."""
     return np.asarray(tokens, dtype="<i8").tobytes()
+
+
+def token_array(tokens: Sequence[int]) -> np.ndarray:
+    """Token ids as the narrowest of uint16 / int32 / int64 (little-endian) that holds them all."""
+    wide = np.asarray(tokens, dtype="<i8")
+    lo, hi = (int(wide.min()), int(wide.max())) if wide.size else (0, 0)
+    for dtype in ("<u2", "<i4"):
+        info = np.iinfo(dtype)
+        if info.min <= lo and hi <= info.max:
+            return wide.astype(dtype)
+    return wide
+
+
+def encode_token_ids(tokens: Sequence[int]) -> str:
+    """Compact text form of a block's token ids for its meta: "<u2|i4|i8>:<base64 bytes>"."""
+    array = token_array(tokens)
+    return f"{array.dtype.str[1:]}:{base64.b64encode(array.tobytes()).decode('ascii')}"
+
+
+def decode_token_ids(text: str) -> np.ndarray:
+    """Inverse of encode_token_ids; ValueError when ``text`` is not in that form."""
+    code, sep, payload = text.partition(":")
+    if not sep or code not in ("u2", "i4", "i8"):
+        raise ValueError(f"token_ids: expected '<u2|i4|i8>:<base64>', got {text[:20]!r}")
+    raw = base64.b64decode(payload.encode("ascii"), validate=True)
+    if len(raw) % int(code[1]):
+        raise ValueError(f"token_ids: {len(raw)} bytes is not a whole number of {code} ids")
+    return np.frombuffer(raw, dtype="<" + code)
 
 
 def block_key(fingerprint: str, namespace: str, parent: str, tokens: Sequence[int]) -> str:
@@ -58,8 +89,40 @@ def _jsonable(value: Any) -> Any:
     return repr(value)
 
 
+WEIGHT_SAMPLE_BYTES = 256  # bytes sampled from the start and from the end of every parameter
+WEIGHT_SAMPLE_STRIDED = 16  # elements sampled at even strides across every parameter
+
+
+def weights_digest(model: Any) -> str:
+    """Cheap digest of a model's weights: per parameter its name, shape, dtype and a fixed sample.
+
+    The sample is the first and last 256 bytes and 16 evenly strided elements, so fine-tunes and
+    differently seeded random weights get different digests without reading every byte.
+    """
+    from mlx.utils import tree_flatten
+
+    params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
+    samples = []
+    for _, p in params:
+        flat = p.reshape(-1)
+        edge = -(-WEIGHT_SAMPLE_BYTES // p.dtype.size)
+        if flat.size <= 2 * edge + WEIGHT_SAMPLE_STRIDED:
+            picked = flat
+        else:
+            stride = flat.size // WEIGHT_SAMPLE_STRIDED
+            picked = mx.concatenate([flat[:edge], flat[-edge:], flat[::stride][:WEIGHT_SAMPLE_STRIDED]])
+        samples.append(mx.view(picked, mx.uint8))
+    mx.eval(samples)
+    h = hashlib.blake2b(digest_size=32)
+    for (name, p), sample in zip(params, samples):
+        h.update(json.dumps([name, list(p.shape), str(p.dtype)]).encode())
+        h.update(memoryview(sample))
+    return h.hexdigest()
+
+
 def model_identity(model: Any, model_id: str | None = None) -> str:
-    """``model_id`` when given, else a hash of the model's config (``args`` / ``config``)."""
+    """``model_id`` when given, else a hash of the model's class, config (``args`` / ``config``)
+    and weights digest (weights_digest: models sharing a config but not weights never mix)."""
     if model_id is not None:
         if not isinstance(model_id, str) or not model_id:
             raise ValueError(f"model_id: expected a non-empty string, got {model_id!r}")
@@ -73,8 +136,9 @@ def model_identity(model: Any, model_id: str | None = None) -> str:
     elif not isinstance(config, dict) and not dataclasses.is_dataclass(config):
         config = vars(config)
     payload = json.dumps({"class": type(model).__module__ + "." + type(model).__qualname__,
-                          "config": _jsonable(config)}, sort_keys=True)
-    return "config:" + hashlib.blake2b(payload.encode(), digest_size=32).hexdigest()
+                          "config": _jsonable(config), "weights": weights_digest(model)},
+                         sort_keys=True)
+    return "model:" + hashlib.blake2b(payload.encode(), digest_size=32).hexdigest()
 
 
 def model_fingerprint(identity: str, layout: Iterable[dict]) -> str:

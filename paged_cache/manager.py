@@ -2,15 +2,15 @@
 
 Reads look in the hot tier, then the SSD writer's queue, then the SSD files (checksum verified) and
 promote what they find into the hot tier. Writes never wait on disk: with write-through every put
-is queued for the SSD writer; with write-back a block is queued when it leaves the hot tier.
-With ``hot_cache_only`` there is no SSD tier at all: no directory, no files, no thread, no queue.
+is queued for the SSD writer; with write-back a block is queued when it leaves the hot tier
+(evicted, demoted, taken). With ``hot_cache_only`` there is no SSD tier at all: no directory, no files, no thread, no queue.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Literal
+from typing import Any, Iterable, Literal
 
 import mlx.core as mx
 
@@ -25,8 +25,8 @@ Tier = Literal["hot", "pending", "ssd"]
 
 
 class PagedSSDCacheManager:
-    """Tiered store of Blocks: `put`, `get` (take=), `tier_of`, `contains`, `discard`, `flush`,
-    `close`, `stats`. Thread-safe; a context manager whose exit closes (and so flushes) it."""
+    """Tiered store of Blocks: `put`, `get` (take=), `tier_of`, `contains`, `demote`,
+    `trim_hot`, `discard`, `flush`, `close`, `stats`. Thread-safe; a context manager whose exit closes (and so flushes) it."""
 
     def __init__(self, config: CacheConfig | None = None) -> None:
         if config is not None and not isinstance(config, CacheConfig):
@@ -180,6 +180,34 @@ class PagedSSDCacheManager:
         """True when some tier holds `key`."""
         return self.tier_of(key) is not None
 
+    @property
+    def hot_bytes(self) -> int:
+        """Payload bytes held in the hot (RAM) tier now (cheap: no SSD query)."""
+        return self._hot.nbytes
+
+    # ------------------------------------------------------------------------------ demotion
+
+    def demote(self, keys: Iterable[str]) -> int:
+        """Move the blocks of `keys` out of the hot tier as an eviction would (no get, no hit):
+        already on SSD or queued (write-through) they are released, without a copy they are queued
+        for the SSD writer first (write-back), and without an SSD tier they are dropped (counted).
+        Keys not in the hot tier are skipped; returns how many blocks left it."""
+        if isinstance(keys, str):
+            raise TypeError("keys: expected an iterable of keys, got a single str")
+        keys = list(keys)
+        for key in keys:
+            check_key(key)
+        with self._lock:
+            self._check_open()
+            return self._hot.demote(keys)
+
+    def trim_hot(self, max_bytes: int) -> int:
+        """Demote least recently used blocks until the hot tier holds at most `max_bytes`;
+        returns how many blocks left it. ValueError unless `max_bytes` is an int >= 0."""
+        with self._lock:
+            self._check_open()
+            return self._hot.trim(max_bytes)
+
     def discard(self, key: str) -> None:
         """Drop `key` from every tier (a pending write is cancelled)."""
         check_key(key)
@@ -240,3 +268,21 @@ class PagedSSDCacheManager:
             if self._ssd is not None:
                 out["ssd"] = self._ssd.stats()
             return out
+
+    # ------------------------------------------------------------------------------ chain lookup
+
+    def children(self, parent: str, fingerprint: str) -> list[str]:
+        """Keys held by the SSD tier (queued or written, by any process) whose meta names
+        `parent` and `fingerprint`; [] without an SSD tier. Hot-only blocks are not listed."""
+        with self._lock:
+            self._check_open()
+            ssd = self._ssd
+        return [] if ssd is None else ssd.children(parent, fingerprint)
+
+    def ssd_meta(self, key: str) -> dict[str, str] | None:
+        """A block's meta from the SSD tier without reading its payload, or None."""
+        check_key(key)
+        with self._lock:
+            self._check_open()
+            ssd = self._ssd
+        return None if ssd is None else ssd.read_meta(key)

@@ -3,7 +3,9 @@
 Store cuts every layer into per-block payloads with its handler (handlers/) and puts one Block per
 token block in the manager. Fetch walks the chain, walks back to the largest length every layer
 can be restored at exactly, and rebuilds each layer straight into one buffer sized for the
-continuation. See docs/architecture.md (fetch / store) and docs/cache-types.md.
+continuation. Children of a block (for token-granular reuse past the last whole block) come from
+the store itself: an in-process cache plus the SSD manifest's listing and each block's token ids in
+its meta. See docs/architecture.md (store and fetch) and docs/cache-types.md.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ from paged_cache.block import Block
 from paged_cache.handlers import (LayerHandler, Part, Span, UnsupportedCacheError,
                                   layer_needs_snapshots, require_handler)
 from paged_cache.handlers.base import Captured
-from paged_cache.hashing import ROOT_PARENT, block_key, chain_keys, model_fingerprint, model_identity
+from paged_cache.hashing import (ROOT_PARENT, block_key, chain_keys, decode_token_ids,
+                                  encode_token_ids, model_fingerprint, model_identity, token_array)
 
 logger = logging.getLogger("paged_cache.prefix_cache")
 
 GROWTH_STEP = 256  # mlx-lm's KV growth step: rebuilt buffers are a multiple of it
-MAX_INDEXED_PARENTS = 1 << 16  # bound of the in-process child index (LRU)
+MAX_INDEXED_PARENTS = 1 << 16  # bound of the in-process child index (LRU), and of _foreign
+META_TOKEN_IDS = "token_ids"  # a block's own token ids (hashing.encode_token_ids)
 
 
 @dataclass
@@ -125,8 +129,10 @@ class BlockAwarePrefixCache:
         self._signatures: list[Any] = []
         self._handlers: list[LayerHandler] = []
         self._full_history = False
-        # parent key -> {child key: child token ids (int32 bytes)}; None for keys never seen here
-        self._children: OrderedDict[str, dict[str, bytes]] = OrderedDict()
+        # A cache of the store's parent -> children links: parent key -> {child key: token ids}.
+        # Never the only source: the SSD tier's listing is consulted whenever it could do better.
+        self._children: OrderedDict[str, dict[str, np.ndarray]] = OrderedDict()
+        self._foreign: OrderedDict[str, None] = OrderedDict()  # SSD children of another namespace
         self._stats = dict.fromkeys(
             ("hits", "misses", "tokens_requested", "tokens_matched", "tokens_saved",
              "partial_block_tokens_lost", "walkbacks", "walkback_tokens_lost", "stores",
@@ -279,7 +285,8 @@ class BlockAwarePrefixCache:
             mx.eval(list(arrays.values()))
             s, e = spans[j]
             meta = {"parent": keys[j - 1] if j else ROOT_PARENT, "fingerprint": self._fingerprint,
-                    "start": str(s), "tokens": str(e - s), "layers": json.dumps(descs)}
+                    "start": str(s), "tokens": str(e - s), "layers": json.dumps(descs),
+                    META_TOKEN_IDS: encode_token_ids(tokens[s:e])}
             written += bool(self.manager.put(Block(keys[j], arrays, meta)))
         for j, key in enumerate(keys):
             self._index(keys[j - 1] if j else ROOT_PARENT, key, tokens[spans[j][0]:spans[j][1]])
@@ -289,13 +296,13 @@ class BlockAwarePrefixCache:
         st["blocks_written"] += written
         st["blocks_deduplicated"] += len(keys) - len(new)
         st["store_seconds"] += seconds
-        logger.info("store: %d tokens, %d blocks (%d new, %d deduplicated) in %.1f ms",
+        logger.debug("store: %d tokens, %d blocks (%d new, %d deduplicated) in %.1f ms",
                     n, len(keys), written, len(keys) - len(new), seconds * 1e3)
         return written
 
-    def _index(self, parent: str, key: str, tokens: Sequence[int]) -> None:
+    def _index(self, parent: str, key: str, tokens: Sequence[int] | np.ndarray) -> None:
         children = self._children.setdefault(parent, {})
-        children[key] = np.asarray(tokens, dtype=np.int32).tobytes()
+        children[key] = tokens if isinstance(tokens, np.ndarray) else token_array(tokens)
         self._children.move_to_end(parent)
         self._children.setdefault(key, {})
         while len(self._children) > MAX_INDEXED_PARENTS:
@@ -324,7 +331,7 @@ class BlockAwarePrefixCache:
         st["tokens_saved"] += n
         st["restore_seconds"] += seconds
         self.last_fetch = FetchInfo(total, n, tier, seconds, used)
-        logger.info("fetch: %d/%d tokens from %s (%d blocks) in %.1f ms",
+        logger.debug("fetch: %d/%d tokens from %s (%d blocks) in %.1f ms",
                     n, total, tier, used, seconds * 1e3)
         return cache, n
 
@@ -344,26 +351,61 @@ class BlockAwarePrefixCache:
         rest = tokens[matched:matched + bs]
         if not rest:
             return path, tiers, matched
-        best, best_c = None, 0
-        known = self._children.get(parent)
-        if known is not None:
-            for child, raw in known.items():
-                c = _common_prefix(np.frombuffer(raw, dtype=np.int32).tolist(), rest)
-                if c > best_c:
-                    best, best_c = child, c
-        else:  # not indexed here (e.g. after a restart): probe stored tails of exact length
-            for t in range(min(bs - 1, len(rest)), 0, -1):
-                key = block_key(self._fingerprint, self.namespace, parent, rest[:t])
-                if self.manager.tier_of(key) is not None:
-                    best, best_c = key, t
-                    break
-        if best is not None:
-            tier = self.manager.tier_of(best)
-            if tier is not None:
-                path.append(best)
-                tiers.append(tier)
-                matched += best_c
+        found = self._extension(parent, rest)
+        if found is not None:
+            path.append(found[0])
+            tiers.append(found[2])
+            matched += found[1]
         return path, tiers, matched
+
+    def _extension(self, parent: str, rest: list[int]) -> tuple[str, int, str] | None:
+        """The held child of ``parent`` sharing the most leading tokens with ``rest`` (a partial
+        tail, or a longer chain's block): (key, tokens shared, tier), or None."""
+        indexed = parent in self._children
+        ranked = self._rank(self._children.get(parent, {}), rest)
+        if not ranked or ranked[0][0] < len(rest):  # the SSD tier may hold a better child
+            self._index_ssd_children(parent)
+            ranked = self._rank(self._children.get(parent, {}), rest)
+        for shared, key in ranked:
+            tier = self.manager.tier_of(key)
+            if tier is not None:
+                return key, shared, tier
+            self._unindex(parent, key)  # gone from every tier
+        if not indexed:  # hot-only blocks whose parent left the bounded index: exact-length probe
+            for t in range(min(self.block_size - 1, len(rest)), 0, -1):
+                key = block_key(self._fingerprint, self.namespace, parent, rest[:t])
+                tier = self.manager.tier_of(key)
+                if tier is not None:
+                    return key, t, tier
+        return None
+
+    @staticmethod
+    def _rank(children: dict[str, np.ndarray], rest: list[int]) -> list[tuple[int, str]]:
+        """Children sharing at least one leading token with ``rest``, most shared first."""
+        ranked = [(_common_prefix(ids, rest), key) for key, ids in children.items()]
+        return sorted((r for r in ranked if r[0] > 0), reverse=True)
+
+    def _index_ssd_children(self, parent: str) -> None:
+        """Index the SSD tier's children of ``parent`` (any process's) not indexed yet, reading
+        each one's token ids from its meta once (header only) and checking them against its key."""
+        known = self._children.get(parent, {})
+        for key in self.manager.children(parent, self._fingerprint):
+            if key in known or key in self._foreign:
+                continue
+            meta = self.manager.ssd_meta(key)
+            if meta is None:  # gone or unreadable now: nothing to cache
+                continue
+            try:
+                ids = decode_token_ids(meta[META_TOKEN_IDS])
+            except (KeyError, ValueError):
+                ids = None
+            if ids is not None and block_key(self._fingerprint, self.namespace, parent,
+                                             ids.tolist()) == key:
+                self._index(parent, key, ids)
+                continue
+            self._foreign[key] = None  # another namespace's root block (or no token ids)
+            while len(self._foreign) > MAX_INDEXED_PARENTS:
+                self._foreign.popitem(last=False)
 
     def _find(self, tokens: list[int]) -> tuple[list, int, str, int] | None:
         path, tiers, matched = self._walk(tokens)
@@ -435,24 +477,30 @@ class BlockAwarePrefixCache:
         """Hand over the unshared tail of ``path``; return the index of its first block.
 
         A block is taken when it and every later block of the path have no child outside the
-        path, so no other chain loses a block. With an SSD tier a taken block stays on SSD. In
+        path (cached children plus the SSD listing), so no other chain loses a block. With an SSD
+        tier a taken block stays on SSD (and in the child cache). In
         hot_cache_only mode only full-history layouts take: the live cache cannot reproduce the
         rows and states windowed / recurrent layers hold at earlier boundaries.
         """
         if self.manager.config.hot_cache_only and not self._full_history:
             return len(path)
+        hot_only = self.manager.config.hot_cache_only
         first = len(path)
         for j in range(len(path) - 1, -1, -1):
             kids = self._children.get(path[j])
+            if kids is None and hot_only:
+                break  # a parent that left the bounded index: its children are unknown
             nxt = path[j + 1] if j + 1 < len(path) else None
-            if kids is None or any(k != nxt for k in kids):
-                break
+            listed = self.manager.children(path[j], self._fingerprint)
+            if any(k != nxt and self.manager.contains(k) for k in (*(kids or ()), *listed)):
+                break  # (a cached child gone from every tier, e.g. demoted, does not count)
             first = j
         for j in range(first, len(path)):
             got = self.manager.get(path[j], take=True)
             if got is not None and got is not blocks[j]:
                 blocks[j] = got
-            self._unindex(path[j - 1] if j else ROOT_PARENT, path[j])
+            if hot_only:  # with an SSD tier a taken block stays there, and so in the index
+                self._unindex(path[j - 1] if j else ROOT_PARENT, path[j])
         self._stats["blocks_taken"] += len(path) - first
         return first
 

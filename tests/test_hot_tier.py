@@ -185,3 +185,29 @@ def test_large_eviction_returns_memory_to_the_system(clears):
     else:
         assert mx.get_cache_memory() - cached_before >= 28 * 2**20
     hot.clear()
+
+
+def test_demote_and_trim_evict_through_the_callback_without_hits():
+    evicted: list[tuple[str, bool]] = []
+    hot = HotTier(4000, on_evict=lambda b, persisted: evicted.append((b.key, persisted)))
+    blocks = [make_block(i, 1000) for i in range(4)]
+    for b in blocks:
+        hot.insert(b, persisted=(b.meta["i"] == "2"))
+    # Unknown and repeated keys are skipped; held ones leave in the order given.
+    assert hot.demote([blocks[2].key, key_of(99), blocks[2].key, blocks[0].key]) == 2
+    assert evicted == [(blocks[2].key, True), (blocks[0].key, False)]
+    assert hot.keys() == [blocks[1].key, blocks[3].key] and hot.nbytes == 2000
+    hot.get(blocks[1].key)                                   # 3 is now least recently used
+    assert hot.trim(1500) == 1 and evicted[-1] == (blocks[3].key, False)
+    assert hot.trim(1000) == 0 and hot.keys() == [blocks[1].key]
+    s = hot.stats()
+    assert (s["evictions"], s["evicted_bytes"]) == (3, 3000)
+    assert (s["demote_evictions"], s["demote_evicted_bytes"]) == (3, 3000)
+    assert (s["hits"], s["misses"], s["takes"], s["discards"]) == (1, 0, 0, 0)
+    # A plain LRU eviction is an eviction, not a demotion.
+    hot.insert(make_block(5, 4000), persisted=False)
+    s = hot.stats()
+    assert (s["evictions"], s["demote_evictions"]) == (4, 3) and hot.trim(0) == 1
+    assert hot.nbytes == 0 and len(hot) == 0
+    with pytest.raises(ValueError, match="max_bytes"):
+        hot.trim(-1)

@@ -569,3 +569,76 @@ TestWriteBackSSDMachine = WriteBackSSDMachine.TestCase
 TestWriteBackSSDMachine.settings = _SETTINGS
 TestSmallSSDMachine = SmallSSDMachine.TestCase
 TestSmallSSDMachine.settings = _SETTINGS
+
+
+# ------------------------------------------------------------------------------ demotion
+
+def test_demote_under_write_through_releases_ram_and_keeps_the_ssd_copy(tmp_path):
+    with with_ssd(tmp_path, hot_cache_max_bytes="1MB") as manager:
+        blocks = [make_block(i, 2048) for i in range(4)]
+        for b in blocks:
+            manager.put(b)
+        before = manager.stats()
+        assert manager.demote([blocks[0].key, blocks[2].key, key_of(99)]) == 2
+        assert manager.hot_bytes == 2 * 2048
+        assert [manager.tier_of(b.key) in ("pending", "ssd") for b in blocks] == \
+            [True, False, True, False]
+        after = manager.stats()
+        # An eviction on demand: not a get, a hit or a take; nothing spilled (already queued).
+        for name in ("gets", "takes", "misses", "spills", "evicted_dropped"):
+            assert after[name] == before[name], name
+        assert after["hits"] == before["hits"] and after["hot"]["hits"] == before["hot"]["hits"]
+        assert after["hot"]["demote_evictions"] == 2 and after["hot"]["evictions"] == 2
+        manager.flush()
+        assert_same(manager.get(blocks[0].key), blocks[0])   # read back from SSD, promoted
+        assert manager.stats()["hits"]["ssd"] == 1 and manager.tier_of(blocks[0].key) == "hot"
+
+
+def test_demote_under_write_back_queues_dirty_blocks_first(tmp_path):
+    blocks = [make_block(i, 1024) for i in range(3)]
+    with with_ssd(tmp_path, hot_cache_max_bytes="1MB", write_policy="write-back") as manager:
+        for b in blocks:
+            manager.put(b)
+        assert block_files(tmp_path) == []                   # write-back: nothing written yet
+        assert manager.demote(b.key for b in blocks[:2]) == 2
+        assert manager.stats()["spills"] == 2
+        manager.flush()
+        assert len(block_files(tmp_path)) == 3               # + the dirty hot block, by flush
+        assert manager.tier_of(blocks[0].key) == "ssd" and manager.tier_of(blocks[2].key) == "hot"
+        assert manager.trim_hot(0) == 1 and manager.hot_bytes == 0
+        assert manager.stats()["spills"] == 2                # flush had written it already
+    with with_ssd(tmp_path, hot_cache_max_bytes="1MB") as manager:
+        for b in blocks:
+            assert_same(manager.get(b.key), b)
+
+
+def test_demote_and_trim_in_hot_cache_only_drop_and_count():
+    with hot_only(hot_cache_max_bytes=8192) as manager:
+        blocks = [make_block(i, 1024) for i in range(5)]
+        for b in blocks:
+            manager.put(b)
+        manager.get(blocks[0].key)                           # 1 is now least recently used
+        assert manager.demote([blocks[4].key]) == 1 and manager.tier_of(blocks[4].key) is None
+        assert manager.trim_hot(2048) == 2
+        assert [manager.tier_of(b.key) for b in blocks] == ["hot", None, None, "hot", None]
+        stats = manager.stats()
+        assert stats["evicted_dropped"] == 3 and stats["evicted_dropped_bytes"] == 3072
+        assert stats["hot"]["demote_evictions"] == 3 and stats["hits"]["total"] == 1
+
+
+def test_demote_and_trim_reject_bad_input_and_keep_what_is_stored():
+    with hot_only(hot_cache_max_bytes=8192) as manager:
+        block = make_block(1)
+        manager.put(block)
+        with pytest.raises(TypeError, match="keys"):
+            manager.demote(block.key)                        # a str, not an iterable of keys
+        with pytest.raises(ValueError, match="key"):
+            manager.demote([block.key, "not-a-key"])         # checked before anything leaves
+        for bad in (-1, 1.5, True, "1GB"):
+            with pytest.raises(ValueError, match="max_bytes"):
+                manager.trim_hot(bad)
+        assert manager.tier_of(block.key) == "hot" and manager.hot_bytes == 1024
+    with pytest.raises(RuntimeError, match="closed"):
+        manager.demote([block.key])
+    with pytest.raises(RuntimeError, match="closed"):
+        manager.trim_hot(0)

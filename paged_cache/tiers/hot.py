@@ -3,7 +3,8 @@
 The budget is a hard bound: room is made by evicting least-recently-used blocks *before* a block
 is inserted, and a block larger than the whole budget is refused. Evicted blocks go to a callback
 (the manager spills them to SSD or drops them); after large evictions MLX's buffer cache is
-cleared so the freed memory really returns to the system.
+cleared so the freed memory really returns to the system. `demote` and `trim` evict on demand
+through the same path.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import mlx.core as mx
 
@@ -35,14 +36,18 @@ class _Entry:
 EvictCallback = Callable[[Block, bool], None]   # (block, persisted)
 
 
+def _check_max_bytes(max_bytes: Any) -> None:
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        raise ValueError(f"max_bytes: expected a non-negative int, got {max_bytes!r}")
+
+
 class HotTier:
     """LRU of Blocks bounded by ``max_bytes``; thread-safe. ``mx.clear_cache()`` runs whenever
     ``clear_cache_bytes`` (default: a quarter of the budget, 1-64 MiB) have been evicted."""
 
     def __init__(self, max_bytes: int, on_evict: EvictCallback | None = None, *,
                  clear_cache_bytes: int | None = None) -> None:
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
-            raise ValueError(f"max_bytes: expected a non-negative int, got {max_bytes!r}")
+        _check_max_bytes(max_bytes)
         self.max_bytes = max_bytes
         self._on_evict = on_evict
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
@@ -53,7 +58,7 @@ class HotTier:
             min(max(max_bytes // 4, CLEAR_CACHE_MIN_BYTES), CLEAR_CACHE_MAX_BYTES)
         self.counters = dict(hits=0, misses=0, inserts=0, evictions=0, evicted_bytes=0,
                              rejected=0, takes=0, discards=0, cache_clears=0,
-                             evict_errors=0)
+                             evict_errors=0, demote_evictions=0, demote_evicted_bytes=0)
 
     # ------------------------------------------------------------------------------ writes
 
@@ -65,15 +70,12 @@ class HotTier:
         nbytes = block.nbytes
         evicted: list[_Entry] = []
         with self._lock:
-            old = self._entries.pop(block.key, None)
-            if old is not None:
-                self._bytes -= old.nbytes
+            self._pop(block.key)
             if nbytes > self.max_bytes:
                 self.counters["rejected"] += 1
                 return False
             while self._bytes + nbytes > self.max_bytes:   # no local may keep an evicted entry
-                evicted.append(self._entries.popitem(last=False)[1])
-                self._bytes -= evicted[-1].nbytes
+                evicted.append(self._pop(next(iter(self._entries))))
             self._evicted(evicted)
             self._entries[block.key] = _Entry(block, nbytes, persisted)
             self._bytes += nbytes
@@ -92,13 +94,44 @@ class HotTier:
         with self._lock:
             return [e.block for e in self._entries.values() if not e.persisted]
 
-    def _evicted(self, entries: list[_Entry]) -> None:
+    def demote(self, keys: Iterable[str]) -> int:
+        """Evict the held blocks among `keys` now, through the eviction callback like an LRU
+        eviction (counted in ``evictions`` and ``demote_evictions``); returns how many."""
+        with self._lock:
+            evicted = [self._pop(k) for k in dict.fromkeys(keys) if k in self._entries]
+            count = len(evicted)
+            self._evicted(evicted, demoted=True)
+        return count
+
+    def trim(self, max_bytes: int) -> int:
+        """Evict least recently used blocks until at most `max_bytes` are held (counted like
+        `demote`); returns how many."""
+        _check_max_bytes(max_bytes)
+        with self._lock:
+            evicted = []
+            while self._bytes > max_bytes:
+                evicted.append(self._pop(next(iter(self._entries))))
+            count = len(evicted)
+            self._evicted(evicted, demoted=True)
+        return count
+
+    def _pop(self, key: str) -> _Entry | None:
+        """Remove `key`'s entry (no callback, no counter) and return it."""
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._bytes -= entry.nbytes
+        return entry
+
+    def _evicted(self, entries: list[_Entry], *, demoted: bool = False) -> None:
         """Hand evicted entries to the callback, then release MLX's cache after large evictions."""
         if not entries:
             return
         freed = sum(e.nbytes for e in entries)
         self.counters["evictions"] += len(entries)
         self.counters["evicted_bytes"] += freed
+        if demoted:
+            self.counters["demote_evictions"] += len(entries)
+            self.counters["demote_evicted_bytes"] += freed
         while entries:
             entry = entries.pop(0)
             if self._on_evict is not None:
@@ -136,10 +169,9 @@ class HotTier:
         """Remove and return ``(block, persisted)``: the caller takes the arrays over (a hit, and
         counted in ``takes``); None (not counted as a miss) when absent."""
         with self._lock:
-            entry = self._entries.pop(key, None)
+            entry = self._pop(key)
             if entry is None:
                 return None
-            self._bytes -= entry.nbytes
             self.counters["hits"] += 1
             self.counters["takes"] += 1
             return entry.block, entry.persisted
@@ -147,10 +179,8 @@ class HotTier:
     def discard(self, key: str) -> bool:
         """Drop `key` without calling the eviction callback; True if it was held."""
         with self._lock:
-            entry = self._entries.pop(key, None)
-            if entry is None:
+            if self._pop(key) is None:
                 return False
-            self._bytes -= entry.nbytes
             self.counters["discards"] += 1
             return True
 

@@ -139,6 +139,12 @@ class Manifest:
         """(rows, bytes) over all rows, reservations included."""
         return tuple(self._db.execute("SELECT blocks, bytes FROM totals WHERE id = 0").fetchone())
 
+    def children(self, parent: str, fingerprint: str) -> list[str]:
+        """Keys of complete rows stored under ``parent`` for ``fingerprint`` (the blocks_parent index)."""
+        cur = self._db.execute("SELECT key FROM blocks WHERE parent = ? AND fingerprint = ? AND state = ?",
+                               (parent, fingerprint, COMPLETE))
+        return [r[0] for r in cur.fetchall()]
+
     # ---- writes --------------------------------------------------------------------------
     def reserve(self, row: Row, max_bytes: int, deferred: tuple[dict[str, float], set[str]],
                 remove_file: Callable[[str], None],

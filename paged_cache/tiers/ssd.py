@@ -217,6 +217,57 @@ class SSDTier:
                    compression=self.compression, open_seconds=self.open_seconds)
         return out
 
+    # ---- chain lookup (the prefix cache's child listing; additive) ------------------------
+    def children(self, parent: str, fingerprint: str) -> list[str]:
+        """Keys of blocks stored under ``parent`` for ``fingerprint``: queued writes, then complete
+        manifest rows (any process's). [] if the manifest cannot be read now (logged)."""
+        with self._cond:
+            pending = [k for k, item in self._pending.items()
+                       if item.meta.get(fmt.META_PARENT) == parent
+                       and item.meta.get(fmt.META_FINGERPRINT) == fingerprint]
+        try:
+            listed = self._manifest.children(parent, fingerprint)
+        except sqlite3.Error as exc:
+            log.warning("listing children of %s failed: %s", parent[:16] or "<root>", exc)
+            listed = []
+        seen = set(pending)
+        return pending + [k for k in listed if k not in seen]
+
+    def read_meta(self, key: str) -> dict[str, str] | None:
+        """A block's meta without its payload (a queued write's, or the file header's, header
+        checksum verified), reserved format keys removed; None if absent or unreadable."""
+        check_key(key)
+        item = self._pending.get(key)
+        if item is not None:
+            return dict(item.meta)
+        fan_fd = self._open_fan(key, create=False)
+        if fan_fd is None:
+            return None
+        try:
+            for comp in self._compression_order():
+                try:
+                    fd = os.open(key + fmt.SUFFIXES[comp], _READ_FLAGS, dir_fd=fan_fd)
+                except FileNotFoundError:
+                    continue
+                except OSError:
+                    return None
+                try:
+                    st = os.fstat(fd)
+                    if not stat.S_ISREG(st.st_mode):
+                        return None
+                    header = fmt.read_header_only(lambda off, n: os.pread(fd, n, off), st.st_size,
+                                                  255 * st.st_size + (1 << 16))
+                except (OSError, ValueError):
+                    return None  # damage is handled (counted, removed) by a full read
+                finally:
+                    os.close(fd)
+                if header.meta.get(fmt.META_KEY) != key:
+                    return None
+                return {k: v for k, v in header.meta.items() if k not in fmt.RESERVED_META}
+        finally:
+            os.close(fan_fd)
+        return None
+
     # ---- reading -------------------------------------------------------------------------
     def _read_open_file(self, fan_fd: int, fd: int, name: str, key: str) -> Block | None:
         try:
@@ -402,6 +453,8 @@ class SSDTier:
 
     def _remove_file(self, key: str, compression: str | None = None) -> None:
         """Remove the block's file; every suffix unless ``compression`` is given."""
+        if not _is_key(key):  # a tampered manifest row must never name a path outside blocks/
+            return
         for comp in (compression,) if compression else fmt.COMPRESSIONS:
             _unlink_quiet(f"{key[:2]}/{key}{fmt.SUFFIXES[comp]}", self._blocks_fd)
 
