@@ -21,7 +21,7 @@ import pytest
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
 from paged_cache.block import Block
 from paged_cache.cli.main import main
-from paged_cache.cli.stats_endpoint import stats_response
+from paged_cache.integrations.stats_http import answer
 from paged_cache.hashing import ROOT_PARENT
 from paged_cache.stats import render_prometheus
 from paged_cache.testing import tiny_model
@@ -311,16 +311,8 @@ def serve_stats(source) -> tuple[_Server, str]:
     """A real HTTP server answering the stats endpoint exactly as `paged-cache serve` must."""
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            response = stats_response(self.path, source)
-            if response is None:
+            if not answer(self, source):
                 self.send_error(404)
-                return
-            status, content_type, body = response
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
 
         def log_message(self, *args):
             pass
@@ -375,6 +367,20 @@ def test_stats_of_a_running_server(tmp_path):
             assert status == 0 and "token hit ratio" in out and "tokens_matched" in out
             status, _, err = run_cli("stats", "--url", url + "/nothing-here")
             assert status == 1 and "HTTP 404" in err
+            # Every request runs on a new server thread; the sources are read on one thread, so
+            # scrapes do not each open (and keep) a manifest connection.
+            connections = len(manager._ssd._manifest._connections)
+            for _ in range(5):
+                cli_json("stats", "--url", url)
+            assert len(manager._ssd._manifest._connections) == connections
+        finally:
+            server.shutdown()
+            server.server_close()
+        # A failing source answers HTTP 500 instead of dropping the connection.
+        server, failing_url = serve_stats(lambda: 1 / 0)
+        try:
+            status, _, err = run_cli("stats", "--url", failing_url)
+            assert status == 1 and "HTTP 500" in err
         finally:
             server.shutdown()
             server.server_close()

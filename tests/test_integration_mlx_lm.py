@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import re
+
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
+from paged_cache import BlockAwarePrefixCache
 from paged_cache.config import CacheConfig
-from paged_cache.integrations.mlx_lm import ModelBinding, PagedPromptCache, model_id_for
+from paged_cache.integrations.mlx_lm import (MAX_OPEN_REQUESTS, ModelBinding, PagedPromptCache,
+                                             model_id_for)
 from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.testing import tiny_model, write_model_dir
 
@@ -180,3 +184,68 @@ def test_sequence_limit_moves_oldest_out_of_ram(tmp_path, model):
         assert rest == [1] and cache.prefix_cache(KEY).last_fetch.tier == "ssd"
         got, rest = cache.fetch_nearest_cache(KEY, seqs[2] + [1])
         assert rest == [1] and cache.prefix_cache(KEY).last_fetch.tier == "hot"
+
+
+def test_one_info_line_per_request_and_stats_sections(tmp_path, model, caplog):
+    manager, cache = make(tmp_path, model)
+    with manager, caplog.at_level("INFO", logger="paged_cache"):
+        seq = tokens_of(40)
+        assert cache.stats()["prefix"] == {}                  # no model used yet
+        # Request 1: a miss; the server inserts the user segment, then prompt + reply.
+        prompt = seq[:36]
+        assert cache.fetch_nearest_cache(KEY, prompt) == (None, prompt)
+        cache.insert_cache(KEY, prompt[:20], prefill(model, prompt[:20]), cache_type="user")
+        cache.insert_cache(KEY, seq, prefill(model, seq), cache_type="assistant")
+        # Request 2: extends the conversation and hits.
+        prompt2 = seq + [9, 8, 7]
+        got, rest = cache.fetch_nearest_cache(KEY, prompt2)
+        cached = len(prompt2) - len(rest)
+        assert cached == 40
+        reply = prompt2 + [1, 2]
+        cache.insert_cache(KEY, reply, prefill(model, reply))   # sequential path's default type
+        lines = [r.getMessage() for r in caplog.records if r.levelname == "INFO"
+                 and r.name.startswith("paged_cache") and "SSD tier" not in r.getMessage()]
+        assert len(lines) == 2, lines
+        assert re.match(r"request: 0/36 prompt tokens cached \(miss\), fetch [\d.]+ ms, "
+                        r"store [\d.]+ ms \(2 inserts\); hot tier ", lines[0]), lines[0]
+        assert re.match(r"request: 40/43 prompt tokens cached \(hot\), fetch [\d.]+ ms, "
+                        r"store [\d.]+ ms \(1 inserts\); hot tier ", lines[1]), lines[1]
+        stats = cache.stats()
+        assert set(stats) == {"manager", "prefix", "requests"}
+        req = stats["requests"]
+        assert (req["requests"], req["requests_miss"], req["requests_hot"]) == (2, 1, 1)
+        assert (req["prompt_tokens"], req["cached_tokens"]) == (36 + 43, 40)
+        assert (req["inserts"], req["store_errors"], req["requests_open"]) == (3, 0, 0)
+        assert req["fetch_seconds"] > 0 and req["store_seconds"] > 0
+        assert stats["prefix"]["tokens_matched"] == 40 and stats["prefix"]["hits"] == 1
+        assert stats["manager"]["puts"] > 0
+        # A request the client dropped never gets its final insert: logged when it is forgotten.
+        for i in range(MAX_OPEN_REQUESTS + 1):
+            cache.fetch_nearest_cache(KEY, [251, i % 250, 7])      # never stored: misses
+        assert cache.stats()["requests"]["requests_open"] == MAX_OPEN_REQUESTS
+        assert caplog.records[-1].getMessage().startswith(
+            "request: 0/3 prompt tokens cached (miss), fetch ")
+        assert "not stored (ended without a cache insert)" in caplog.records[-1].getMessage()
+
+
+def test_trim_demotes_without_counting_hits_and_bounds_untracked_blocks(tmp_path, model):
+    manager, cache = make(tmp_path, model, hot_cache_only=True)
+    with manager:
+        seqs = [tokens_of(48, seed=s) for s in range(2)]
+        for s in seqs:
+            cache.insert_cache(KEY, s, prefill(model, s))
+        before = manager.stats()
+        cache.trim_to(n_sequences=1)                          # the first sequence leaves RAM
+        after = manager.stats()
+        assert after["hits"] == before["hits"] and after["gets"] == before["gets"]
+        assert after["takes"] == before["takes"]
+        demoted = after["hot"]["demote_evictions"]
+        assert demoted == 3 and after["evicted_dropped"] == 3  # hot only: dropped, counted
+        assert cache.stats()["requests"]["demote_evictions"] == 3
+        # Blocks put by someone else (no sequence here) are trimmed too when bytes must go.
+        other = BlockAwarePrefixCache(manager, model)
+        extra = tokens_of(32, seed=9)
+        other.store(extra, prefill(model, extra))
+        cache.trim_to(n_bytes=0)
+        assert cache.nbytes == 0 and manager.hot_bytes == 0 and len(cache) == 0
+        assert cache.stats()["requests"]["demote_evictions"] == 3 + 3 + 2

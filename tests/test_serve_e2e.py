@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import socket
@@ -39,7 +41,8 @@ def free_port() -> int:
 
 @contextmanager
 def server(argv: list[str], log: Path, env_extra: dict | None = None):
-    """Start a server subprocess, wait for /health, yield (client, log path); stop it (SIGTERM)."""
+    """Start a server subprocess, wait for /health, yield (client, process, base URL); stop it
+    (SIGTERM)."""
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", **(env_extra or {}))
     with log.open("w") as out:
@@ -58,7 +61,7 @@ def server(argv: list[str], log: Path, env_extra: dict | None = None):
             assert time.monotonic() < deadline, f"server did not start:\n{log.read_text()[-3000:]}"
             time.sleep(0.3)
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        yield client, proc
+        yield client, proc, f"http://127.0.0.1:{port}"
     finally:
         if proc.poll() is None:
             proc.terminate()
@@ -102,15 +105,79 @@ def paged_argv(model_dir: Path, *extra: str) -> list[str]:
             *extra]
 
 
+SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*) (\S+)$")
+REQUEST_LINE = re.compile(r"paged_cache\.integrations\.mlx_lm INFO request: (\d+)/(\d+) prompt tokens "
+                          r"cached \((hot|ssd|mixed|miss)\), fetch [\d.]+ ms, (.*); hot tier ")
+
+
+def parse_prometheus(text: str) -> dict[str, tuple[str, float]]:
+    """Strict reading of the text exposition format 0.0.4 as `paged-cache serve` writes it (no
+    labels): every sample follows its own HELP and TYPE lines; counters are named *_total."""
+    metrics: dict[str, tuple[str, float]] = {}
+    help_of, type_of = set(), {}
+    assert text.endswith("\n")
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            help_of.add(line.split(" ", 3)[2])
+        elif line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            assert kind in ("counter", "gauge") and name not in type_of, line
+            type_of[name] = kind
+        else:
+            m = SAMPLE.match(line)
+            assert m, f"not a sample line: {line!r}"
+            name, value = m.groups()
+            assert name in help_of and name in type_of and name not in metrics, line
+            assert type_of[name] == "gauge" or name.endswith("_total"), line
+            number = float(value)
+            assert not math.isnan(number), line
+            metrics[name] = (type_of[name], number)
+    return metrics
+
+
+def live_stats(url: str) -> dict:
+    """`paged-cache stats --url URL --json`, run as a real subprocess."""
+    out = subprocess.run([sys.executable, "-m", "paged_cache.cli.main", "stats", "--url", url,
+                          "--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def check_live_stats(url: str, turns: list[tuple[str, int, int]]) -> None:
+    """The running server's counters agree with what the client saw, in JSON and Prometheus."""
+    doc = live_stats(url)
+    requests, prefix = doc["requests"], doc["prefix"]
+    prompt, cached = sum(p for _, _, p in turns), sum(c for _, c, _ in turns)
+    assert requests["requests"] == len(turns)
+    assert requests["prompt_tokens"] == prefix["tokens_requested"] == prompt
+    assert requests["cached_tokens"] == prefix["tokens_matched"] == cached
+    assert prefix["hits"] == sum(c > 0 for _, c, _ in turns)
+    assert requests["requests_miss"] == prefix["misses"] == sum(c == 0 for _, c, _ in turns)
+    assert sum(requests[f"requests_{t}"] for t in ("hot", "ssd", "mixed", "miss")) == len(turns)
+    assert doc["manager"]["hits"]["total"] > 0
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        metrics = parse_prometheus(r.read().decode())
+    assert metrics["paged_cache_requests_cached_tokens_total"] == ("counter", cached)
+    assert metrics["paged_cache_prefix_tokens_matched_total"] == ("counter", cached)
+    assert metrics["paged_cache_manager_hot_bytes"][0] == "gauge"
+    # mlx_lm.server's own routes still answer next to the stats routes.
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
+        assert r.status == 200
+
+
 def test_serve_matches_plain_server_and_reuses_across_restart(model_dir, tmp_path):
-    with server(["-m", "mlx_lm", "server", "--model", str(model_dir)], tmp_path / "plain.log") as (c, _):
+    plain_argv = ["-m", "mlx_lm", "server", "--model", str(model_dir)]
+    with server(plain_argv, tmp_path / "plain.log") as (c, _, _):
         plain = conversation(c)
     ssd = tmp_path / "ssd"
     log = tmp_path / "paged.log"
     argv = paged_argv(model_dir, "--ssd-dir", str(ssd), "--prompt-cache-bytes", str(BYTE_LIMIT),
                       "--log-level", "DEBUG")
-    with server(argv, log) as (c, proc):
+    with server(argv, log) as (c, proc, url):
         paged = conversation(c)
+        check_live_stats(url, paged)
+        assert live_stats(url)["manager"]["hot"]["demote_evictions"] > 0   # the byte limit bit
     assert proc.returncode == 0, log.read_text()[-3000:]
 
     # Greedy outputs equal those of mlx_lm.server with its own prompt cache.
@@ -124,12 +191,19 @@ def test_serve_matches_plain_server_and_reuses_across_restart(model_dir, tmp_pat
     text = log.read_text()
     hot = [int(m) for m in re.findall(r"insert: \w+, \d+ tokens; hot tier (\d+) bytes", text)]
     assert hot and max(hot) <= BYTE_LIMIT, hot
-    assert len(re.findall(r"paged_cache\.integrations\.mlx_lm INFO request: ", text)) == len(MODES)
+    # One INFO line per request: cached / prompt tokens as the client saw them, tier, times.
+    lines = REQUEST_LINE.findall(text)
+    assert [(int(c), int(p)) for c, p, _, _ in lines] == [(c, p) for _, c, p in paged], lines
+    assert [t for _, _, t, _ in lines][0] == "miss" and "miss" not in [t for _, _, t, _ in lines][1:]
+    assert all(re.fullmatch(r"store [\d.]+ ms \(\d+ inserts\)", st) for *_, st in lines), lines
+    info = [ln for ln in re.findall(r"paged_cache\S* INFO (.*)", text)
+            if not ln.startswith(("serving with", "SSD tier at"))]   # once, at startup
+    assert len(info) == len(MODES), info
     files = block_files(ssd)
     assert files
 
     # A new server process on the same directory serves the conversation's prefix from SSD.
-    with server(paged_argv(model_dir, "--ssd-dir", str(ssd)), tmp_path / "restart.log") as (c, _):
+    with server(paged_argv(model_dir, "--ssd-dir", str(ssd)), tmp_path / "restart.log") as (c, _, _):
         again = conversation(c, turns=1)
         messages = [{"role": "system", "content": SYSTEM}]
         for (reply, _, _), question in zip(paged[:-1], QUESTIONS):
@@ -146,8 +220,10 @@ def test_serve_matches_plain_server_and_reuses_across_restart(model_dir, tmp_pat
 def test_serve_hot_cache_only_writes_nothing(model_dir, tmp_path):
     xdg = tmp_path / "xdg"
     log = tmp_path / "hot.log"
-    with server(paged_argv(model_dir, "--hot-cache-only"), log, {"XDG_CACHE_HOME": str(xdg)}) as (c, proc):
+    with server(paged_argv(model_dir, "--hot-cache-only"), log,
+                {"XDG_CACHE_HOME": str(xdg)}) as (c, proc, url):
         results = conversation(c, turns=3)
+        check_live_stats(url, results)
     assert proc.returncode == 0, log.read_text()[-3000:]
     cached = [c for _, c, _ in results]
     assert cached[0] == 0 and all(b > a for a, b in zip(cached, cached[1:])), cached

@@ -34,27 +34,50 @@ def _server_log_level(server_argv: list[str]) -> str:
     return probe.parse_known_args(server_argv)[0].log_level
 
 
+def _fail(message: str, status: int = 2) -> int:
+    print(f"paged-cache serve: error: {message}", file=sys.stderr)
+    return status
+
+
+def _model_error(model: str) -> str | None:
+    """Why ``--model`` cannot be served, for a local path (a Hugging Face repo id is left to
+    mlx_lm, which loads the model only when the server starts)."""
+    local = os.path.isabs(model) or model.startswith((".", "~")) or os.path.exists(model)
+    path = os.path.expanduser(model)
+    if not local:
+        return None
+    if not os.path.isdir(path):
+        return f"--model: {model!r} is not a directory (expected an mlx-lm model directory or a " \
+               "Hugging Face repo id)"
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return f"--model: {model!r} has no config.json (expected an mlx-lm model directory)"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Build the cache config from the shared flags and run the server until stopped."""
     try:
         config = config_from_args(args)
     except ValueError as error:
-        print(f"paged-cache serve: error: {error}", file=sys.stderr)
-        return 2
-    server_argv = ["--model", args.model, *args.extra_args]
+        return _fail(str(error))
+    if (problem := _model_error(args.model)) is not None:
+        return _fail(problem)
+    model = os.path.expanduser(args.model) if args.model.startswith("~") else args.model
+    server_argv = ["--model", model, *args.extra_args]
     # mlx_lm.server's logging.basicConfig is a no-op once ours ran: apply its level here, and let
     # the per-request cache lines (INFO, paged_cache) show at that level.
     level = logging.getLevelName(_server_log_level(args.extra_args))
     if not isinstance(level, int):
-        print("paged-cache serve: error: --log-level: expected DEBUG, INFO, WARNING, ERROR or "
-              "CRITICAL", file=sys.stderr)
-        return 2
+        return _fail("--log-level: expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
     logging.getLogger().setLevel(level)
     ours = logging.getLogger("paged_cache")
     ours.setLevel(min(level, ours.getEffectiveLevel()))
-    from paged_cache.integrations.mlx_lm import serve_main
+    from paged_cache.integrations.mlx_lm import ServeError, serve_main
 
-    status = serve_main(config, server_argv)
+    try:
+        status = serve_main(config, server_argv)
+    except ServeError as error:
+        status = _fail(str(error), 1)
     # The manager is closed (every block written). Skip interpreter finalization: there, MLX's
     # threads of the stopped server abort the process about half the time (std::terminate, plain
     # mlx_lm.server too), which would turn a clean stop into exit status -6.

@@ -2,10 +2,10 @@
 one patch point that puts it into ``mlx_lm.server`` (see docs/integration.md).
 
 ``PagedPromptCache`` has LRUPromptCache's interface (``fetch_nearest_cache``, ``insert_cache``
-with ``cache_type``, ``trim_to``, ``nbytes``, ``__len__``, ``stats_by_type``). Every fetch returns
-a freshly rebuilt cache list, so the server may mutate it (generation appends to it, BatchGenerator
-merges it) without touching what is stored. Byte and sequence limits apply to the hot (RAM) tier:
-evicted blocks spill to SSD, or are dropped with ``hot_cache_only``.
+with ``cache_type``, ``trim_to``, ``nbytes``, ``__len__``, ``stats_by_type``) plus ``stats()``.
+Every fetch returns a freshly rebuilt cache list, so the server may mutate it (generation appends
+to it, BatchGenerator merges it) without touching what is stored. Byte and sequence limits apply to
+the hot (RAM) tier: demoted blocks move to SSD, or are dropped with ``hot_cache_only``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,9 @@ from paged_cache.prefix_cache import BlockAwarePrefixCache, as_tokens
 logger = logging.getLogger("paged_cache.integrations.mlx_lm")
 
 CACHE_TYPES = ("assistant", "user", "system")  # LRUPromptCache's types, in its eviction order
+# Requests fetched and not yet finished by their "assistant" insert (a request the client dropped
+# never gets one): beyond this many, the oldest is logged and forgotten.
+MAX_OPEN_REQUESTS = 256
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,26 @@ Resolver = Callable[[Hashable], "ModelBinding | None"]
 class _Sequence:
     cache_type: str
     keys: list[str] = field(default_factory=list)
+
+
+@dataclass(eq=False)   # compared by identity: two requests may carry equal fields
+class _Request:
+    """One request between its fetch and its final ("assistant") insert, for its log line."""
+
+    tokens: list[int]
+    cached: int
+    tier: str
+    fetch_seconds: float
+    store_seconds: float = 0.0
+    stores: int = 0
+    store_failed: bool = False
+
+    def covers(self, tokens: list[int], final: bool) -> bool:
+        """True when an insert of `tokens` belongs to this request: the final insert extends the
+        prompt (prompt + reply); a segment insert is a prefix of it."""
+        if final:
+            return len(tokens) >= len(self.tokens) and tokens[:len(self.tokens)] == self.tokens
+        return len(tokens) <= len(self.tokens) and self.tokens[:len(tokens)] == tokens
 
 
 class PagedPromptCache:
@@ -71,10 +95,19 @@ class PagedPromptCache:
         self.max_size = max_size
         self.max_bytes = max_bytes
         self._resolve = resolve
-        self.store_errors = 0
         self._current: tuple[Hashable, Any, BlockAwarePrefixCache] | None = None
         # Sequences inserted here, least recently used first: chain head key -> type + keys.
         self._sequences: OrderedDict[str, _Sequence] = OrderedDict()
+        self._open: list[_Request] = []   # fetched, not yet finished, oldest first
+        tiers = {f"requests_{t}": 0 for t in ("hot", "ssd", "mixed", "miss")}
+        self.counters = dict(requests=0, **tiers, prompt_tokens=0, cached_tokens=0,
+                             fetch_seconds=0.0, inserts=0, store_errors=0, store_seconds=0.0,
+                             demote_evictions=0)
+
+    @property
+    def store_errors(self) -> int:
+        """Inserts that could not be stored (logged at WARNING, never raised)."""
+        return self.counters["store_errors"]
 
     @classmethod
     def for_model(cls, manager: PagedSSDCacheManager, model: Any, **options: Any) -> "PagedPromptCache":
@@ -107,12 +140,19 @@ class PagedPromptCache:
         ``(None, tokens)`` on a miss."""
         tokens = as_tokens(tokens)
         prefix = self.prefix_cache(model)
-        if prefix is None:
-            return None, tokens
-        cache, n = prefix.fetch(tokens)
-        info = prefix.last_fetch
-        logger.info("request: %d prompt tokens, %d cached (%s) in %.1f ms; hot tier %s",
-                    len(tokens), n, info.tier, info.seconds * 1e3, format_size(self.nbytes))
+        t0 = time.perf_counter()
+        cache, n = prefix.fetch(tokens) if prefix is not None else (None, 0)
+        seconds = time.perf_counter() - t0
+        tier = prefix.last_fetch.tier if cache is not None else "miss"
+        c = self.counters
+        c["requests"] += 1
+        c[f"requests_{tier}"] += 1
+        c["prompt_tokens"] += len(tokens)
+        c["cached_tokens"] += n if cache is not None else 0
+        c["fetch_seconds"] += seconds
+        self._open.append(_Request(tokens, n if cache is not None else 0, tier, seconds))
+        if len(self._open) > MAX_OPEN_REQUESTS:
+            self._finish(self._open.pop(0))
         if cache is None:
             return None, tokens
         return cache, tokens[n:]
@@ -127,17 +167,37 @@ class PagedPromptCache:
         if cache_type not in CACHE_TYPES:
             raise ValueError(f"cache_type: expected one of {', '.join(CACHE_TYPES)}, got {cache_type!r}")
         tokens = as_tokens(tokens)
+        request = self._request_of(tokens, final=cache_type == "assistant")
+        try:
+            self._store(model, tokens, prompt_cache, cache_type, request)
+        finally:
+            if request is not None and cache_type == "assistant":
+                self._open.remove(request)
+                self._finish(request)
+
+    def _store(self, model: Hashable, tokens: list[int], prompt_cache: list, cache_type: str,
+               request: _Request | None) -> None:
         prefix = self.prefix_cache(model)
         if prefix is None or not tokens:
             return
+        t0 = time.perf_counter()
         try:
             prefix.store(tokens, prompt_cache)
         except (TypeError, ValueError) as error:
             # The server's generation thread dies on an exception: a cache that cannot be
             # stored is logged and skipped, like the Scheduler does; nothing stored is touched.
-            self.store_errors += 1
+            self.counters["store_errors"] += 1
+            if request is not None:
+                request.store_failed = True
             logger.warning("insert_cache: not stored (%s): %s", cache_type, error)
             return
+        finally:
+            seconds = time.perf_counter() - t0
+            self.counters["inserts"] += 1
+            self.counters["store_seconds"] += seconds
+            if request is not None:
+                request.stores += 1
+                request.store_seconds += seconds
         if prefix.fingerprint is None:  # this model's layout is not supported: nothing stored
             return
         keys = chain_keys(prefix.fingerprint, prefix.namespace, tokens, prefix.block_size)
@@ -147,9 +207,26 @@ class PagedPromptCache:
         logger.debug("insert: %s, %d tokens; hot tier %d bytes, %d sequences",
                      cache_type, len(tokens), self.nbytes, len(self._sequences))
 
+    def _request_of(self, tokens: list[int], final: bool) -> _Request | None:
+        """The open request an insert of `tokens` belongs to (the oldest that matches)."""
+        return next((r for r in self._open if r.covers(tokens, final)), None)
+
+    def _finish(self, request: _Request) -> None:
+        """The request's one INFO line: cached / prompt tokens, tier, fetch and store times."""
+        if request.store_failed:
+            stored = f"store failed after {request.store_seconds * 1e3:.1f} ms"
+        elif request.stores:
+            stored = f"store {request.store_seconds * 1e3:.1f} ms ({request.stores} inserts)"
+        else:
+            stored = "not stored (ended without a cache insert)"
+        logger.info("request: %d/%d prompt tokens cached (%s), fetch %.1f ms, %s; hot tier %s",
+                    request.cached, len(request.tokens), request.tier,
+                    request.fetch_seconds * 1e3, stored, format_size(self.nbytes))
+
     def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
-        """Evict hot blocks of the least recently inserted sequences until at most
-        ``n_sequences`` sequences hold hot blocks and the hot tier holds at most ``n_bytes``."""
+        """Demote hot blocks of the least recently inserted sequences until at most
+        ``n_sequences`` sequences hold hot blocks and the hot tier holds at most ``n_bytes``
+        (then, if blocks of no tracked sequence remain above it, the least recently used ones)."""
         self._prune()
         if n_sequences is not None:
             while len(self._sequences) > max(0, n_sequences):
@@ -157,11 +234,25 @@ class PagedPromptCache:
         if n_bytes is not None:
             while self.nbytes > max(0, n_bytes) and self._sequences:
                 self._evict_oldest()
+            if self.nbytes > max(0, n_bytes):
+                self.counters["demote_evictions"] += self.manager.trim_hot(max(0, n_bytes))
+                self._prune()
 
     @property
     def nbytes(self) -> int:
         """Bytes of KV held in RAM (the hot tier); SSD bytes are not counted."""
-        return int(self.manager.stats()["hot"]["bytes"])
+        return self.manager.hot_bytes
+
+    def stats(self) -> dict[str, Any]:
+        """Sections for `paged-cache stats`: ``manager`` and ``prefix`` (the loaded model's prefix
+        cache; empty before the first request) stats, and this server's ``requests`` counters.
+        Reads counters only, so an HTTP thread may call it while the generation thread runs."""
+        current = self._current
+        requests = dict(self.counters, requests_open=len(self._open),
+                        sequences=len(self._sequences))
+        return {"manager": self.manager.stats(),
+                "prefix": current[2].stats() if current is not None else {},
+                "requests": requests}
 
     def __len__(self) -> int:
         """Sequences inserted here that still hold blocks in the hot tier."""
@@ -197,13 +288,12 @@ class PagedPromptCache:
             del self._sequences[head]
 
     def _evict_oldest(self) -> None:
-        """Move the oldest sequence's hot blocks out of RAM (to SSD when there is an SSD tier),
+        """Demote the oldest sequence's hot blocks out of RAM (to SSD when there is an SSD tier),
         keeping blocks that a more recent sequence also holds."""
         _, seq = self._sequences.popitem(last=False)
         shared = {k for s in self._sequences.values() for k in s.keys}
-        for key in seq.keys:
-            if key not in shared and self.manager.tier_of(key) == "hot":
-                self.manager.get(key, take=True)  # leaves the hot tier; spilled if unpersisted
+        self.counters["demote_evictions"] += self.manager.demote(
+            k for k in seq.keys if k not in shared)
 
 
 # ---------------------------------------------------------------------------- mlx_lm.server
@@ -241,38 +331,72 @@ def provider_resolver(provider: Any) -> Resolver:
     return resolve
 
 
-def patch_server(manager: PagedSSDCacheManager) -> None:
-    """THE patch point: replace ``mlx_lm.server.ResponseGenerator`` with a subclass that swaps
-    the ``LRUPromptCache`` handed to it for a ``PagedPromptCache`` over ``manager``.
+class ServeError(RuntimeError):
+    """The server could not start (e.g. its port is in use); the message says why."""
 
-    ``mlx_lm.server.run`` looks the name up when it builds the generator, so this must run
-    before ``mlx_lm.server.main()``. Nothing else of mlx-lm is changed.
+
+def patch_server(manager: PagedSSDCacheManager) -> None:
+    """THE patch point: replace two names in ``mlx_lm.server``, both looked up by
+    ``mlx_lm.server.run`` when it starts, so this must run before ``mlx_lm.server.main()``.
+
+    - ``ResponseGenerator``: a subclass that swaps the ``LRUPromptCache`` handed to it for a
+      ``PagedPromptCache`` over ``manager`` (kept as ``paged_cache``).
+    - ``_run_http_server``: the same function called with ``handler_class`` set to an
+      ``APIHandler`` subclass that also answers ``GET /paged-cache/stats`` and ``GET /metrics``
+      (``run`` passes none); a failure to listen stops the generation thread and raises
+      ``ServeError`` instead of leaving the process hanging.
+
+    Nothing else of mlx-lm is changed; patching again replaces the previous patch.
     """
     from mlx_lm import server
 
-    base = server.ResponseGenerator
-    if getattr(base, "paged_cache_manager", None) is not None:
-        base = base.__mro__[1]
+    from paged_cache.integrations import stats_http
+
+    base = getattr(server.ResponseGenerator, "paged_base", server.ResponseGenerator)
+    run_http_server = getattr(server._run_http_server, "paged_base", server._run_http_server)
 
     class PagedResponseGenerator(base):
         """mlx_lm.server's ResponseGenerator with the tiered prompt cache."""
 
+        paged_base = base
         paged_cache_manager = manager
 
         def __init__(self, model_provider: Any, prompt_cache: Any) -> None:
             args = model_provider.cli_args
-            paged = PagedPromptCache(manager, provider_resolver(model_provider),
-                                     max_size=args.prompt_cache_size,
-                                     max_bytes=args.prompt_cache_bytes)
-            super().__init__(model_provider, paged)
+            # Kept under its own name: the generation thread deletes `prompt_cache` on exit.
+            self.paged_cache = PagedPromptCache(manager, provider_resolver(model_provider),
+                                                max_size=args.prompt_cache_size,
+                                                max_bytes=args.prompt_cache_bytes)
+            super().__init__(model_provider, self.paged_cache)
 
+    class PagedAPIHandler(server.APIHandler):
+        """mlx_lm.server's request handler plus the `paged-cache stats` routes."""
+
+        def do_GET(self) -> None:
+            if not stats_http.answer(self, self.response_generator.paged_cache.stats):
+                super().do_GET()
+
+    def paged_run_http_server(host: str, port: int, response_generator: Any,
+                              server_class: Any = server.ThreadingHTTPServer,
+                              handler_class: Any = PagedAPIHandler) -> None:
+        try:
+            run_http_server(host, port, response_generator, server_class=server_class,
+                            handler_class=handler_class)
+        except OSError as error:
+            response_generator.stop_and_join()
+            raise ServeError(f"HTTP server on {host}:{port} failed: {error}") from error
+
+    paged_run_http_server.paged_base = run_http_server  # type: ignore[attr-defined]
     server.ResponseGenerator = PagedResponseGenerator
+    server._run_http_server = paged_run_http_server
 
 
 def serve_main(config: CacheConfig, server_argv: Sequence[str]) -> int:
     """Run ``mlx_lm.server`` with ``server_argv`` and the tiered cache; returns the exit status.
 
     SIGTERM stops the server like Ctrl-C (so the manager is flushed and closed on the way out).
+    Raises ServeError when the server cannot listen; mlx_lm.server's own argument errors exit
+    (SystemExit 2) with its usage under the name ``paged-cache serve``.
     """
     from mlx_lm import server
 
@@ -285,7 +409,7 @@ def serve_main(config: CacheConfig, server_argv: Sequence[str]) -> int:
         with PagedSSDCacheManager(config) as manager:
             patch_server(manager)
             logger.info("serving with paged-cache: %s", _describe(config))
-            sys.argv = ["mlx_lm.server", *server_argv]
+            sys.argv = ["paged-cache serve", *server_argv]
             try:
                 server.main()
             except KeyboardInterrupt:

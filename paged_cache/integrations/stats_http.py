@@ -1,0 +1,84 @@
+"""The HTTP contract between a serving process and `paged-cache stats`.
+
+A server answers ``GET /paged-cache/stats`` with a JSON document (``stats_document``) and
+``GET /metrics`` with the Prometheus text of the same sections. ``stats_response`` builds both;
+``answer`` sends one from an ``http.server`` request handler, so a server's ``do_GET`` is
+``if not answer(self, source): <its own routes>``. Sources are called on one reader thread:
+they read counters only (no MLX, no payload I/O), and a thread-per-request server then opens
+no per-thread resources (the SSD manifest keeps one SQLite connection per calling thread).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler
+from typing import Any, Callable, Mapping
+
+from paged_cache.stats import render_prometheus
+
+STATS_PATH = "/paged-cache/stats"
+METRICS_PATH = "/metrics"
+DOCUMENT_VERSION = 1
+JSON_TYPE = "application/json"
+PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+READ_TIMEOUT_SECONDS = 30.0
+_STARTED = time.time()
+log = logging.getLogger("paged_cache.integrations.stats_http")
+
+StatsSource = Callable[[], Mapping[str, Any]]
+"""Returns the sections to publish, e.g. {"manager": m.stats(), "prefix": p.stats()}."""
+
+_reader: ThreadPoolExecutor | None = None
+_reader_lock = threading.Lock()
+
+
+def _read(source: StatsSource) -> Mapping[str, Any]:
+    """``source()`` called on the one stats reader thread (started on first use)."""
+    global _reader
+    with _reader_lock:
+        if _reader is None:
+            _reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paged-cache-stats")
+    return _reader.submit(source).result(timeout=READ_TIMEOUT_SECONDS)
+
+
+def stats_document(sections: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON document: ``paged_cache`` (version, pid, times) then one entry per section."""
+    now = time.time()
+    head = {"document_version": DOCUMENT_VERSION, "pid": os.getpid(), "time": now,
+            "uptime_seconds": now - _STARTED}
+    return {"paged_cache": head, **{str(k): v for k, v in sections.items()}}
+
+
+def stats_response(path: str, source: StatsSource) -> tuple[int, str, bytes] | None:
+    """(status, content type, body) for STATS_PATH / METRICS_PATH, None for any other path."""
+    route = path.split("?", 1)[0].rstrip("/") or "/"
+    if route not in (STATS_PATH, METRICS_PATH):
+        return None
+    sections = _read(source)
+    if route == METRICS_PATH:
+        return 200, PROMETHEUS_TYPE, render_prometheus(sections).encode()
+    return 200, JSON_TYPE, json.dumps(stats_document(sections), default=str).encode()
+
+
+def answer(handler: BaseHTTPRequestHandler, source: StatsSource) -> bool:
+    """Send the stats response for ``handler.path``; False (nothing sent) for any other path.
+    A source that fails is answered with HTTP 500 (and logged), never a dropped connection."""
+    try:
+        response = stats_response(handler.path, source)
+    except Exception as error:  # the server's own routes must keep working
+        log.exception("stats source failed")
+        response = 500, "text/plain; charset=utf-8", f"stats unavailable: {error!r}\n".encode()
+    if response is None:
+        return False
+    status, content_type, body = response
+    handler.send_response(status)
+    handler.send_header("Content-Type", content_type)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+    return True
