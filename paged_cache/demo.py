@@ -267,7 +267,8 @@ def summary_lines(result: DemoResult) -> list[str]:
         picked = [r for r in rows if r.tier == tier]
         if picked:
             mean = sum(r.speedup for r in picked) / len(picked)
-            lines.append(f"  {tier:5s}: {len(picked)} turns, mean speedup {mean:.1f}x")
+            lines.append(f"  {tier:5s}: {len(picked)} turn{'s' if len(picked) != 1 else ''}, "
+                         f"mean speedup {mean:.1f}x")
     phase2 = [r for r in rows if r.phase == 2]
     if phase2:
         lines.append(f"after the restart: {sum(r.cached_tokens > 0 for r in phase2)}/{len(phase2)} "
@@ -374,10 +375,12 @@ def run_demo(config: CacheConfig, *, output: Path, model_dir: Path | None = None
     with Live(Group(turn_table(shown), progress), console=console, refresh_per_second=4) as live:
         rows = run_workload(model, tokenizer, config, model_id_for(str(model_dir)), workload,
                             on_turn)
+        live.update(turn_table(shown))  # the last frame is the table alone, not the bar
     result = DemoResult(rows, time.perf_counter() - start, config, str(model_dir), None)
     result.plot = write_plot(rows, output / "demo.png")
     result.wall_s = time.perf_counter() - start
     write_results(result, output / "demo-results.json")
+    console.print()  # Live leaves its last frame without a trailing newline off a terminal
     for line in summary_lines(result):
         console.print(line, highlight=False)
     if result.plot is None:
