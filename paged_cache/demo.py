@@ -136,7 +136,7 @@ def _encode(tokenizer: Any, messages: list[dict]) -> list[int]:
 class _Tiered:
     """The cached side: manager + prefix cache + scheduler, reopened on restart()."""
 
-    def __init__(self, model: Any, config: CacheConfig, model_id: str) -> None:
+    def __init__(self, model: Any, config: CacheConfig, model_id: str | None) -> None:
         self.model, self.config, self.model_id = model, config, model_id
         self.manager: PagedSSDCacheManager | None = None
         self.open()
@@ -171,7 +171,7 @@ def _measure(run: Callable[[], Any]) -> tuple[Any, int]:
     return result, int(mx.get_peak_memory())
 
 
-def run_workload(model: Any, tokenizer: Any, config: CacheConfig, model_id: str,
+def run_workload(model: Any, tokenizer: Any, config: CacheConfig, model_id: str | None,
                  workload: Workload, on_turn: Callable[[TurnRow], None]) -> list[TurnRow]:
     """Run both phases; call ``on_turn`` after every measured turn."""
     from scheduler import Scheduler

@@ -168,7 +168,7 @@ def test_model_id_changes_with_weights(tmp_path):
     assert first == model_id_for(str(path))
     write_model_dir(tmp_path / "m", "llama", seed=1, layers=1)
     assert model_id_for(str(path)) != first
-    assert model_id_for("org/some-repo") == "hf:org/some-repo"
+    assert model_id_for("org/some-repo") is None  # the default identity: config + weights digest
 
 
 def test_sequence_limit_moves_oldest_out_of_ram(tmp_path, model):

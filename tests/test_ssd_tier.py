@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -325,6 +326,39 @@ def test_corrupt_manifest_is_rebuilt_from_files(tmp_path: Path) -> None:
     with tier(root) as t:
         assert t.stats()["adopted"] == 3
         assert all(same(t.read(b.key), b) for b in blocks)
+
+
+def manifest_fds(root: Path) -> int:
+    """Open file descriptors of this process on the manifest database file itself."""
+    target = str((root / MANIFEST_NAME).resolve())
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}") == target
+        except OSError:
+            pass  # the fd listing itself, closed meanwhile
+    return count
+
+
+def test_short_lived_threads_do_not_leak_manifest_connections(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    block = make_block("shared")
+    with tier(root) as t:
+        put(t, block)
+        t.flush()
+        before = manifest_fds(root)
+        listed = []
+        for _ in range(50):  # a thread-per-request caller: each thread queries the manifest once
+            worker = threading.Thread(target=lambda: listed.append(
+                t.children(block.meta["parent"], "m1")))
+            worker.start()
+            worker.join()
+        assert listed == [[block.key]] * 50
+        assert len(t._manifest._connections) <= 3  # opener, writer thread, the last worker
+        # + the last worker's connection, + one descriptor SQLite keeps for reuse instead of
+        # closing it while other connections of the process hold POSIX locks on the file
+        assert manifest_fds(root) <= before + 2
+    assert manifest_fds(root) == 0  # close() still closes every connection
 
 
 CHILD = textwrap.dedent("""

@@ -299,12 +299,14 @@ class PagedPromptCache:
 # ---------------------------------------------------------------------------- mlx_lm.server
 
 
-def model_id_for(model_path: str) -> str:
-    """A model id that changes when the weights do: the resolved path plus the weight files'
-    names, sizes and modification times (a Hugging Face repo id is used as is)."""
+def model_id_for(model_path: str) -> str | None:
+    """A model id that changes when the weights do: for a local directory the resolved path plus
+    the weight files' names, sizes and modification times. None for a Hugging Face repo id (its
+    revision can change under the same name), so the prefix cache falls back to its default
+    identity: model config + weights digest (hashing.model_identity)."""
     path = Path(model_path)
     if not path.exists():
-        return f"hf:{model_path}"
+        return None
     weights = sorted(path.resolve().glob("*.safetensors"))
     stamp = ";".join(f"{w.name}:{w.stat().st_size}:{w.stat().st_mtime_ns}" for w in weights)
     return f"path:{path.resolve()}|{stamp}"

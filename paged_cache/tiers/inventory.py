@@ -19,13 +19,11 @@ import xxhash
 from paged_cache.block import KEY_HEX_LEN
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.manifest import SCHEMA_VERSION, ManifestError, Row
-from paged_cache.tiers.ssd import MANIFEST_NAME, STALE_SECONDS, _pid_alive
+from paged_cache.tiers.files import (HEX, MANIFEST_NAME, READ_FLAGS, STALE_SECONDS,
+                                     SUFFIX_TO_COMPRESSION, is_key, pid_alive)
 
 BLOCKS_DIR, TMP_DIR, QUARANTINE_DIR = "blocks", "tmp", "quarantine"
 _COLUMNS = tuple(f.name for f in fields(Row))
-_SUFFIX_TO_COMPRESSION = {suffix: comp for comp, suffix in fmt.SUFFIXES.items()}
-_HEX = frozenset("0123456789abcdef")
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 LZ4_MAX_RATIO = 255  # an lz4 frame cannot expand more than this (bounds decompression)
 
 
@@ -67,11 +65,6 @@ class Scan:
     @property
     def block_files(self) -> list[BlockFile]:
         return [f for group in self.files.values() for f in group]
-
-
-def is_key(text: str) -> bool:
-    """True for a block key (KEY_HEX_LEN lower-case hex characters)."""
-    return len(text) == KEY_HEX_LEN and _HEX.issuperset(text)
 
 
 class CacheDir:
@@ -119,7 +112,10 @@ class CacheDir:
         return self.path / BLOCKS_DIR / key[:2] / (key + fmt.SUFFIXES[compression])
 
     def files_of(self, key: str) -> list[BlockFile]:
-        """The block file(s) of ``key`` present now (stat only)."""
+        """The block file(s) of ``key`` present now (stat only). A manifest key that is not a hex
+        digest names no file: a tampered row must never steer a path outside the cache."""
+        if not is_key(key):
+            return []
         out = []
         for comp in fmt.COMPRESSIONS:
             found = _stat_block(self.block_path(key, comp), key, comp)
@@ -131,11 +127,11 @@ class CacheDir:
         """Walk blocks/ and tmp/ (stat only, no payload reads); entries vanishing meanwhile are skipped."""
         scan = Scan()
         for fan in _entries(self.path / BLOCKS_DIR):
-            if len(fan.name) != 2 or not _HEX.issuperset(fan.name) or not fan.is_dir(follow_symlinks=False):
+            if len(fan.name) != 2 or not HEX.issuperset(fan.name) or not fan.is_dir(follow_symlinks=False):
                 _add_other(scan.strays, fan, "not a fan-out directory of blocks/")
                 continue
             for entry in _entries(Path(fan.path)):
-                key, comp = entry.name[:KEY_HEX_LEN], _SUFFIX_TO_COMPRESSION.get(entry.name[KEY_HEX_LEN:])
+                key, comp = entry.name[:KEY_HEX_LEN], SUFFIX_TO_COMPRESSION.get(entry.name[KEY_HEX_LEN:])
                 if comp is None or not is_key(key) or not key.startswith(fan.name):
                     _add_other(scan.strays, entry, "not a block file name")
                     continue
@@ -149,7 +145,7 @@ class CacheDir:
                 st = entry.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
-            live = pid is not None and _pid_alive(pid) and time.time() - st.st_mtime <= STALE_SECONDS
+            live = pid is not None and pid_alive(pid) and time.time() - st.st_mtime <= STALE_SECONDS
             reason = "being written" if live else "temp file of a dead or stale writer"
             scan.temps.append(OtherFile(Path(entry.path), st.st_size, st.st_mtime, reason, live))
         return scan
@@ -223,7 +219,7 @@ def decoded_limit(file_size: int) -> int:
 def read_file(f: BlockFile) -> bytes:
     """The whole block file, opened without following symlinks; BlockFileError if not a regular file."""
     try:
-        fd = os.open(f.path, _READ_FLAGS)
+        fd = os.open(f.path, READ_FLAGS)
     except OSError as exc:
         raise fmt.BlockFileError(f"cannot open safely: {exc.strerror}") from None
     try:

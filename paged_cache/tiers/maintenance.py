@@ -15,8 +15,9 @@ from typing import Callable, Iterable
 
 from paged_cache.tiers.inventory import (QUARANTINE_DIR, BlockFile, CacheDir, OtherFile, Scan,
                                          check_file)
-from paged_cache.tiers.manifest import COMPLETE, RESERVED, Manifest, Row
-from paged_cache.tiers.ssd import TOUCH_FLUSH_SECONDS, _row, _writer_alive
+from paged_cache.tiers.files import writer_alive
+from paged_cache.tiers.manifest import COMPLETE, RESERVED, Manifest, Row, row_from_meta
+from paged_cache.tiers.ssd import TOUCH_FLUSH_SECONDS
 
 DAMAGED, ORPHANED, UNINDEXED = "damaged", "orphaned", "unindexed"
 KINDS = (DAMAGED, ORPHANED, UNINDEXED)
@@ -106,7 +107,7 @@ def _row_orphans(cache: CacheDir, rows: dict[str, Row], scan: Scan,
     """Rows without a file that stay so past the settle window (or dead writers' reservations)."""
     def suspects(current: dict[str, Row]) -> dict[str, Row]:
         return {k: r for k, r in current.items()
-                if (r.state == COMPLETE or not _writer_alive(r.writer, r.created))
+                if (r.state == COMPLETE or not writer_alive(r.writer, r.created))
                 and not cache.files_of(k)}
 
     found = suspects({k: r for k, r in rows.items() if k not in scan.files})
@@ -146,8 +147,8 @@ def _repair_one(cache: CacheDir, manifest: Manifest, f: Finding, quarantine: boo
         if not found:
             return "gone"
         header = check_file(found[0])
-        manifest.adopt([_row(f.key, COMPLETE, found[0].size, header.data_bytes, found[0].compression,
-                             header.meta, found[0].mtime, "adopted")])
+        manifest.adopt([row_from_meta(f.key, COMPLETE, found[0].size, header.data_bytes,
+                                      found[0].compression, header.meta, found[0].mtime, "adopted")])
         return "adopted"
     if f.what == "file":
         return _unlink(Path(f.path))

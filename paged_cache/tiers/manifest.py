@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from paged_cache.tiers import format as fmt
+
 SCHEMA_VERSION = "1"
 RESERVED, COMPLETE = 0, 1
 
@@ -68,6 +70,16 @@ class Row:
     writer: str
 
 
+def row_from_meta(key: str, state: int, file_bytes: int, raw_bytes: int, compression: str,
+                  meta: dict[str, str], when: float, writer: str) -> Row:
+    """The row for a block file with this meta (tokens, fingerprint, parent, layer summary)."""
+    tokens = meta.get(fmt.META_TOKENS, "")
+    return Row(key=key, state=state, compression=compression, file_bytes=file_bytes,
+               raw_bytes=raw_bytes, tokens=int(tokens) if tokens.isdigit() else None,
+               fingerprint=meta.get(fmt.META_FINGERPRINT), parent=meta.get(fmt.META_PARENT),
+               layers=fmt.layers_summary(meta), created=when, last_access=when, writer=writer)
+
+
 class ManifestError(RuntimeError):
     """The manifest file is not a usable SQLite database of this schema."""
 
@@ -76,14 +88,16 @@ class Manifest:
     """Access to the manifest: one SQLite connection per thread, every write a short IMMEDIATE transaction.
 
     Per-thread connections mean a caller thread reading stats never queues behind the writer
-    thread while it waits for another process's write lock.
+    thread while it waits for another process's write lock. Connections of threads that have
+    ended are closed whenever a new one is opened, so a thread-per-request caller holds at most
+    one connection per live thread.
     """
 
     def __init__(self, path: Path, *, busy_timeout_s: float = 10.0) -> None:
         self.path = path
         self._busy_timeout_s = busy_timeout_s
         self._local = threading.local()
-        self._connections: list[sqlite3.Connection] = []
+        self._connections: dict[threading.Thread, sqlite3.Connection] = {}
         self._connections_lock = threading.Lock()
         try:
             db = self._db
@@ -111,7 +125,9 @@ class Manifest:
             db.execute("PRAGMA synchronous = NORMAL")
             self._local.db = db
             with self._connections_lock:
-                self._connections.append(db)
+                for thread in [t for t in self._connections if not t.is_alive()]:
+                    self._connections.pop(thread).close()
+                self._connections[threading.current_thread()] = db
         return db
 
     def _txn(self) -> "_Txn":
@@ -120,7 +136,7 @@ class Manifest:
     def close(self) -> None:
         """Close every thread's connection (the last one out checkpoints the WAL)."""
         with self._connections_lock:
-            for db in self._connections:
+            for db in self._connections.values():
                 db.close()
             self._connections.clear()
 

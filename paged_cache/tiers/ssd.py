@@ -9,6 +9,8 @@ manager; ``stats()`` keys are listed in docs/file-format.md.
 
 Layout under ``directory`` (0700, files 0600): ``manifest.sqlite`` (+ WAL), ``blocks/<k[:2]>/<key>
 .safetensors[.lz4]``, ``tmp/`` (files being written; renamed into ``blocks/`` once complete).
+Startup reconciliation of manifest and files lives in ``tiers/reconcile.py``; the shared file
+helpers in ``tiers/files.py``.
 """
 
 from __future__ import annotations
@@ -26,20 +28,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from paged_cache.block import KEY_HEX_LEN, Block, check_key
+from paged_cache.block import Block, check_key
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.manifest import COMPLETE, RESERVED, Manifest, ManifestError, Row, now
+from paged_cache.tiers.files import (DIR_FLAGS, MANIFEST_NAME, READ_FLAGS, file_compression,
+                                     is_key, open_private_dir, read_exact, unlink_quiet)
+from paged_cache.tiers.manifest import RESERVED, Manifest, ManifestError, now, row_from_meta
+from paged_cache.tiers.reconcile import reconcile
 
 log = logging.getLogger("paged_cache.ssd")
 
 QUEUE_FULL_POLICIES = ("skip", "write-on-caller")
-MANIFEST_NAME = "manifest.sqlite"
-STALE_SECONDS = 3600.0     # a temp file / reservation this old is abandoned even if its pid lives
 TOUCH_FLUSH_SECONDS = 1.0  # access times are batched in memory at most this long
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_SUFFIX_TO_COMPRESSION = {suffix: comp for comp, suffix in fmt.SUFFIXES.items()}
-_HEX = frozenset("0123456789abcdef")
 
 
 @dataclass
@@ -82,11 +81,12 @@ class SSDTier:
         self._queue_bytes = 0
         self._closed = False
         self._failing = False
-        self._root_fd = _open_private_dir(None, str(self.directory))
-        self._blocks_fd = _open_private_dir(self._root_fd, "blocks")
-        self._tmp_fd = _open_private_dir(self._root_fd, "tmp")
+        self._root_fd = open_private_dir(None, str(self.directory))
+        self._blocks_fd = open_private_dir(self._root_fd, "blocks")
+        self._tmp_fd = open_private_dir(self._root_fd, "tmp")
         self._manifest = self._open_manifest()
-        self._reconcile()
+        reconcile(self._manifest, self._blocks_fd, self._tmp_fd,
+                  compressions=self._compression_order(), count=self._count)
         self._count_evicted(self._manifest.evict_to(max_bytes, self._remove_file))
         self.open_seconds = time.perf_counter() - started
         self._thread = threading.Thread(target=self._run, name="paged-cache-ssd-writer", daemon=True)
@@ -129,7 +129,7 @@ class SSDTier:
             for comp in self._compression_order():
                 name = key + fmt.SUFFIXES[comp]
                 try:
-                    fd = os.open(name, _READ_FLAGS, dir_fd=fan_fd)
+                    fd = os.open(name, READ_FLAGS, dir_fd=fan_fd)
                 except FileNotFoundError:
                     continue
                 except OSError as exc:  # ELOOP: a symlink planted under our name
@@ -246,7 +246,7 @@ class SSDTier:
         try:
             for comp in self._compression_order():
                 try:
-                    fd = os.open(key + fmt.SUFFIXES[comp], _READ_FLAGS, dir_fd=fan_fd)
+                    fd = os.open(key + fmt.SUFFIXES[comp], READ_FLAGS, dir_fd=fan_fd)
                 except FileNotFoundError:
                     continue
                 except OSError:
@@ -277,7 +277,7 @@ class SSDTier:
             elif st.st_size > self.max_bytes:
                 reason = f"{st.st_size} bytes exceeds the tier budget"
             else:
-                reason, data = None, _read_exact(fd, st.st_size)
+                reason, data = None, read_exact(fd, st.st_size)
         except OSError as exc:
             self._count("read_errors")
             log.warning("block %s: read failed: %s", key[:16], exc)
@@ -359,8 +359,8 @@ class SSDTier:
         if encoded.file_bytes > self.max_bytes:
             self._count("write_too_large")
             return False
-        row = _row(key, RESERVED, encoded.file_bytes, encoded.raw_bytes, encoded.compression,
-                   item.meta, now(), self._writer_id)
+        row = row_from_meta(key, RESERVED, encoded.file_bytes, encoded.raw_bytes,
+                            encoded.compression, item.meta, now(), self._writer_id)
         status, victims = self._manifest.reserve(row, self.max_bytes, self._take_deferred(),
                                                  self._remove_file,
                                                  lambda k: self._file_compression(k) is not None)
@@ -381,7 +381,7 @@ class SSDTier:
             finally:
                 os.close(fan_fd)
         except BaseException:
-            _unlink_quiet(tmp_name, self._tmp_fd)
+            unlink_quiet(tmp_name, self._tmp_fd)
             self._manifest.abandon(key, self._writer_id)
             raise
         if not self._manifest.complete(key, self._writer_id):
@@ -426,7 +426,7 @@ class SSDTier:
         """An fd of blocks/<key[:2]> (never through a symlink); None if absent and not created."""
         fan = key[:2]
         try:
-            return os.open(fan, _DIR_FLAGS, dir_fd=self._blocks_fd)
+            return os.open(fan, DIR_FLAGS, dir_fd=self._blocks_fd)
         except FileNotFoundError:
             if not create:
                 return None
@@ -437,26 +437,18 @@ class SSDTier:
             os.unlink(fan, dir_fd=self._blocks_fd)
             if not create:
                 return None
-        return _open_private_dir(self._blocks_fd, fan)
+        return open_private_dir(self._blocks_fd, fan)
 
     def _file_compression(self, key: str) -> str | None:
         """The compression of the block's regular file if one exists (symlinks do not count)."""
-        for comp in self._compression_order():
-            try:
-                st = os.stat(f"{key[:2]}/{key}{fmt.SUFFIXES[comp]}", dir_fd=self._blocks_fd,
-                             follow_symlinks=False)
-            except OSError:
-                continue
-            if stat.S_ISREG(st.st_mode):
-                return comp
-        return None
+        return file_compression(self._blocks_fd, key, self._compression_order())
 
     def _remove_file(self, key: str, compression: str | None = None) -> None:
         """Remove the block's file; every suffix unless ``compression`` is given."""
-        if not _is_key(key):  # a tampered manifest row must never name a path outside blocks/
+        if not is_key(key):  # a tampered manifest row must never name a path outside blocks/
             return
         for comp in (compression,) if compression else fmt.COMPRESSIONS:
-            _unlink_quiet(f"{key[:2]}/{key}{fmt.SUFFIXES[comp]}", self._blocks_fd)
+            unlink_quiet(f"{key[:2]}/{key}{fmt.SUFFIXES[comp]}", self._blocks_fd)
 
     def _forget(self, key: str) -> None:
         """Remove every file of ``key`` now; its row goes at the next manifest transaction.
@@ -512,136 +504,10 @@ class SSDTier:
         except ManifestError as exc:
             log.warning("manifest unusable (%s): rebuilding it from the block files", exc)
             for name in names:
-                _unlink_quiet(name, self._root_fd)
+                unlink_quiet(name, self._root_fd)
             os.close(os.open(MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600,
                              dir_fd=self._root_fd))
             return Manifest(path)
-
-    def _reconcile(self) -> None:
-        """Make manifest and directory agree without reading block payloads (see docs).
-
-        Rows are read before the directory is listed: a file renamed in by another process after
-        the snapshot is merely adopted (header read), never lost. The common case is two set
-        differences over keys; only the differences are looked at one by one.
-        """
-        expected = self._manifest.complete_keys()
-        reserved = self._manifest.reservations()
-        present = self._scan_blocks()
-        adopt, complete, drop = [], [], []
-        for key in present - expected:
-            if not _is_key(key):  # keys from the manifest were checked when inserted
-                self._remove_stray_key(key)
-                continue
-            comp = self._file_compression(key)
-            if comp is None:
-                continue
-            if key in reserved:
-                if not _writer_alive(*reserved.pop(key)):
-                    complete.append(key)
-                continue
-            row = self._adopt(key, comp)
-            if row is not None:
-                adopt.append(row)
-        drop = [key for key in expected - present if self._file_compression(key) is None]
-        drop += [key for key, (writer, created) in reserved.items()
-                 if not _writer_alive(writer, created) and self._file_compression(key) is None]
-        self._manifest.adopt(adopt)
-        self._manifest.mark_complete(complete)
-        self._manifest.remove(drop, states=(COMPLETE, RESERVED))
-        self._count("adopted", len(adopt))
-        self._count("rows_dropped", len(drop))
-        self._clean_temps()
-
-    def _scan_blocks(self) -> set[str]:
-        """Keys of the block files in blocks/; anything else there is removed, as is a second
-        copy of a block under the other compression."""
-        present: set[str] = set()
-        for fan in os.listdir(self._blocks_fd):
-            if len(fan) != 2 or not _HEX.issuperset(fan):
-                self._remove_stray(self._blocks_fd, fan)
-                continue
-            try:
-                fan_fd = os.open(fan, _DIR_FLAGS, dir_fd=self._blocks_fd)
-            except OSError:
-                self._remove_stray(self._blocks_fd, fan)
-                continue
-            try:
-                names = os.listdir(fan_fd)
-                good = [n for n in names if n[KEY_HEX_LEN:] in _SUFFIX_TO_COMPRESSION
-                        and n.startswith(fan) and len(n) > KEY_HEX_LEN]
-                keys = {n[:KEY_HEX_LEN] for n in good}
-                if len(good) != len(names):
-                    for name in set(names).difference(good):
-                        self._remove_stray(fan_fd, name)
-                if len(keys) != len(good):  # a second copy under the other compression
-                    plain = {n[:KEY_HEX_LEN] for n in good if n.endswith(fmt.SUFFIXES["none"])}
-                    for name in good:
-                        if name.endswith(fmt.SUFFIXES["lz4"]) and name[:KEY_HEX_LEN] in plain:
-                            _unlink_quiet(name, fan_fd)
-                present |= keys
-            finally:
-                os.close(fan_fd)
-        return present
-
-    def _remove_stray_key(self, key: str) -> None:
-        fan_fd = os.open(key[:2], _DIR_FLAGS, dir_fd=self._blocks_fd)
-        try:
-            for sfx in fmt.SUFFIXES.values():
-                self._remove_stray(fan_fd, key + sfx)
-        finally:
-            os.close(fan_fd)
-
-    def _remove_stray(self, dir_fd: int, name: str) -> None:
-        try:
-            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-            if not stat.S_ISDIR(st.st_mode):
-                os.unlink(name, dir_fd=dir_fd)
-                self._count("strays_removed")
-            else:
-                log.warning("ignoring unexpected directory %r in the cache directory", name)
-        except OSError:
-            pass
-
-    def _adopt(self, key: str, comp: str) -> Row | None:
-        """A manifest row for a complete file found without one (header read only), or None if bad."""
-        name = f"{key[:2]}/{key}{fmt.SUFFIXES[comp]}"
-        try:
-            fd = os.open(name, _READ_FLAGS, dir_fd=self._blocks_fd)
-        except OSError:
-            _unlink_quiet(name, self._blocks_fd)
-            return None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise fmt.BlockFileError("not a regular file")
-            header = fmt.read_header_only(lambda off, n: os.pread(fd, n, off), st.st_size,
-                                          255 * st.st_size + (1 << 16))
-            if header.meta.get(fmt.META_KEY) != key:
-                raise fmt.BlockFileError("file name does not match the block key inside")
-            if (comp == "lz4") != (os.pread(fd, 4, 0) == fmt.LZ4_MAGIC):
-                raise fmt.BlockFileError("file suffix does not match its compression")
-        except (OSError, ValueError) as exc:
-            self._count("damaged")
-            log.warning("block %s: unadoptable file removed (%s)", key[:16], exc)
-            _unlink_quiet(name, self._blocks_fd)
-            return None
-        finally:
-            os.close(fd)
-        return _row(key, COMPLETE, st.st_size, header.data_bytes, comp, header.meta,
-                    st.st_mtime, "adopted")
-
-    def _clean_temps(self) -> None:
-        """Delete temp files left by dead writers (or older than STALE_SECONDS)."""
-        for name in os.listdir(self._tmp_fd):
-            parts = name.split(".")
-            try:
-                st = os.stat(name, dir_fd=self._tmp_fd, follow_symlinks=False)
-            except OSError:
-                continue
-            pid = int(parts[1]) if len(parts) == 4 and parts[1].isdigit() else None
-            if pid is None or not _pid_alive(pid) or now() - st.st_mtime > STALE_SECONDS:
-                _unlink_quiet(name, self._tmp_fd)
-                self._count("temps_removed")
 
     # ---- misc ----------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -659,75 +525,6 @@ _COUNTERS = ("hits", "misses", "pending_hits", "damaged", "read_errors", "writes
              "strays_removed")
 
 
-def _is_key(text: str) -> bool:
-    return len(text) == KEY_HEX_LEN and _HEX.issuperset(text)
-
-
-def _row(key: str, state: int, file_bytes: int, raw_bytes: int, compression: str,
-         meta: dict[str, str], when: float, writer: str) -> Row:
-    tokens = meta.get(fmt.META_TOKENS, "")
-    return Row(key=key, state=state, compression=compression, file_bytes=file_bytes,
-               raw_bytes=raw_bytes, tokens=int(tokens) if tokens.isdigit() else None,
-               fingerprint=meta.get(fmt.META_FINGERPRINT), parent=meta.get(fmt.META_PARENT),
-               layers=fmt.layers_summary(meta), created=when, last_access=when, writer=writer)
-
-
 def _check_size(name: str, value: int, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}: expected an integer number of bytes >= {minimum}, got {value!r}")
-
-
-def _open_private_dir(dir_fd: int | None, name: str) -> int:
-    """Open (creating 0700 if needed) a directory we own, refusing symlinks."""
-    try:
-        os.mkdir(name, 0o700, dir_fd=dir_fd) if dir_fd is not None else os.makedirs(name, 0o700)
-    except FileExistsError:
-        pass
-    try:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-    except OSError as exc:
-        raise ValueError(f"directory: {name!r} must be a real directory, not a symlink or file "
-                         f"({exc.strerror})") from None
-    st = os.fstat(fd)
-    if st.st_uid != os.getuid():
-        os.close(fd)
-        raise ValueError(f"directory: {name!r} is owned by uid {st.st_uid}, not by this user")
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        os.fchmod(fd, 0o700)
-    return fd
-
-
-def _read_exact(fd: int, size: int) -> bytearray:
-    buf = bytearray(size)
-    view, done = memoryview(buf), 0
-    while done < size:
-        n = os.readv(fd, [view[done:]])
-        if n == 0:
-            return buf[:done]
-        done += n
-    return buf
-
-
-def _unlink_quiet(name: str, dir_fd: int) -> None:
-    try:
-        os.unlink(name, dir_fd=dir_fd)
-    except OSError:
-        pass
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _writer_alive(writer: str, created: float) -> bool:
-    """Whether a reservation's writer ("pid:token") may still be writing."""
-    pid = writer.split(":", 1)[0]
-    if not pid.isdigit() or now() - created > STALE_SECONDS:
-        return False
-    return _pid_alive(int(pid))
