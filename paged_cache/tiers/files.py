@@ -91,9 +91,16 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+# Writer ids ("pid:token") of the SSD tiers open in this process: a reservation left by a closed
+# tier of this same process is dead even though the pid is alive.
+LIVE_WRITERS: set[str] = set()
+
+
 def writer_alive(writer: str, created: float) -> bool:
     """Whether a reservation's writer ("pid:token") may still be writing."""
     pid = writer.split(":", 1)[0]
     if not pid.isdigit() or now() - created > STALE_SECONDS:
         return False
+    if int(pid) == os.getpid():
+        return writer in LIVE_WRITERS
     return pid_alive(int(pid))

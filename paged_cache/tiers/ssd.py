@@ -30,8 +30,9 @@ from typing import Any
 
 from paged_cache.block import Block, check_key
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.files import (DIR_FLAGS, MANIFEST_NAME, READ_FLAGS, file_compression,
-                                     is_key, open_private_dir, read_exact, unlink_quiet)
+from paged_cache.tiers.files import (DIR_FLAGS, LIVE_WRITERS, MANIFEST_NAME, READ_FLAGS,
+                                     file_compression, is_key, open_private_dir, read_exact,
+                                     unlink_quiet)
 from paged_cache.tiers.manifest import RESERVED, Manifest, ManifestError, now, row_from_meta
 from paged_cache.tiers.reconcile import reconcile
 
@@ -73,6 +74,7 @@ class SSDTier:
         self._count_lock = threading.Lock()
         self._touches: dict[str, float] = {}    # access times not yet in the manifest
         self._forgets: set[str] = set()          # rows to drop (their files are already gone)
+        self._incomplete: set[str] = set()       # renamed files whose row completion failed
         self._deferred_lock = threading.Lock()
         self._cond = threading.Condition()
         self._queue: deque[_Item] = deque()
@@ -89,6 +91,7 @@ class SSDTier:
                   compressions=self._compression_order(), count=self._count)
         self._count_evicted(self._manifest.evict_to(max_bytes, self._remove_file))
         self.open_seconds = time.perf_counter() - started
+        LIVE_WRITERS.add(self._writer_id)
         self._thread = threading.Thread(target=self._run, name="paged-cache-ssd-writer", daemon=True)
         self._thread.start()
 
@@ -193,6 +196,7 @@ class SSDTier:
             self._cond.notify_all()
         self._thread.join()
         self._flush_deferred()
+        LIVE_WRITERS.discard(self._writer_id)
         self._manifest.close()
         for fd in (self._tmp_fd, self._blocks_fd, self._root_fd):
             os.close(fd)
@@ -384,7 +388,13 @@ class SSDTier:
             unlink_quiet(tmp_name, self._tmp_fd)
             self._manifest.abandon(key, self._writer_id)
             raise
-        if not self._manifest.complete(key, self._writer_id):
+        try:
+            completed = self._manifest.complete(key, self._writer_id)
+        except sqlite3.Error:
+            with self._deferred_lock:     # the file is whole: complete its row on a later flush
+                self._incomplete.add(key)
+            raise
+        if not completed:
             self._forget(key)
             return False
         self._count("writes")
@@ -465,6 +475,22 @@ class SSDTier:
             self._forgets.add(key)
             self._touches.pop(key, None)
 
+    def _retry_completions(self) -> None:
+        """Mark complete the rows whose file was renamed but whose completion failed (SQLite busy
+        or out of space), so no reservation of a whole file outlives the episode."""
+        with self._deferred_lock:
+            pending = sorted(self._incomplete)
+            self._incomplete = set()
+        for n, key in enumerate(pending):
+            try:
+                if not self._manifest.complete(key, self._writer_id):
+                    self._forget(key)
+            except sqlite3.Error as exc:
+                log.debug("manifest busy, %d completions kept for later: %s", len(pending) - n, exc)
+                with self._deferred_lock:
+                    self._incomplete.update(pending[n:])
+                return
+
     def _take_deferred(self) -> tuple[dict[str, float], set[str]]:
         with self._deferred_lock:
             deferred = (self._touches, self._forgets)
@@ -472,6 +498,7 @@ class SSDTier:
         return deferred
 
     def _flush_deferred(self) -> None:
+        self._retry_completions()
         touches, forgets = self._take_deferred()
         try:
             self._manifest.apply(touches, forgets)
