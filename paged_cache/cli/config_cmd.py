@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
 from paged_cache.cli.options import add_config_arguments, config_from_args
+from paged_cache.cli.render import fail
 from paged_cache.config import CacheConfig, format_size
 
 
@@ -41,8 +41,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
     except ValueError as exc:
-        print(f"paged-cache config: {exc}", file=sys.stderr)
-        return 2
+        return fail("config", str(exc))
     described = _describe(config)
     if args.json:
         print(json.dumps(described, indent=2))

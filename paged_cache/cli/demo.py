@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from paged_cache.cli.options import add_config_arguments, config_from_args
+from paged_cache.cli.render import fail
 
 DEFAULT_OUTPUT = Path("demo-output")
 
@@ -37,12 +37,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
     except ValueError as error:
-        print(f"paged-cache demo: error: {error}", file=sys.stderr)
-        return 2
+        return fail("demo", str(error))
     if args.model is not None and not (args.model / "config.json").is_file():
-        print(f"paged-cache demo: error: --model: {args.model} is not an mlx-lm model directory "
-              "(no config.json)", file=sys.stderr)
-        return 2
+        return fail("demo", f"--model: {args.model} is not an mlx-lm model directory "
+                            "(no config.json)")
     from paged_cache.demo import run_demo
 
     run_demo(config, output=args.output, model_dir=args.model, short=args.short)

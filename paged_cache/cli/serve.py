@@ -9,6 +9,7 @@ import os
 import sys
 
 from paged_cache.cli.options import add_config_arguments, config_from_args
+from paged_cache.cli.render import fail
 
 SERVER_LOG_DEFAULT = "INFO"   # mlx_lm.server's own --log-level default
 
@@ -34,11 +35,6 @@ def _server_log_level(server_argv: list[str]) -> str:
     return probe.parse_known_args(server_argv)[0].log_level
 
 
-def _fail(message: str, status: int = 2) -> int:
-    print(f"paged-cache serve: error: {message}", file=sys.stderr)
-    return status
-
-
 def _model_error(model: str) -> str | None:
     """Why ``--model`` cannot be served, for a local path (a Hugging Face repo id is left to
     mlx_lm, which loads the model only when the server starts)."""
@@ -59,16 +55,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
     except ValueError as error:
-        return _fail(str(error))
+        return fail("serve", str(error))
     if (problem := _model_error(args.model)) is not None:
-        return _fail(problem)
+        return fail("serve", problem)
     model = os.path.expanduser(args.model) if args.model.startswith("~") else args.model
     server_argv = ["--model", model, *args.extra_args]
     # mlx_lm.server's logging.basicConfig is a no-op once ours ran: apply its level here, and let
     # the per-request cache lines (INFO, paged_cache) show at that level.
     level = logging.getLevelName(_server_log_level(args.extra_args))
     if not isinstance(level, int):
-        return _fail("--log-level: expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
+        return fail("serve", "--log-level: expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
     logging.getLogger().setLevel(level)
     ours = logging.getLogger("paged_cache")
     ours.setLevel(min(level, ours.getEffectiveLevel()))
@@ -77,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         status = serve_main(config, server_argv)
     except ServeError as error:
-        status = _fail(str(error), 1)
+        status = fail("serve", str(error), 1)
     # The manager is closed (every block written). Skip interpreter finalization: there, MLX's
     # threads of the stopped server abort the process about half the time (std::terminate, plain
     # mlx_lm.server too), which would turn a clean stop into exit status -6.
