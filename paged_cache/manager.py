@@ -9,8 +9,9 @@ is queued for the SSD writer; with write-back a block is queued when it leaves t
 from __future__ import annotations
 
 import logging
+import re
 import threading
-from typing import Any, Iterable, Literal
+from typing import Any, Iterable, Literal, Sequence
 
 import mlx.core as mx
 
@@ -22,10 +23,11 @@ from paged_cache.tiers.hot import HotTier
 log = logging.getLogger("paged_cache.manager")
 
 Tier = Literal["hot", "pending", "ssd"]
+_KEY = re.compile(r"[0-9a-f]{64}")  # block.check_key's rule, for the batched path
 
 
 class PagedSSDCacheManager:
-    """Tiered store of Blocks: `put`, `get` (take=), `tier_of`, `contains`, `demote`,
+    """Tiered store of Blocks: `put`, `get` (take=), `tier_of`, `tiers_of`, `contains`, `demote`,
     `trim_hot`, `discard`, `flush`, `close`, `stats`. Thread-safe; a context manager whose exit closes (and so flushes) it."""
 
     def __init__(self, config: CacheConfig | None = None) -> None:
@@ -175,6 +177,31 @@ class PagedSSDCacheManager:
             if self._ssd.has_pending(key):
                 return "pending"
             return "ssd" if self._ssd.contains(key) else None
+
+    def tiers_of(self, keys: Sequence[str], *, until_miss: bool = False) -> list[Tier | None]:
+        """``tier_of`` of every key under one lock acquisition (hot dict lookups first, then the
+        write queue and the block files for the rest). ``until_miss``: stop at the first key held
+        nowhere (what a chain walk needs); the entries after it are None without a lookup."""
+        if isinstance(keys, str):
+            raise TypeError("keys: expected a sequence of keys, got a single str")
+        keys = list(keys)
+        for key in keys:
+            if not isinstance(key, str) or not _KEY.fullmatch(key):
+                check_key(key)  # raises with the standard message
+        out: list[Tier | None] = [None] * len(keys)
+        with self._lock:
+            self._check_open()
+            hot, ssd = self._hot, self._ssd
+            for i, key in enumerate(keys):
+                if key in hot:
+                    out[i] = "hot"
+                elif ssd is not None and ssd.has_pending(key):
+                    out[i] = "pending"
+                elif ssd is not None and ssd.contains(key):
+                    out[i] = "ssd"
+                elif until_miss:
+                    break
+        return out
 
     def contains(self, key: str) -> bool:
         """True when some tier holds `key`."""

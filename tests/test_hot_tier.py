@@ -211,3 +211,133 @@ def test_demote_and_trim_evict_through_the_callback_without_hits():
     assert hot.nbytes == 0 and len(hot) == 0
     with pytest.raises(ValueError, match="max_bytes"):
         hot.trim(-1)
+
+
+def chain_block(i: int, parent: int | None, nbytes: int = 1000) -> Block:
+    """A block whose meta names block `parent` (None: a root) as its parent, as stored chains do."""
+    block = make_block(i, nbytes)
+    block.meta["parent"] = key_of(parent) if parent is not None else ""
+    return block
+
+
+def fetch_touch(hot: HotTier, chain: list[int]) -> list[int]:
+    """Touch a chain root first, as a fetch does; return the reachable prefix (indices)."""
+    reachable = []
+    for i in chain:
+        if hot.get(key_of(i)) is None:
+            break
+        reachable.append(i)
+    return reachable
+
+
+def test_chain_longer_than_the_budget_keeps_its_prefix_reachable():
+    """Plain LRU evicts a chain's root first (a fetch touches it first), stranding the rest; the
+    hot tier evicts leaves before parents, so the longest prefix that fits stays reachable."""
+    evicted: list[str] = []
+    hot = HotTier(4000, on_evict=lambda b, persisted: evicted.append(b.key))
+    chain = list(range(10))
+    for i in chain:                                          # 10 blocks into a 4-block budget
+        hot.insert(chain_block(i, i - 1 if i else None), persisted=False)
+    assert fetch_touch(hot, chain) == [0, 1, 2, 3]           # plain LRU would keep [6..9]
+    assert hot.nbytes <= hot.max_bytes and hot.stats()["rejected_ancestors"] == 6
+    # Another conversation: evicts the first chain from its tip back (leaves first), never its root
+    # while a deeper block of it is held.
+    other = list(range(20, 23))
+    for pos, i in enumerate(other):
+        assert hot.insert(chain_block(i, other[pos - 1] if pos else None), persisted=False)
+        assert fetch_touch(hot, chain) == [0, 1, 2, 3][:3 - pos]
+        assert fetch_touch(hot, other) == other[:pos + 1]
+    assert evicted == [key_of(i) for i in (3, 2, 1)]
+    # Branches: the least recently used leaf goes first, whatever the depth.
+    hot.insert(chain_block(30, 20), persisted=False)         # 20 -> 21 -> 22 and 20 -> 30
+    assert evicted[-1] == key_of(0)                          # the oldest leaf (a lone root)
+    hot.get(key_of(22))
+    hot.insert(chain_block(40, None), persisted=False)
+    assert evicted[-1] == key_of(30)                         # 30 is older than leaf 22
+    hot.insert(chain_block(41, 40), persisted=False)         # 40 (its parent) is no candidate
+    assert evicted[-1] == key_of(22)
+    assert hot.keys() == [key_of(i) for i in (20, 21, 40, 41)]
+
+
+def test_trim_evicts_leaves_first_and_parent_cycles_fall_back_to_lru():
+    hot = HotTier(4000)
+    for i in range(4):
+        hot.insert(chain_block(i, i - 1 if i else None), persisted=False)
+    hot.get(key_of(0))
+    assert hot.trim(2000) == 2 and fetch_touch(hot, [0, 1, 2, 3]) == [0, 1]
+    hot.clear()
+    hot.insert(chain_block(5, 6), persisted=False)           # foreign meta: 5 <-> 6, no leaf
+    hot.insert(chain_block(6, 5), persisted=False)
+    assert hot.trim(1000) == 1 and hot.keys() == [key_of(6)]
+    hot.insert(chain_block(7, None, 3000), persisted=False)  # 6 is a leaf again: evictable
+    assert hot.keys() == [key_of(6), key_of(7)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(budget=st.integers(0, 12), ops=st.lists(
+    st.tuples(st.sampled_from(["insert", "insert", "get", "take", "discard", "trim"]),
+              st.integers(0, 7), st.integers(1, 5), st.one_of(st.none(), st.integers(0, 7))),
+    max_size=50))
+def test_matches_a_leaves_first_lru_model(budget, ops):
+    """Every operation sequence on blocks with parent links leaves what a slow reference model of
+    the policy predicts: evict the least recently used block with no held child, where a block
+    counts as a child of its nearest held ancestor (parent, or remembered ancestors of blocks that
+    left) and the incoming block counts too; none left: refuse the incoming block if that ancestor
+    is held, else plain LRU. Sizes in units of 256 bytes."""
+    unit = 256
+    hot = HotTier(budget * unit)
+    model: OrderedDict[str, tuple[int, str | None]] = OrderedDict()   # key -> (bytes, parent)
+    ghosts: dict[str, str] = {}
+
+    def anchor(parent: str | None) -> str | None:
+        for _ in range(64):
+            if parent is None or parent in model:
+                return parent
+            parent = ghosts.get(parent)
+        return None
+
+    def pop(key: str) -> bool:
+        if key not in model:
+            return False
+        parent = model.pop(key)[1]
+        if parent is not None:
+            ghosts[key] = anchor(parent) or parent
+        return True
+
+    def victim(protected: str | None) -> str | None:
+        parents = [p for _, p in model.values()] + [protected]
+        leaf = next((k for k in model if k not in parents), None)
+        if leaf is not None or not model or protected in model:
+            return leaf
+        return next(iter(model))
+
+    used = lambda: sum(b for b, _ in model.values())  # noqa: E731
+    for op, i, size, parent_i in ops:
+        key = key_of(i)
+        parent_i = None if parent_i == i else parent_i
+        parent = key_of(parent_i) if parent_i is not None else None
+        if op == "insert":
+            pop(key)
+            if size <= budget:
+                protected = anchor(parent)
+                while used() + size * unit > budget * unit and (v := victim(protected)) is not None:
+                    pop(v)
+                if used() + size * unit <= budget * unit:
+                    model[key] = (size * unit, parent)
+                else:
+                    ghosts[key] = protected
+            hot.insert(chain_block(i, parent_i, size * unit), persisted=False)
+        elif op == "get":
+            assert (hot.get(key) is not None) == (key in model)
+            if key in model:
+                model.move_to_end(key)
+        elif op == "take":
+            assert (hot.take(key) is not None) == pop(key)
+        elif op == "discard":
+            assert hot.discard(key) == pop(key)
+        else:
+            while used() > size * unit:
+                pop(victim(None))
+            hot.trim(size * unit)
+        assert hot.keys() == list(model)
+        assert hot.nbytes == used() <= budget * unit

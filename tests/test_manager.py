@@ -642,3 +642,24 @@ def test_demote_and_trim_reject_bad_input_and_keep_what_is_stored():
         manager.demote([block.key])
     with pytest.raises(RuntimeError, match="closed"):
         manager.trim_hot(0)
+
+
+def test_tiers_of_matches_tier_of_in_one_call(tmp_path):
+    with with_ssd(tmp_path, hot_cache_max_bytes=2048) as m:
+        blocks = [make_block(i) for i in range(4)]
+        for b in blocks:
+            m.put(b)
+        m.flush()                                            # 0 and 1 left the hot tier for SSD
+        keys = [b.key for b in blocks] + [key_of(99)] + [blocks[0].key]
+        want = [m.tier_of(k) for k in keys]
+        assert want == ["ssd", "ssd", "hot", "hot", None, "ssd"]
+        assert m.tiers_of(keys) == want
+        assert m.tiers_of(keys, until_miss=True) == want[:4] + [None, None]
+        assert m.tiers_of([]) == []
+        with pytest.raises(ValueError, match="key"):
+            m.tiers_of([blocks[0].key, "not-a-key"])
+        with pytest.raises(TypeError, match="keys"):
+            m.tiers_of(blocks[0].key)
+    with hot_only() as m:
+        m.put(blocks[0])
+        assert m.tiers_of([blocks[0].key, blocks[1].key]) == ["hot", None]

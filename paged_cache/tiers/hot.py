@@ -1,7 +1,13 @@
 """Hot tier: a byte-budgeted LRU of Blocks that keeps their live mx.arrays (no bytes round trip).
 
-The budget is a hard bound: room is made by evicting least-recently-used blocks *before* a block
-is inserted, and a block larger than the whole budget is refused. Evicted blocks go to a callback
+The budget is a hard bound: room is made by evicting blocks *before* a block is inserted, and a
+block larger than the whole budget is refused. Eviction is least recently used, but leaves before
+their parents (a block whose ``meta["parent"]`` names a held block is that block's child): a fetch
+touches a chain's root first, so plain LRU would evict roots first and strand whole chains. When
+every held block is an ancestor of the incoming one, the incoming block is refused instead (it
+would only strand itself). A block whose parent already left counts as a child of its nearest held
+ancestor (the tier remembers the parents of blocks that left, bounded), so a chain stored or
+promoted in order never evicts its own prefix for blocks that could not be reached without it. Evicted blocks go to a callback
 (the manager spills them to SSD or drops them); after large evictions MLX's buffer cache is
 cleared so the freed memory really returns to the system. `demote` and `trim` evict on demand
 through the same path.
@@ -9,6 +15,7 @@ through the same path.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 from collections import OrderedDict
@@ -18,12 +25,15 @@ from typing import Any, Callable, Iterable
 import mlx.core as mx
 
 from paged_cache.block import Block
+from paged_cache.tiers.format import META_PARENT
 
 log = logging.getLogger("paged_cache.tiers.hot")
 
 # Clear MLX's buffer cache once evicted bytes reach a quarter of the budget, within these bounds.
 CLEAR_CACHE_MIN_BYTES = 1 * 2**20
 CLEAR_CACHE_MAX_BYTES = 64 * 2**20
+MAX_GHOSTS = 1 << 16   # parents remembered for blocks that left the tier (LRU)
+MAX_GHOST_STEPS = 64   # links followed from a missing parent to a held ancestor
 
 
 @dataclass
@@ -31,6 +41,8 @@ class _Entry:
     block: Block
     nbytes: int
     persisted: bool   # True when an SSD copy exists or is queued: evicting it loses nothing
+    parent: str | None   # meta["parent"] (None for a root or a block without one)
+    tick: int = 0        # last use (insert or get): the LRU order among leaves
 
 
 EvictCallback = Callable[[Block, bool], None]   # (block, persisted)
@@ -52,35 +64,120 @@ class HotTier:
         self._on_evict = on_evict
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._bytes = 0
+        self._tick = 0
+        self._kids: dict[str, int] = {}   # key -> held blocks naming it as parent
+        self._leaves: list[tuple[int, str]] = []   # heap of (tick, key); stale items skipped
+        self._ghosts: OrderedDict[str, str] = OrderedDict()   # left key -> its (held) ancestor
         self._lock = threading.RLock()
         self._unreleased = 0   # evicted bytes since the last mx.clear_cache()
         self._clear_threshold = clear_cache_bytes if clear_cache_bytes is not None else \
             min(max(max_bytes // 4, CLEAR_CACHE_MIN_BYTES), CLEAR_CACHE_MAX_BYTES)
         self.counters = dict(hits=0, misses=0, inserts=0, evictions=0, evicted_bytes=0,
                              rejected=0, takes=0, discards=0, cache_clears=0,
-                             evict_errors=0, demote_evictions=0, demote_evicted_bytes=0)
+                             evict_errors=0, demote_evictions=0, demote_evicted_bytes=0,
+                             rejected_ancestors=0)
 
     # ------------------------------------------------------------------------------ writes
 
     def insert(self, block: Block, *, persisted: bool) -> bool:
-        """Insert (or refresh) `block` as most recently used, evicting LRU blocks first.
+        """Insert (or refresh) `block` as most recently used, evicting leaves (LRU) first.
 
-        Returns False, counted as ``rejected``, when the block is larger than the whole budget.
+        Returns False, counted as ``rejected``, when the block is larger than the whole budget,
+        and, counted as ``rejected_ancestors``, when only its own ancestors are left to evict.
         """
         nbytes = block.nbytes
+        parent = _parent_of(block)
         evicted: list[_Entry] = []
         with self._lock:
             self._pop(block.key)
             if nbytes > self.max_bytes:
                 self.counters["rejected"] += 1
                 return False
-            while self._bytes + nbytes > self.max_bytes:   # no local may keep an evicted entry
-                evicted.append(self._pop(next(iter(self._entries))))
+            anchor = self._anchor(parent)
+            if anchor is not None:  # the incoming block keeps its ancestors from being leaves
+                self._kids[anchor] = self._kids.get(anchor, 0) + 1
+            try:
+                while self._bytes + nbytes > self.max_bytes:  # no local may keep an evicted entry
+                    victim = self._victim(anchor)
+                    if victim is None:
+                        break
+                    evicted.append(self._pop(victim))
+            finally:
+                if anchor is not None:
+                    self._release_child(anchor)
+            fits = self._bytes + nbytes <= self.max_bytes
             self._evicted(evicted)
-            self._entries[block.key] = _Entry(block, nbytes, persisted)
-            self._bytes += nbytes
+            if not fits:
+                self.counters["rejected_ancestors"] += 1
+                self._remember(block.key, anchor)
+                return False
+            self._add(_Entry(block, nbytes, persisted, parent))
             self.counters["inserts"] += 1
         return True
+
+    def _victim(self, parent: str | None = None) -> str | None:
+        """The least recently used held block with no held child. Without one (every held block
+        is an ancestor of an incoming block whose `parent` is held, or parent links form cycles,
+        which only foreign meta can make): None if `parent` is held, else plain LRU."""
+        heap = self._leaves
+        while heap:
+            tick, key = heap[0]
+            entry = self._entries.get(key)
+            if entry is not None and entry.tick == tick and not self._kids.get(key):
+                return key
+            heapq.heappop(heap)  # stale: gone, used since, or a parent now
+        if not self._entries or (parent is not None and parent in self._entries):
+            return None
+        return next(iter(self._entries))
+
+    def _anchor(self, parent: str | None) -> str | None:
+        """`parent` if held, else the nearest held ancestor the tier remembers, else None."""
+        for _ in range(MAX_GHOST_STEPS):
+            if parent is None or parent in self._entries:
+                return parent
+            parent = self._ghosts.get(parent)
+        return None
+
+    def _remember(self, key: str, ancestor: str | None) -> None:
+        """Record the (nearest held) ancestor of a block leaving the tier, for _anchor."""
+        if ancestor is None:
+            return
+        self._ghosts[key] = ancestor
+        self._ghosts.move_to_end(key)
+        if len(self._ghosts) > MAX_GHOSTS:
+            self._ghosts.popitem(last=False)
+
+    def _add(self, entry: _Entry) -> None:
+        key = entry.block.key
+        self._entries[key] = entry
+        self._bytes += entry.nbytes
+        if entry.parent is not None:
+            self._kids[entry.parent] = self._kids.get(entry.parent, 0) + 1
+        self._touch(entry)
+
+    def _touch(self, entry: _Entry) -> None:
+        """Mark `entry` most recently used (its tick orders it among the leaves)."""
+        self._tick += 1
+        entry.tick = self._tick
+        if not self._kids.get(entry.block.key):
+            self._push_leaf(entry)
+
+    def _push_leaf(self, entry: _Entry) -> None:
+        heapq.heappush(self._leaves, (entry.tick, entry.block.key))
+        if len(self._leaves) > 2 * len(self._entries) + 64:  # drop stale items (amortized O(1))
+            self._leaves = [(e.tick, k) for k, e in self._entries.items() if not self._kids.get(k)]
+            heapq.heapify(self._leaves)
+
+    def _release_child(self, parent: str) -> None:
+        """One held child of `parent` is gone: `parent` may have become a leaf."""
+        left = self._kids[parent] - 1
+        if left:
+            self._kids[parent] = left
+            return
+        del self._kids[parent]
+        entry = self._entries.get(parent)
+        if entry is not None:
+            self._push_leaf(entry)
 
     def mark_persisted(self, key: str) -> None:
         """Record that `key` now has an SSD copy (evicting it needs no write)."""
@@ -110,7 +207,7 @@ class HotTier:
         with self._lock:
             evicted = []
             while self._bytes > max_bytes:
-                evicted.append(self._pop(next(iter(self._entries))))
+                evicted.append(self._pop(self._victim()))
             count = len(evicted)
             self._evicted(evicted, demoted=True)
         return count
@@ -120,6 +217,9 @@ class HotTier:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self._bytes -= entry.nbytes
+            if entry.parent is not None:
+                self._release_child(entry.parent)
+                self._remember(key, self._anchor(entry.parent) or entry.parent)
         return entry
 
     def _evicted(self, entries: list[_Entry], *, demoted: bool = False) -> None:
@@ -162,6 +262,7 @@ class HotTier:
                 self.counters["misses"] += 1
                 return None
             self._entries.move_to_end(key)
+            self._touch(entry)
             self.counters["hits"] += 1
             return entry.block
 
@@ -188,6 +289,9 @@ class HotTier:
         """Drop every block (no callback) and release MLX's buffer cache."""
         with self._lock:
             self._entries.clear()
+            self._kids.clear()
+            self._leaves.clear()
+            self._ghosts.clear()
             self._bytes = 0
         self.release_memory()
 
@@ -205,7 +309,7 @@ class HotTier:
         return self._bytes
 
     def keys(self) -> list[str]:
-        """Held keys, least recently used first."""
+        """Held keys, least recently used first (eviction takes leaves first, see insert)."""
         with self._lock:
             return list(self._entries)
 
@@ -214,3 +318,9 @@ class HotTier:
         with self._lock:
             return dict(self.counters, bytes=self._bytes, blocks=len(self._entries),
                         max_bytes=self.max_bytes)
+
+
+def _parent_of(block: Block) -> str | None:
+    """The block's parent key from its meta, None for a root (``""``) or a self-reference."""
+    parent = block.meta.get(META_PARENT) or None
+    return None if parent == block.key else parent

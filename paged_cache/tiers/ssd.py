@@ -342,6 +342,7 @@ class SSDTier:
                     del self._pending[item.key]
                 self._queue_bytes -= item.nbytes
                 self._cond.notify_all()
+            item = None  # the wait above must not pin the last written block's arrays
 
     def _write(self, item: _Item) -> bool:
         """Encode and store one block; never raises (failures are counted and logged per episode)."""
