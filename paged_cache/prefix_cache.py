@@ -94,6 +94,11 @@ def _signature(layer: Any) -> Any:
     return type(layer)
 
 
+def _starts_with(ids: np.ndarray, head: np.ndarray) -> bool:
+    """True when ``ids`` begins with ``head`` (token id arrays of any integer dtype)."""
+    return len(head) <= len(ids) and bool(np.array_equal(ids[:len(head)], head))
+
+
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     if n == 0:
@@ -269,6 +274,9 @@ class BlockAwarePrefixCache:
         keys = chain_keys(self._fingerprint, self.namespace, tokens, bs)
         spans = [(s, min(s + bs, n)) for s in range(0, n, bs)]
         new = [j for j, key in enumerate(keys) if not self.manager.contains(key)]
+        superseded = self._drop_dominated(keys, tokens, new)
+        if superseded:
+            new.remove(len(keys) - 1)
         cuts = []
         for i, (h, layer) in enumerate(zip(self._handlers, cache)):
             captures = {b: s.layers[i] for b, s in snaps.items() if i in s.layers}
@@ -288,7 +296,7 @@ class BlockAwarePrefixCache:
                     "start": str(s), "tokens": str(e - s), "layers": json.dumps(descs),
                     META_TOKEN_IDS: encode_token_ids(tokens[s:e])}
             written += bool(self.manager.put(Block(keys[j], arrays, meta)))
-        for j, key in enumerate(keys):
+        for j, key in enumerate(keys[:len(keys) - superseded]):
             self._index(keys[j - 1] if j else ROOT_PARENT, key, tokens[spans[j][0]:spans[j][1]])
         seconds = time.perf_counter() - t0
         st = self._stats
@@ -299,6 +307,37 @@ class BlockAwarePrefixCache:
         logger.debug("store: %d tokens, %d blocks (%d new, %d deduplicated) in %.1f ms",
                     n, len(keys), written, len(keys) - len(new), seconds * 1e3)
         return written
+
+    def _drop_dominated(self, keys: list[str], tokens: list[int], new: list[int]) -> bool:
+        """Partial tails made redundant by this store: a held child of a parent this store
+        extends whose token ids are a proper prefix of the new sibling's is discarded, and a new
+        partial tail that is a proper prefix of a held sibling is not written (True).
+
+        Only when every layer can be trimmed to any length (``_full_history``: KV, quantized,
+        TurboQuant): the longer block then serves the same tokens. Windowed, chunked and recurrent
+        layouts keep such tails (their rows / state at the tail's end are not in the longer block);
+        hand-over does not count them as another conversation (``_sharers``).
+        """
+        if not self._full_history:
+            return False
+        bs, last = self.block_size, len(keys) - 1
+        superseded = False
+        for j in new:
+            if j and j - 1 in new:
+                continue  # the parent is new too: it has no other child yet
+            parent = keys[j - 1] if j else ROOT_PARENT
+            ids = token_array(tokens[j * bs:(j + 1) * bs])
+            if parent != ROOT_PARENT and parent not in self._children:  # e.g. after a restart
+                self._index_ssd_children(parent)
+            for key, other in list(self._children.get(parent, {}).items()):
+                if key == keys[j] or not self.manager.contains(key):
+                    continue
+                if len(other) < len(ids) and _starts_with(ids, other):
+                    self.manager.discard(key)
+                    self._unindex(parent, key)
+                elif j == last and len(ids) < len(other) and _starts_with(other, ids):
+                    superseded = True
+        return superseded
 
     def _index(self, parent: str, key: str, tokens: Sequence[int] | np.ndarray) -> None:
         children = self._children.setdefault(parent, {})
@@ -338,15 +377,11 @@ class BlockAwarePrefixCache:
     def _walk(self, tokens: list[int]) -> tuple[list[str], list[str], int]:
         """Keys of the stored chain matching ``tokens``, their tiers, and matched token count."""
         bs, total = self.block_size, len(tokens)
-        path, tiers, parent = [], [], ROOT_PARENT
-        for start in range(0, total - bs + 1, bs):
-            key = block_key(self._fingerprint, self.namespace, parent, tokens[start:start + bs])
-            tier = self.manager.tier_of(key)
-            if tier is None:
-                break
-            path.append(key)
-            tiers.append(tier)
-            parent = key
+        keys = chain_keys(self._fingerprint, self.namespace, tokens[:total - total % bs], bs)
+        tiers = self.manager.tiers_of(keys, until_miss=True)
+        held = tiers.index(None) if None in tiers else len(keys)
+        path, tiers = keys[:held], tiers[:held]
+        parent = path[-1] if path else ROOT_PARENT
         matched = len(path) * bs
         rest = tokens[matched:matched + bs]
         if not rest:
@@ -412,9 +447,11 @@ class BlockAwarePrefixCache:
         limit = min(matched, len(tokens) - 1)
         if limit <= 0:
             return None
+        first = self._unshared_from(path, tokens)
         blocks: list[Block] = []
-        for key in path:
-            block = self.manager.get(key)
+        for j, key in enumerate(path):
+            # An unshared block read from SSD (or the write queue) is taken: not promoted.
+            block = self.manager.get(key, take=j >= first and tiers[j] != "hot")
             if block is None or block.meta.get("fingerprint") != self._fingerprint:
                 break
             blocks.append(block)
@@ -432,7 +469,9 @@ class BlockAwarePrefixCache:
         if n == 0:
             return None
         used = max(i for plan in plans for i in plan) + 1
-        taken = self._take(path[:used], blocks[:used])
+        if first < used < len(path) and self._shared(path[used - 1], None, tokens, used):
+            first = used  # a block of the path past what is used continues through path[used-1]
+        taken = self._take(path[:used], blocks, tiers, first)
         capacity = math.ceil((len(tokens) + self.headroom) / GROWTH_STEP) * GROWTH_STEP
         by_layer = [_group_by_layer(b.arrays) for b in blocks[:used]]
         for i, (h, layer) in enumerate(zip(self._handlers, template)):
@@ -473,32 +512,60 @@ class BlockAwarePrefixCache:
             st["walkbacks"] += 1
             st["walkback_tokens_lost"] += lost - partial
 
-    def _take(self, path: list[str], blocks: list[Block]) -> int:
-        """Hand over the unshared tail of ``path``; return the index of its first block.
+    def _unshared_from(self, path: list[str], tokens: list[int]) -> int:
+        """Index of the first block of the unshared tail of ``path`` (``len(path)``: none).
 
-        A block is taken when it and every later block of the path have no child outside the
-        path (cached children plus the SSD listing), so no other chain loses a block. With an SSD
-        tier a taken block stays on SSD (and in the child cache). In
-        hot_cache_only mode only full-history layouts take: the live cache cannot reproduce the
-        rows and states windowed / recurrent layers hold at earlier boundaries.
+        A block is unshared when it and every later block of the path have no other
+        conversation's chain continuing through them (``_shared``). In hot_cache_only mode only
+        full-history layouts hand blocks over: the live cache cannot reproduce the rows and
+        states windowed / recurrent layers hold at earlier boundaries.
         """
         if self.manager.config.hot_cache_only and not self._full_history:
             return len(path)
-        hot_only = self.manager.config.hot_cache_only
         first = len(path)
         for j in range(len(path) - 1, -1, -1):
-            kids = self._children.get(path[j])
-            if kids is None and hot_only:
-                break  # a parent that left the bounded index: its children are unknown
-            nxt = path[j + 1] if j + 1 < len(path) else None
-            listed = self.manager.children(path[j], self._fingerprint)
-            if any(k != nxt and self.manager.contains(k) for k in (*(kids or ()), *listed)):
-                break  # (a cached child gone from every tier, e.g. demoted, does not count)
+            if self._shared(path[j], path[j + 1] if j + 1 < len(path) else None, tokens, j + 1):
+                break
             first = j
+        return first
+
+    def _shared(self, key: str, nxt: str | None, tokens: list[int], blocks_before: int) -> bool:
+        """True when a held child of ``key`` other than ``nxt`` (the path's next block) is
+        another conversation's: any child but a partial tail whose token ids are a prefix of
+        this request's tokens after ``key`` (or of ``nxt``'s), i.e. this conversation's own
+        earlier, superseded tail. Children: cached plus the SSD listing."""
+        kids = self._children.get(key)
+        if kids is None and self.manager.config.hot_cache_only:
+            return True  # a parent that left the bounded index: its children are unknown
+        listed = self.manager.children(key, self._fingerprint)
+        if any(k != nxt and k not in (kids or {}) for k in listed):
+            self._index_ssd_children(key)  # learn their token ids (header only, once per key)
+            kids = self._children.get(key)
+        kids = kids or {}
+        bs = self.block_size
+        start = blocks_before * bs
+        wanted = np.asarray(tokens[start:start + bs])
+        nxt_ids = kids.get(nxt) if nxt is not None else None
+        for k in {**kids, **dict.fromkeys(listed)}:
+            if k == nxt or not self.manager.contains(k):
+                continue  # (a cached child gone from every tier, e.g. demoted, does not count)
+            ids = kids.get(k)
+            if ids is not None and len(ids) < bs and (
+                    _starts_with(wanted, ids) or (nxt_ids is not None and _starts_with(nxt_ids, ids))):
+                continue  # this conversation's own superseded partial tail
+            return True
+        return False
+
+    def _take(self, path: list[str], blocks: list[Block], tiers: list[str], first: int) -> int:
+        """Hand over ``path[first:]`` (blocks read from SSD or the write queue were taken as they
+        were read); return ``first``. With an SSD tier a taken block stays there (and in the
+        child cache); in hot_cache_only mode it leaves the child cache."""
+        hot_only = self.manager.config.hot_cache_only
         for j in range(first, len(path)):
-            got = self.manager.get(path[j], take=True)
-            if got is not None and got is not blocks[j]:
-                blocks[j] = got
+            if tiers[j] == "hot":
+                got = self.manager.get(path[j], take=True)
+                if got is not None and got is not blocks[j]:
+                    blocks[j] = got
             if hot_only:  # with an SSD tier a taken block stays there, and so in the index
                 self._unindex(path[j - 1] if j else ROOT_PARENT, path[j])
         self._stats["blocks_taken"] += len(path) - first

@@ -157,3 +157,35 @@ def test_fetched_cache_goes_into_batch_generator(arch: str) -> None:
         return out
 
     assert run(cache) == run(cold)
+
+
+def test_chain_keys_equal_the_per_block_encoding() -> None:
+    """Keys must never change (existing cache directories are reused after a restart): the
+    one-buffer chain_keys equals the original per-block encoding, written out here."""
+    import hashlib
+
+    import numpy as np
+
+    from paged_cache.hashing import block_key, chain_keys
+
+    def original(fingerprint: str, namespace: str, tokens: list[int], bs: int) -> list[str]:
+        keys, parent = [], ""
+        for s in range(0, len(tokens), bs):
+            h = hashlib.blake2b(digest_size=32)
+            for part in (b"paged-cache/block/v1\0", fingerprint.encode(), namespace.encode(),
+                         parent.encode(), np.asarray(tokens[s:s + bs], dtype="<i8").tobytes()):
+                h.update(len(part).to_bytes(8, "little"))
+                h.update(part)
+            parent = h.hexdigest()
+            keys.append(parent)
+        return keys
+
+    tokens = [(i * 7919) % 151_000 for i in range(1000)] + [2**40, 0, 5]
+    for bs, n in [(256, 1003), (16, 48), (16, 7), (64, 0), (1, 5)]:
+        part = tokens[:n]
+        keys = chain_keys("f" * 64, "ns", part, bs)
+        assert keys == original("f" * 64, "ns", part, bs)
+        assert keys == [block_key("f" * 64, "ns", keys[j - 1] if j else "", part[j * bs:(j + 1) * bs])
+                        for j in range(len(keys))]
+    assert chain_keys("a" * 64, "", tokens, 100) == original("a" * 64, "", tokens, 100)
+    assert chain_keys("a" * 64, "", np.asarray(tokens), 100) == original("a" * 64, "", tokens, 100)
