@@ -1,6 +1,6 @@
 """Lookup time for a 128k-token prompt (goal <= 5 ms): hash the prompt into its block chain and
-ask the manager where each block is (``chain_keys`` + ``tier_of``: what ``fetch`` does before it
-loads anything), with the blocks in the hot tier and on SSD. Baseline: restoring the same prompt
+ask the manager where each block is (``chain_keys`` + one batched ``tiers_of``: what ``fetch``
+does before it loads anything), with the blocks in the hot tier and on SSD. Baseline: restoring the same prompt
 from the hot tier (``fetch``), to show the lookup's share of a hit.
 
 The model is a 1-layer llama with 1 KV head of 16 dims (fp16: 64 B of KV per token), filled with
@@ -22,8 +22,9 @@ BLOCK = 256
 
 
 def _lookup(prefix: BlockAwarePrefixCache, tokens: list[int], expect: str) -> None:
-    keys = chain_keys(prefix.fingerprint, prefix.namespace, tokens, BLOCK)
-    tiers = [prefix.manager.tier_of(k) for k in keys[: len(tokens) // BLOCK]]
+    full = len(tokens) // BLOCK * BLOCK
+    keys = chain_keys(prefix.fingerprint, prefix.namespace, tokens[:full], BLOCK)
+    tiers = prefix.manager.tiers_of(keys, until_miss=True)
     if any(t != expect for t in tiers):
         raise AssertionError(f"lookup: expected every block in {expect}, got {set(tiers)}")
 

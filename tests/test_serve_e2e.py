@@ -19,7 +19,7 @@ from openai import OpenAI
 
 from paged_cache.testing import write_model_dir
 
-BYTE_LIMIT = 128_000   # --prompt-cache-bytes for the SSD server: small enough to force spills
+BYTE_LIMIT = 40_000    # --prompt-cache-bytes for the SSD server: small enough to force spills
 SYSTEM = "You are a terse assistant for a cache test. " * 3
 QUESTIONS = ["What is a KV cache?", "Why split it into blocks of tokens?",
              "And what happens after a restart of the server?", "Thanks. One more detail?"]
