@@ -259,8 +259,14 @@ class BlockAwarePrefixCache:
 
     # ------------------------------------------------------------------ store
 
-    def store(self, tokens: Any, cache: list, *, snapshots: dict | None = None) -> int:
-        """Store ``cache`` (positioned at ``len(tokens)``) as chained blocks; return new blocks."""
+    def store(self, tokens: Any, cache: list, *, snapshots: dict | None = None,
+              consume: bool = False) -> int:
+        """Store ``cache`` (positioned at ``len(tokens)``) as chained blocks; return new blocks.
+
+        ``consume=True``: the caller hands the cache over (as mlx_lm.server does at insert time);
+        each layer is released (its list entry set to None) as soon as its blocks are cut, so the
+        store holds at most one layer twice instead of the whole sequence.
+        """
         t0 = time.perf_counter()
         tokens = as_tokens(tokens)
         if not self._ready():
@@ -277,10 +283,14 @@ class BlockAwarePrefixCache:
         superseded = self._drop_dominated(keys, tokens, new)
         if superseded:
             new.remove(len(keys) - 1)
+        types = [type(layer).__name__ for layer in cache]
         cuts = []
-        for i, (h, layer) in enumerate(zip(self._handlers, cache)):
+        for i, h in enumerate(self._handlers):
             captures = {b: s.layers[i] for b, s in snaps.items() if i in s.layers}
-            cuts.append(h.cut(layer, [spans[j] for j in new], captures, n))
+            cuts.append(h.cut(cache[i], [spans[j] for j in new], captures, n))
+            if consume:
+                mx.eval([a for arrays, _ in cuts[-1] for a in arrays.values()])
+                cache[i] = None
         written = 0
         for pos, j in enumerate(new):
             arrays: dict[str, mx.array] = {}
@@ -288,7 +298,7 @@ class BlockAwarePrefixCache:
             for i, layer_cuts in enumerate(cuts):
                 block_arrays, desc = layer_cuts[pos]
                 arrays.update({f"l{i}.{name}": a for name, a in block_arrays.items()})
-                descs.append({"type": type(cache[i]).__name__, **desc})
+                descs.append({"type": types[i], **desc})
                 layer_cuts[pos] = None
             mx.eval(list(arrays.values()))
             s, e = spans[j]

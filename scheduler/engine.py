@@ -264,13 +264,15 @@ class Scheduler:
             req.snapshots.add(snapshot)
             self._counts["snapshots_captured"] += 1
 
-    def _store(self, req: Request, cache: list[Any]) -> None:
-        """Store the cache's blocks with the request's snapshots, then free the snapshots."""
+    def _store(self, req: Request, cache: list[Any], *, consume: bool = False) -> None:
+        """Store the cache's blocks with the request's snapshots, then free the snapshots.
+        ``consume``: the request is over, so the store may release each layer once it is cut."""
         if not self.caching:
             return
         snapshots = req.snapshots.take()
         try:
-            stored = self.prefix_cache.store(req.cache_tokens, cache, snapshots=snapshots)
+            stored = self.prefix_cache.store(req.cache_tokens, cache, snapshots=snapshots,
+                                             consume=consume)
         except Exception:
             self._counts["store_errors"] += 1
             logger.exception("store failed for request %d; generation continues", req.id)
@@ -316,7 +318,7 @@ class Scheduler:
                   else "length" if len(req.tokens) >= req.max_tokens else None)
         if reason is not None:
             self._decoder.remove(req)
-            self._store(req, req.cache)  # prompt + generated tokens
+            self._store(req, req.cache, consume=True)  # prompt + generated tokens
             self._finish(req, reason)
 
     # -- endings --------------------------------------------------------------------------

@@ -161,3 +161,31 @@ def test_one_copy_over_a_multi_turn_conversation(tmp_path: Path, tier: str) -> N
     assert all(t == used for t, used in taken)
     assert stats["promotions"] == 0
     assert max(ratios) <= 0.1
+
+
+@pytest.mark.parametrize("consume", [False, True])
+def test_consuming_store_holds_at_most_one_layer_twice(consume: bool) -> None:
+    """store(..., consume=True) releases each layer once cut: its peak stays within one layer of
+    the live KV; a plain store cuts every block while the whole live cache is still resident."""
+    model = tiny_model("llama", num_hidden_layers=LAYERS)
+    prefix = hot_prefix(model, BLOCK)
+    tokens = prompt(TOKENS)
+    cache = prefix.make_cache()
+    prefill(model, cache, tokens, 0, BLOCK)
+    live = sum(layer.keys[..., :TOKENS, :].nbytes + layer.values[..., :TOKENS, :].nbytes
+               for layer in cache)
+    layer_bytes = live // LAYERS
+    assert prefix.fetch(tokens) == (None, 0)  # first use: the one-time layout dry run, not measured
+    base = _settle()
+    mx.reset_peak_memory()
+    assert prefix.store(tokens, cache, consume=consume) == TOKENS // BLOCK
+    extra = mx.get_peak_memory() - base
+    if consume:
+        assert all(layer is None for layer in cache)
+        assert extra <= 2 * layer_bytes, (extra, layer_bytes)
+        # the stored chain is whole and exact to fetch
+        fetched, n = prefix.fetch(tokens + [1])
+        assert n == TOKENS
+    else:
+        assert all(layer is not None for layer in cache)
+        assert extra >= live * 0.9, (extra, live)   # every block cut beside the live cache

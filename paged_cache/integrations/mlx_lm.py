@@ -159,7 +159,9 @@ class PagedPromptCache:
 
     def insert_cache(self, model: Hashable, tokens: Sequence[int], prompt_cache: list, *,
                      cache_type: str = "assistant") -> None:
-        """Store ``prompt_cache`` (positioned at ``len(tokens)``) as blocks; the caller keeps it.
+        """Store ``prompt_cache`` (positioned at ``len(tokens)``) as blocks. The server hands the
+        cache over here (as it does to LRUPromptCache), so each layer is released once its blocks
+        are cut: the insert never holds the sequence twice. The list's entries are None after.
 
         A cache that does not match ``tokens`` or the model's layout is logged (WARNING), counted
         in ``store_errors`` and not stored; an unknown ``cache_type`` raises ValueError.
@@ -182,7 +184,7 @@ class PagedPromptCache:
             return
         t0 = time.perf_counter()
         try:
-            prefix.store(tokens, prompt_cache)
+            prefix.store(tokens, prompt_cache, consume=True)
         except (TypeError, ValueError) as error:
             # The server's generation thread dies on an exception: a cache that cannot be
             # stored is logged and skipped, like the Scheduler does; nothing stored is touched.
