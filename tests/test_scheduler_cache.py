@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 
 import mlx.core as mx
@@ -170,20 +171,25 @@ def _soak(model, n_requests: int, budget: int) -> tuple[list[int], dict]:
         for i in range(n_requests):
             prompt = system + [rng.randrange(256) for _ in range(8 + i % 5)]
             sched.generate(prompt, max_tokens=4)
+            gc.collect()  # arrays awaiting Python's cycle collector are garbage, not a leak
             mx.clear_cache()
             memory.append(mx.get_active_memory())
             assert sched.stats()["snapshot_bytes"] == 0
         return memory, manager.stats()
 
 
-@pytest.mark.parametrize("n_requests", [200])
+@pytest.mark.parametrize("n_requests", [300])
 def test_soak_hot_cache_only_memory_is_flat(models, n_requests):
-    """200 requests (about 12 s here): after warm-up (the hot tier full at its 2 MiB budget by
-    request ~90) active memory grows by less than 1% of the budget (mean of the last 40
-    readings against the mean of requests 100-140)."""
+    """300 requests (about 20 s here): after warm-up, active memory grows by less than 1% of the
+    hot budget (mean of the last 40 readings against the mean of requests 200-240).
+
+    Warm-up: the hot tier is full at its 2 MiB budget by request ~90, but its mix of blocks (full
+    blocks replacing partial tails, ~2,000 small arrays) settles by ~160; until then MLX's
+    per-allocation rounding, which the byte budget (payload nbytes) does not see, drifts by up to
+    ~30 KB. Measured per window with the hot bytes subtracted, it then stays within +-2 KB."""
     budget = 2 * 2**20
     memory, stats = _soak(models["qwen3_next"], n_requests, budget)
     assert stats["hot"]["evictions"] > 0  # the budget was reached: eviction, not growth
-    warm = sum(memory[100:140]) / 40
+    warm = sum(memory[200:240]) / 40
     end = sum(memory[-40:]) / 40
     assert end - warm < budget / 100, (warm, end)
