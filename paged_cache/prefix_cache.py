@@ -14,7 +14,6 @@ import json
 import logging
 import math
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -22,17 +21,16 @@ import mlx.core as mx
 import numpy as np
 
 from paged_cache.block import Block
+from paged_cache.child_index import META_TOKEN_IDS, ChildIndex, starts_with
 from paged_cache.handlers import (LayerHandler, Part, Span, UnsupportedCacheError,
                                   layer_needs_snapshots, require_handler)
 from paged_cache.handlers.base import Captured
-from paged_cache.hashing import (ROOT_PARENT, block_key, chain_keys, decode_token_ids,
-                                  encode_token_ids, model_fingerprint, model_identity, token_array)
+from paged_cache.hashing import (ROOT_PARENT, block_key, chain_keys, encode_token_ids,
+                                  model_fingerprint, model_identity, token_array)
 
 logger = logging.getLogger("paged_cache.prefix_cache")
 
 GROWTH_STEP = 256  # mlx-lm's KV growth step: rebuilt buffers are a multiple of it
-MAX_INDEXED_PARENTS = 1 << 16  # bound of the in-process child index (LRU), and of _foreign
-META_TOKEN_IDS = "token_ids"  # a block's own token ids (hashing.encode_token_ids)
 
 
 @dataclass
@@ -94,19 +92,6 @@ def _signature(layer: Any) -> Any:
     return type(layer)
 
 
-def _starts_with(ids: np.ndarray, head: np.ndarray) -> bool:
-    """True when ``ids`` begins with ``head`` (token id arrays of any integer dtype)."""
-    return len(head) <= len(ids) and bool(np.array_equal(ids[:len(head)], head))
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(diff[0]) if diff.size else n
-
-
 class BlockAwarePrefixCache:
     """Exact block-level prefix reuse for mlx-lm cache lists, over a PagedSSDCacheManager."""
 
@@ -134,10 +119,7 @@ class BlockAwarePrefixCache:
         self._signatures: list[Any] = []
         self._handlers: list[LayerHandler] = []
         self._full_history = False
-        # A cache of the store's parent -> children links: parent key -> {child key: token ids}.
-        # Never the only source: the SSD tier's listing is consulted whenever it could do better.
-        self._children: OrderedDict[str, dict[str, np.ndarray]] = OrderedDict()
-        self._foreign: OrderedDict[str, None] = OrderedDict()  # SSD children of another namespace
+        self._children = ChildIndex(manager, self.namespace)
         self._stats = dict.fromkeys(
             ("hits", "misses", "tokens_requested", "tokens_matched", "tokens_saved",
              "partial_block_tokens_lost", "walkbacks", "walkback_tokens_lost", "stores",
@@ -307,7 +289,8 @@ class BlockAwarePrefixCache:
                     META_TOKEN_IDS: encode_token_ids(tokens[s:e])}
             written += bool(self.manager.put(Block(keys[j], arrays, meta)))
         for j, key in enumerate(keys[:len(keys) - superseded]):
-            self._index(keys[j - 1] if j else ROOT_PARENT, key, tokens[spans[j][0]:spans[j][1]])
+            self._children.add(keys[j - 1] if j else ROOT_PARENT, key,
+                               tokens[spans[j][0]:spans[j][1]])
         seconds = time.perf_counter() - t0
         st = self._stats
         st["stores"] += 1
@@ -338,28 +321,16 @@ class BlockAwarePrefixCache:
             parent = keys[j - 1] if j else ROOT_PARENT
             ids = token_array(tokens[j * bs:(j + 1) * bs])
             if parent != ROOT_PARENT and parent not in self._children:  # e.g. after a restart
-                self._index_ssd_children(parent)
-            for key, other in list(self._children.get(parent, {}).items()):
+                self._children.learn(parent, self._fingerprint)
+            for key, other in list((self._children.get(parent) or {}).items()):
                 if key == keys[j] or not self.manager.contains(key):
                     continue
-                if len(other) < len(ids) and _starts_with(ids, other):
+                if len(other) < len(ids) and starts_with(ids, other):
                     self.manager.discard(key)
-                    self._unindex(parent, key)
-                elif j == last and len(ids) < len(other) and _starts_with(other, ids):
+                    self._children.remove(parent, key)
+                elif j == last and len(ids) < len(other) and starts_with(other, ids):
                     superseded = True
         return superseded
-
-    def _index(self, parent: str, key: str, tokens: Sequence[int] | np.ndarray) -> None:
-        children = self._children.setdefault(parent, {})
-        children[key] = tokens if isinstance(tokens, np.ndarray) else token_array(tokens)
-        self._children.move_to_end(parent)
-        self._children.setdefault(key, {})
-        while len(self._children) > MAX_INDEXED_PARENTS:
-            self._children.popitem(last=False)
-
-    def _unindex(self, parent: str, key: str) -> None:
-        self._children.get(parent, {}).pop(key, None)
-        self._children.pop(key, None)
 
     # ------------------------------------------------------------------ fetch
 
@@ -407,15 +378,15 @@ class BlockAwarePrefixCache:
         """The held child of ``parent`` sharing the most leading tokens with ``rest`` (a partial
         tail, or a longer chain's block): (key, tokens shared, tier), or None."""
         indexed = parent in self._children
-        ranked = self._rank(self._children.get(parent, {}), rest)
+        ranked = self._children.ranked(parent, rest)
         if not ranked or ranked[0][0] < len(rest):  # the SSD tier may hold a better child
-            self._index_ssd_children(parent)
-            ranked = self._rank(self._children.get(parent, {}), rest)
+            self._children.learn(parent, self._fingerprint)
+            ranked = self._children.ranked(parent, rest)
         for shared, key in ranked:
             tier = self.manager.tier_of(key)
             if tier is not None:
                 return key, shared, tier
-            self._unindex(parent, key)  # gone from every tier
+            self._children.remove(parent, key)  # gone from every tier
         if not indexed:  # hot-only blocks whose parent left the bounded index: exact-length probe
             for t in range(min(self.block_size - 1, len(rest)), 0, -1):
                 key = block_key(self._fingerprint, self.namespace, parent, rest[:t])
@@ -423,34 +394,6 @@ class BlockAwarePrefixCache:
                 if tier is not None:
                     return key, t, tier
         return None
-
-    @staticmethod
-    def _rank(children: dict[str, np.ndarray], rest: list[int]) -> list[tuple[int, str]]:
-        """Children sharing at least one leading token with ``rest``, most shared first."""
-        ranked = [(_common_prefix(ids, rest), key) for key, ids in children.items()]
-        return sorted((r for r in ranked if r[0] > 0), reverse=True)
-
-    def _index_ssd_children(self, parent: str) -> None:
-        """Index the SSD tier's children of ``parent`` (any process's) not indexed yet, reading
-        each one's token ids from its meta once (header only) and checking them against its key."""
-        known = self._children.get(parent, {})
-        for key in self.manager.children(parent, self._fingerprint):
-            if key in known or key in self._foreign:
-                continue
-            meta = self.manager.ssd_meta(key)
-            if meta is None:  # gone or unreadable now: nothing to cache
-                continue
-            try:
-                ids = decode_token_ids(meta[META_TOKEN_IDS])
-            except (KeyError, ValueError):
-                ids = None
-            if ids is not None and block_key(self._fingerprint, self.namespace, parent,
-                                             ids.tolist()) == key:
-                self._index(parent, key, ids)
-                continue
-            self._foreign[key] = None  # another namespace's root block (or no token ids)
-            while len(self._foreign) > MAX_INDEXED_PARENTS:
-                self._foreign.popitem(last=False)
 
     def _find(self, tokens: list[int]) -> tuple[list, int, str, int] | None:
         path, tiers, matched = self._walk(tokens)
@@ -549,7 +492,8 @@ class BlockAwarePrefixCache:
             return True  # a parent that left the bounded index: its children are unknown
         listed = self.manager.children(key, self._fingerprint)
         if any(k != nxt and k not in (kids or {}) for k in listed):
-            self._index_ssd_children(key)  # learn their token ids (header only, once per key)
+            # learn their token ids (header only, once per key)
+            self._children.learn(key, self._fingerprint)
             kids = self._children.get(key)
         kids = kids or {}
         bs = self.block_size
@@ -561,7 +505,7 @@ class BlockAwarePrefixCache:
                 continue  # (a cached child gone from every tier, e.g. demoted, does not count)
             ids = kids.get(k)
             if ids is not None and len(ids) < bs and (
-                    _starts_with(wanted, ids) or (nxt_ids is not None and _starts_with(nxt_ids, ids))):
+                    starts_with(wanted, ids) or (nxt_ids is not None and starts_with(nxt_ids, ids))):
                 continue  # this conversation's own superseded partial tail
             return True
         return False
@@ -577,7 +521,7 @@ class BlockAwarePrefixCache:
                 if got is not None and got is not blocks[j]:
                     blocks[j] = got
             if hot_only:  # with an SSD tier a taken block stays there, and so in the index
-                self._unindex(path[j - 1] if j else ROOT_PARENT, path[j])
+                self._children.remove(path[j - 1] if j else ROOT_PARENT, path[j])
         self._stats["blocks_taken"] += len(path) - first
         return first
 
