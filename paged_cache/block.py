@@ -9,10 +9,17 @@ import mlx.core as mx
 KEY_HEX_LEN = 64  # blake2b-256 / sha256 hex digest
 
 
+HEX = frozenset("0123456789abcdef")
+
+
+def is_key(key: object) -> bool:
+    """True for a block key: KEY_HEX_LEN lower-case hex characters (file names derive from it)."""
+    return isinstance(key, str) and len(key) == KEY_HEX_LEN and HEX.issuperset(key)
+
+
 def check_key(key: str) -> str:
-    """Validate a block key: lower-case hex of KEY_HEX_LEN chars (file names derive from it)."""
-    if (not isinstance(key, str) or len(key) != KEY_HEX_LEN
-            or any(c not in "0123456789abcdef" for c in key)):
+    """Validate a block key (``is_key``); raise ValueError naming what was expected."""
+    if not is_key(key):
         raise ValueError(f"key: expected {KEY_HEX_LEN} lower-case hex characters, got {key!r:.80}")
     return key
 

@@ -9,13 +9,12 @@ is queued for the SSD writer; with write-back a block is queued when it leaves t
 from __future__ import annotations
 
 import logging
-import re
 import threading
 from typing import Any, Iterable, Literal, Sequence
 
 import mlx.core as mx
 
-from paged_cache.block import Block, check_key
+from paged_cache.block import Block, check_key, is_key
 from paged_cache.config import CacheConfig, filesystem_space
 from paged_cache.tiers.format import RawTensors, check_meta, raw_tensors
 from paged_cache.tiers.hot import HotTier
@@ -23,7 +22,6 @@ from paged_cache.tiers.hot import HotTier
 log = logging.getLogger("paged_cache.manager")
 
 Tier = Literal["hot", "pending", "ssd"]
-_KEY = re.compile(r"[0-9a-f]{64}")  # block.check_key's rule, for the batched path
 
 
 class PagedSSDCacheManager:
@@ -186,7 +184,7 @@ class PagedSSDCacheManager:
             raise TypeError("keys: expected a sequence of keys, got a single str")
         keys = list(keys)
         for key in keys:
-            if not isinstance(key, str) or not _KEY.fullmatch(key):
+            if not is_key(key):
                 check_key(key)  # raises with the standard message
         out: list[Tier | None] = [None] * len(keys)
         with self._lock:

@@ -11,7 +11,8 @@ from typing import Any
 from paged_cache.cli import render
 from paged_cache.cli.options import config_from_args
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.inventory import CacheDir, check_file, is_key, read_header
+from paged_cache.block import HEX, is_key
+from paged_cache.tiers.inventory import CacheDir, check_file, read_header
 from paged_cache.tiers.maintenance import quarantine_files
 from paged_cache.tiers.manifest import COMPLETE, Row
 from paged_cache.tiers.summary import (ModelSummary, layer_counts, model_of, model_summaries,
@@ -212,7 +213,7 @@ def _resolve_key(prefix: str, rows: dict[str, Row], cache: CacheDir) -> str:
     prefix = prefix.lower()
     if is_key(prefix):
         return prefix
-    if not prefix or any(c not in "0123456789abcdef" for c in prefix):
+    if not prefix or not HEX.issuperset(prefix):
         raise ValueError(f"KEY: expected a block key or a prefix of one (hex), got {prefix!r}")
     keys = {k for k in rows if k.startswith(prefix)}
     keys |= {k for k in cache.scan().files if k.startswith(prefix)}

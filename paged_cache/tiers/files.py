@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import stat
 
-from paged_cache.block import KEY_HEX_LEN
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.manifest import now
 
@@ -18,14 +17,6 @@ STALE_SECONDS = 3600.0     # a temp file / reservation this old is abandoned eve
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 SUFFIX_TO_COMPRESSION = {suffix: comp for comp, suffix in fmt.SUFFIXES.items()}
-HEX = frozenset("0123456789abcdef")
-
-
-def is_key(text: str) -> bool:
-    """True for a block key (KEY_HEX_LEN lower-case hex characters)."""
-    return len(text) == KEY_HEX_LEN and HEX.issuperset(text)
-
-
 def file_compression(blocks_fd: int, key: str, order: tuple[str, ...]) -> str | None:
     """The compression of the block's regular file under blocks/ if one exists, trying ``order``
     (symlinks do not count)."""

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import xxhash
 
-from paged_cache.block import KEY_HEX_LEN
+from paged_cache.block import HEX, KEY_HEX_LEN, is_key
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.manifest import SCHEMA_VERSION, ManifestError, Row
-from paged_cache.tiers.files import (HEX, MANIFEST_NAME, READ_FLAGS, STALE_SECONDS,
-                                     SUFFIX_TO_COMPRESSION, is_key, pid_alive)
+from paged_cache.tiers.files import (MANIFEST_NAME, READ_FLAGS, STALE_SECONDS,
+                                     SUFFIX_TO_COMPRESSION, pid_alive)
 
 BLOCKS_DIR, TMP_DIR, QUARANTINE_DIR = "blocks", "tmp", "quarantine"
 _COLUMNS = tuple(f.name for f in fields(Row))

@@ -12,10 +12,10 @@ import os
 import stat
 from typing import Callable
 
-from paged_cache.block import KEY_HEX_LEN
+from paged_cache.block import HEX, KEY_HEX_LEN, is_key
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.files import (DIR_FLAGS, HEX, READ_FLAGS, STALE_SECONDS,
-                                     SUFFIX_TO_COMPRESSION, file_compression, is_key, pid_alive,
+from paged_cache.tiers.files import (DIR_FLAGS, READ_FLAGS, STALE_SECONDS,
+                                     SUFFIX_TO_COMPRESSION, file_compression, pid_alive,
                                      unlink_quiet, writer_alive)
 from paged_cache.tiers.manifest import COMPLETE, RESERVED, Manifest, Row, now, row_from_meta
 

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from paged_cache.block import Block, check_key
+from paged_cache.block import Block, check_key, is_key
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.files import (DIR_FLAGS, LIVE_WRITERS, MANIFEST_NAME, READ_FLAGS,
-                                     file_compression, is_key, open_private_dir, read_exact,
+                                     file_compression, open_private_dir, read_exact,
                                      unlink_quiet)
 from paged_cache.tiers.manifest import RESERVED, Manifest, ManifestError, now, row_from_meta
 from paged_cache.tiers.reconcile import reconcile
