@@ -261,7 +261,7 @@ class BlockAwarePrefixCache:
         bs = self.block_size
         keys = chain_keys(self._fingerprint, self.namespace, tokens, bs)
         spans = [(s, min(s + bs, n)) for s in range(0, n, bs)]
-        new = [j for j, key in enumerate(keys) if not self.manager.contains(key)]
+        new = [j for j, tier in enumerate(self.manager.tiers_of(keys)) if tier is None]
         superseded = self._drop_dominated(keys, tokens, new)
         if superseded:
             new.remove(len(keys) - 1)
