@@ -90,6 +90,7 @@ class Scheduler:
         self._prefilling: deque[Request] = deque()
         self._live: dict[int, Request] = {}
         self._counts: Counter[str] = Counter()
+        self._logged_errors: set[str] = set()  # kinds of prefix-cache error logged at WARNING
 
     # -- construction helpers -------------------------------------------------------------
 
@@ -209,7 +210,7 @@ class Scheduler:
         out: dict[str, Any] = {
             "requests_submitted": 0, "requests_finished": 0, "prompt_tokens": 0,
             "cached_tokens": 0, "generated_tokens": 0, "stores": 0, "stored_tokens": 0,
-            "store_errors": 0, "snapshots_captured": 0,
+            "store_errors": 0, "cache_errors": 0, "snapshots_captured": 0,
         }
         out.update(self._counts)
         out.update(
@@ -227,7 +228,11 @@ class Scheduler:
     def _start(self, req: Request) -> None:
         cache, n = None, 0
         if self.caching:
-            cache, n = self.prefix_cache.fetch(req.prompt)
+            try:
+                cache, n = self.prefix_cache.fetch(req.prompt)
+            except Exception as exc:
+                self._cache_error(req, "fetch", exc)
+                cache, n = None, 0
             if cache is not None and n > 0:
                 req.cache_tier = getattr(self.prefix_cache.last_fetch, "tier", None)
             else:
@@ -255,10 +260,14 @@ class Scheduler:
             self._decoder.add(req)
 
     def _capture(self, req: Request, cache: list[Any]) -> None:
-        if not self._needs_snapshots:
+        if not self._needs_snapshots or not req.caching:
             return
-        snapshot = self.prefix_cache.capture_boundary(cache, req.last_capture,
-                                                       boundary=req.covered)
+        try:
+            snapshot = self.prefix_cache.capture_boundary(cache, req.last_capture,
+                                                           boundary=req.covered)
+        except Exception as exc:
+            self._cache_error(req, "capture", exc)
+            return
         req.last_capture = req.covered
         if snapshot is not None:
             req.snapshots.add(snapshot)
@@ -267,21 +276,35 @@ class Scheduler:
     def _store(self, req: Request, cache: list[Any], *, consume: bool = False) -> None:
         """Store the cache's blocks with the request's snapshots, then free the snapshots.
         ``consume``: the request is over, so the store may release each layer once it is cut."""
-        if not self.caching:
+        if not self.caching or not req.caching:
             return
         snapshots = req.snapshots.take()
         try:
             stored = self.prefix_cache.store(req.cache_tokens, cache, snapshots=snapshots,
                                              consume=consume)
-        except Exception:
+        except Exception as exc:
             self._counts["store_errors"] += 1
-            logger.exception("store failed for request %d; generation continues", req.id)
+            self._cache_error(req, "store", exc)
             return
         finally:
             release(snapshots.values())
         req.stored_tokens = max(req.stored_tokens, int(stored or 0))
         self._counts["stores"] += 1
         self._counts["stored_tokens"] += int(stored or 0)
+
+    def _cache_error(self, req: Request, what: str, exc: Exception) -> None:
+        """A prefix-cache error never fails a request: it goes on uncached (no more fetch, capture
+        or store) and is counted in ``cache_errors``; each kind is logged once at WARNING."""
+        req.caching = False
+        req.snapshots.clear()
+        self._counts["cache_errors"] += 1
+        if what in self._logged_errors:
+            logger.debug("prefix cache %s failed for request %d: %r", what, req.id, exc)
+            return
+        self._logged_errors.add(what)
+        logger.warning("prefix cache %s failed for request %d, which runs uncached (later %s "
+                       "errors are only counted: stats()['cache_errors']): %r", what, req.id,
+                       what, exc, exc_info=exc)
 
     # -- decode ---------------------------------------------------------------------------
 
@@ -312,7 +335,8 @@ class Scheduler:
             req.first_token_at = time.perf_counter()
         req.tokens.append(token)
         self._counts["generated_tokens"] += 1
-        if req.covered % self.block_size == 0 and req.covered > req.last_capture:
+        if (self._needs_snapshots and req.caching and req.covered % self.block_size == 0
+                and req.covered > req.last_capture):
             self._capture(req, self._decoder.cache_of(req))
         reason = ("stop" if token in req.stop_tokens
                   else "length" if len(req.tokens) >= req.max_tokens else None)

@@ -56,6 +56,7 @@ class Request:
     cache: Optional[list[Any]] = None
     cached_tokens: int = 0
     cache_tier: Optional[str] = None
+    caching: bool = True          # False after a prefix-cache error: the rest runs uncached
     covered: int = 0              # tokens of ``sequence`` whose KV is in ``cache``
     last_capture: int = 0         # boundary of the newest snapshot (or the fetched length)
     stored_tokens: int = 0

@@ -60,6 +60,58 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
             no_rope_layers=[], moe_layers=None,
         ),
     ),
+    "mamba2": dict(
+        model_type="mamba2", num_heads=4, head_dim=16, vocab_size=VOCAB, hidden_size=32,
+        intermediate_size=64, state_size=16, num_hidden_layers=2, layer_norm_epsilon=1e-5,
+        conv_kernel=4, n_groups=1, use_bias=False, use_conv_bias=True, tie_word_embeddings=True,
+        time_step_limit=(0.0, float("inf")), time_step_rank="auto",
+    ),
+    "nemotron_h": dict(
+        model_type="nemotron_h", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+        max_position_embeddings=4096, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        attention_bias=False, mamba_num_heads=4, mamba_head_dim=16, mamba_proj_bias=False,
+        ssm_state_size=16, conv_kernel=4, n_groups=1, mlp_bias=False, layer_norm_epsilon=1e-5,
+        use_bias=False, use_conv_bias=True, hybrid_override_pattern=["M", "*", "-", "M"],
+    ),
+    "falcon_h1": dict(
+        model_type="falcon_h1", hidden_size=64, head_dim=16, intermediate_size=128,
+        mamba_d_conv=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=16, mamba_n_groups=1,
+        mamba_n_heads=4, mamba_chunk_size=32, num_attention_heads=4, num_hidden_layers=2,
+        num_key_value_heads=2, vocab_size=VOCAB, rope_theta=10000.0, max_position_embeddings=4096,
+    ),
+    "granitemoehybrid": dict(
+        model_type="granitemoehybrid", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=3, max_position_embeddings=4096, num_attention_heads=4,
+        num_key_value_heads=2, attention_bias=False, embedding_multiplier=1.0,
+        attention_multiplier=0.25, logits_scaling=1.0, residual_multiplier=1.0,
+        layer_types=["mamba", "attention", "mamba"], rms_norm_eps=1e-5,
+        shared_intermediate_size=128, mamba_n_heads=4, mamba_d_head=32, mamba_proj_bias=False,
+        mamba_d_state=16, mamba_d_conv=4, mamba_n_groups=1, mamba_conv_bias=True,
+    ),
+    "jamba": dict(
+        model_type="jamba", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, attn_layer_offset=1, attn_layer_period=2,
+        expert_layer_offset=1, expert_layer_period=1000, mamba_d_conv=4, mamba_d_state=16,
+        mamba_expand=2, num_experts=1, num_experts_per_tok=1, rms_norm_eps=1e-6,
+        max_position_embeddings=4096, vocab_size=VOCAB,
+    ),
+    "lfm2": dict(
+        model_type="lfm2", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, norm_eps=1e-5,
+        conv_bias=False, conv_L_cache=3, block_dim=64, block_multiple_of=16,
+        block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False, block_ff_dim=128,
+        full_attn_idxs=[1], rope_theta=10000.0,
+    ),
+    # Entry 0 is an ArraysCache of the last token ids (the n-gram embedding's context).
+    # (mla_scale_* False leaves attributes unset in mlx-lm 0.32.2: the model cannot run.)
+    "longcat_flash_ngram": dict(
+        model_type="longcat_flash_ngram", hidden_size=64, ffn_hidden_size=128, moe_topk=1,
+        expert_ffn_hidden_size=64, n_routed_experts=2, zero_expert_num=0, num_layers=1,
+        vocab_size=VOCAB, max_position_embeddings=4096, num_attention_heads=2, kv_lora_rank=32,
+        q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+        routed_scaling_factor=1.0, rms_norm_eps=1e-5, rope_theta=10000.0, mla_scale_q_lora=True,
+        mla_scale_kv_lora=True, ngram_vocab_size_ratio=4, emb_neighbor_num=3, emb_split_num=2,
+    ),
 }
 
 ARCHS = tuple(ARCH_CONFIGS)
