@@ -20,7 +20,7 @@ import random
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import pytest
@@ -37,16 +37,19 @@ BLOCK = 16
 KEY = ("/models/tiny", None, None)   # the model key mlx_lm.server passes
 STEPS = 4                            # greedy decode steps per request (the reply)
 MAX_PROMPT = 8 * BLOCK
-SYSTEMS = [[random.Random(s).randrange(256) for _ in range(n)] for s, n in ((1, 37), (2, 52))]
+SYSTEMS = [random.Random(seed).choices(range(256), k=n) for seed, n in ((1, 37), (2, 52))]
 BIG = 1 << 30                        # budgets: nothing is evicted on either side
 
 ARCHS = ["llama", "gemma3_text", "qwen3_next", "mamba", "baichuan_m1", "llama4", "nemotron_h",
          "falcon_h1", "granitemoehybrid", "jamba", "lfm2"]
 VARIANTS = ["hot", "ssd", "restart"]
-# (arch, variant) pairs that fail on the current fetch (it walks back along one path instead of
-# searching every stored branch); expected to pass once the fetch returns the longest restorable
-# prefix.
-PENDING: set[tuple[str, str]] = set()
+# (arch, variant) pairs that fail on the current fetch: on recurrent / hybrid layouts it walks back
+# along one path instead of searching every stored branch (exact repeats, branches and new prompts
+# over a shared system prompt restore 0); on llama hot-only, a fetch that shares a few tokens of
+# another conversation's partial tail hands that tail over and it is lost.
+RECURRENT = ["qwen3_next", "mamba", "baichuan_m1", "nemotron_h", "falcon_h1", "granitemoehybrid",
+             "jamba", "lfm2"]
+PENDING: set[tuple[str, str]] = {("llama", "hot")} | {(a, v) for a in RECURRENT for v in VARIANTS}
 
 
 COLD: dict[str, dict] = {}   # arch -> (prompt, system end) -> cold greedy tokens
@@ -91,19 +94,19 @@ def _fresh(n: int, seed: int) -> list[int]:
 
 def _next_request(op: tuple, history: list[Req]) -> Req:
     """The request ``op`` describes, over the requests made so far (refs wrap around)."""
-    kind = op[0] if history else "new"
-    if kind == "new":
-        system = SYSTEMS[op[1] % len(SYSTEMS)] if op[0] == "new" else SYSTEMS[0]
-        user = op[2] if op[0] == "new" else 8
-        return Req(system + _fresh(user, op[-1] if len(op) > 3 else 0), len(system))
+    if not history and op[0] != "new":
+        op = ("new", 0, 8, op[-1])
+    if op[0] == "new":
+        system = SYSTEMS[op[1]]
+        return Req(system + _fresh(op[2], op[3]), len(system))
     ref = history[op[1] % len(history)]
-    if kind == "repeat":
+    if op[0] == "repeat":
         return Req(list(ref.prompt), ref.sys_end)
-    if kind == "continue":
+    if op[0] == "continue":
         prompt = ref.prompt + ref.reply + _fresh(op[2], op[3])
         if len(prompt) <= MAX_PROMPT:
             return Req(prompt, ref.sys_end)
-        kind, op = "branch", ("branch", op[1], 999, op[2], op[3])  # too long: branch off it
+        op = ("branch", op[1], 999, op[2], op[3])  # too long: branch off its end instead
     cut = max(1, len(ref.prompt) * op[2] // 1000)
     prompt = ref.prompt[:cut] + _fresh(op[3], op[4])
     return Req(prompt[:MAX_PROMPT], ref.sys_end if cut >= ref.sys_end else 0)
@@ -112,7 +115,8 @@ def _next_request(op: tuple, history: list[Req]) -> Req:
 # ---------------------------------------------------------------------------- the server's path
 
 
-def _run(model: Any, cache: list, req: Req, cached: int, insert=None) -> list[int]:
+def _run(model: Any, cache: list, req: Req, cached: int,
+         insert: Callable[[list[int], list, str], None] | None = None) -> list[int]:
     """Prefill ``req.prompt[cached:]`` segment by segment as mlx_lm.server's batched path does
     (calling ``insert(tokens, cache copy, type)`` at each segment end but the last token), then
     decode STEPS greedy tokens, feeding each; returns them. ``cache`` ends at prompt + reply."""
@@ -204,8 +208,9 @@ def check_stream(model: Any, variant: str, ops: list[tuple], memo: dict) -> None
                       f"({'exact' if ok else 'WRONG'}), paged-cache {b:3}"
                       for i, kind, n, a, ok, b in rows)
     assert not wrong, f"paged-cache's greedy tokens differ from a cold run's: {wrong}\n{table}"
-    assert not short, (f"paged-cache cached fewer tokens than LRUPromptCache on "
-                       f"{len(short)} requests (shortfall {[r[3] - r[5] for r in short]}):\n{table}")
+    shortfall = [r[3] - r[5] for r in short]
+    assert not short, (f"paged-cache cached fewer tokens than LRUPromptCache on {len(short)} "
+                       f"requests (shortfall {shortfall}):\n{table}")
 
 
 def _cases(long: bool = False) -> list:

@@ -28,8 +28,9 @@ CHUNKS = [BLOCK, None]
 # (arch, branch point, chunk) / (arch, chunk) that fail on the current fetch (it walks back along
 # one path and keeps recurrent state only where a chunk ended); expected to pass once it is
 # rewritten.
-PENDING_BRANCH: set[tuple[str, int, int | None]] = set()
-PENDING_SYSTEM: set[tuple[str, int | None]] = set()
+PENDING_BRANCH: set[tuple[str, int, int | None]] = {
+    (a, b, None) for a in ARCHS for b in BRANCHES if b >= BLOCK}
+PENDING_SYSTEM: set[tuple[str, int | None]] = {(a, c) for a in ARCHS for c in CHUNKS}
 
 
 @functools.cache
