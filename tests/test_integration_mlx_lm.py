@@ -249,3 +249,116 @@ def test_trim_demotes_without_counting_hits_and_bounds_untracked_blocks(tmp_path
         cache.trim_to(n_bytes=0)
         assert cache.nbytes == 0 and manager.hot_bytes == 0 and len(cache) == 0
         assert cache.stats()["requests"]["demote_evictions"] == 3 + 3 + 2
+
+
+# ---------------------------------------------------------------------------- server options
+
+
+def lru_survivors(cache, inserts, probe_of) -> list[bool]:
+    """For each inserted sequence, whether ``cache`` still serves its prefix from RAM."""
+    out = []
+    for tokens, _ in inserts:
+        got, rest = cache.fetch_nearest_cache(KEY, probe_of(tokens))
+        out.append(got is not None and len(rest) < len(tokens))
+    return out
+
+
+def test_eviction_by_cache_type_like_lru_prompt_cache(tmp_path, model):
+    # The order of LRUPromptCache on the same inserts, with the same sequence limit.
+    kinds = ["system", "user", "assistant", "user", "assistant", "system", "assistant"]
+    inserts = [(tokens_of(32 + 16 * i, seed=i + 1), kind) for i, kind in enumerate(kinds)]
+    for limit in (1, 2, 3, 4):
+        lru = LRUPromptCache(max_size=limit)
+        manager, paged = make(tmp_path / str(limit), model, max_size=limit, hot_cache_only=True)
+        with manager:
+            for tokens, kind in inserts:
+                lru.insert_cache(KEY, tokens, prefill(model, tokens), cache_type=kind)
+                lru.trim_to(n_sequences=limit)
+                paged.insert_cache(KEY, tokens, prefill(model, tokens), cache_type=kind)
+                assert len(paged) == len(lru)
+                assert ({t: s["n_sequences"] for t, s in paged.stats_by_type().items()}
+                        == {t: s["n_sequences"] for t, s in lru.stats_by_type().items()})
+            probe = lambda t: t + [1]  # noqa: E731 - one token past each sequence
+            want = lru_survivors(lru, inserts, probe)
+            assert lru_survivors(paged, inserts, probe) == want
+    assert want[0] and not want[2]   # (limit 4) the first system prompt outlives an assistant reply
+
+
+def test_system_prompt_outlives_turns_with_prompt_cache_size_2(tmp_path, model):
+    manager, cache = make(tmp_path, model, max_size=2, hot_cache_only=True)
+    with manager:
+        system, user, reply = tokens_of(48, seed=1), tokens_of(64, seed=2), tokens_of(80, seed=3)
+        for tokens, kind in ((system, "system"), (user, "user"), (reply, "assistant")):
+            cache.insert_cache(KEY, tokens, prefill(model, tokens), cache_type=kind)
+        got, rest = cache.fetch_nearest_cache(KEY, system + [1])
+        assert rest == [1]          # kept: the assistant entry left first
+
+
+def test_cache_errors_never_raise_into_the_server(tmp_path, model, caplog):
+    manager, cache = make(tmp_path, model)
+    seq = tokens_of(48)
+    cache.insert_cache(KEY, seq, prefill(model, seq))
+    manager.close()   # every manager operation now raises RuntimeError
+    with caplog.at_level("WARNING", logger="paged_cache.integrations.mlx_lm"):
+        assert cache.fetch_nearest_cache(KEY, seq + [1]) == (None, seq + [1])
+        cache.insert_cache(KEY, seq + [1, 2], prefill(model, seq + [1, 2]))
+        cache.trim_to(n_sequences=0, n_bytes=0)
+    counters = cache.stats()["requests"]
+    assert counters["cache_errors"] == 2 and counters["store_errors"] == 1
+    assert counters["requests_miss"] == 1
+    assert "fetch_nearest_cache failed, serving uncached" in caplog.text
+    assert "trim_to failed" in caplog.text and "closed" in caplog.text
+
+
+def test_kv_bits_layers_are_stored_and_fetched_quantized_exactly(tmp_path):
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    model = tiny_model("llama", head_dim=32)   # quantization groups of 32 along head_dim
+    manager, cache = make(tmp_path, model, kv_quantization=(4, 32))
+    with manager:
+        seq = tokens_of(70)
+        # What mlx-lm's generation does with --kv-bits 4 --quantized-kv-start 0.
+        live = [c.to_quantized(group_size=32, bits=4) for c in make_prompt_cache(model)]
+        prefill(model, seq, live)
+        copy = [c.to_quantized(group_size=32, bits=4) for c in make_prompt_cache(model)]
+        prefill(model, seq, copy)
+        want = last_logits(model, copy, 9)
+        cache.insert_cache(KEY, seq, live, cache_type="assistant")
+        assert cache.store_errors == 0 and len(cache) == 1
+        got, rest = cache.fetch_nearest_cache(KEY, seq + [9])
+        assert rest == [9]
+        assert all(type(c) is QuantizedKVCache and (c.bits, c.group_size) == (4, 32) for c in got)
+        assert mx.abs(last_logits(model, got, 9) - want).max().item() == 0.0
+        # A plain cache of the same model is stored too, under the plain layout.
+        short = tokens_of(40, seed=5)
+        cache.insert_cache(KEY, short, prefill(model, short))
+        got, rest = cache.fetch_nearest_cache(KEY, short + [9])
+        assert rest == [9] and all(type(c).__name__ == "KVCache" for c in got)
+        assert cache.store_errors == 0
+        assert cache.stats()["prefix"]["hits"] == 2
+
+
+def test_draft_model_layout_and_any_model_key_shape(tmp_path, model):
+    from paged_cache.integrations.mlx_lm import ModelWithDraft
+
+    draft = tiny_model("llama", num_hidden_layers=1, seed=3)
+    pair = ModelWithDraft(model, draft)
+    manager = PagedSSDCacheManager(CacheConfig(block_size=BLOCK, ssd_dir=tmp_path / "ssd"))
+    with manager:
+        for key in (("/m", None), "default_model", ("/m", None, "/draft", "extra")):
+            cache = PagedPromptCache(manager, lambda k, key=key: (
+                ModelBinding(pair, pair.make_cache, model_id="pair") if k == key else None))
+            seq = tokens_of(50)
+            live = pair.make_cache()
+            for s in range(0, len(seq), BLOCK):
+                mx.eval(pair(mx.array(seq[s:s + BLOCK])[None], cache=live))
+            cache.insert_cache(key, seq, live)
+            assert cache.store_errors == 0
+            got, rest = cache.fetch_nearest_cache(key, seq + [4])
+            assert rest == [4] and len(got) == len(pair.make_cache()) == 3
+            cold = pair.make_cache()
+            for s in range(0, len(seq), BLOCK):
+                mx.eval(pair(mx.array(seq[s:s + BLOCK])[None], cache=cold))
+            for part, lo, hi in ((model, 0, pair.split), (draft, pair.split, 3)):
+                diff = mx.abs(last_logits(part, got[lo:hi], 4) - last_logits(part, cold[lo:hi], 4))
+                assert diff.max().item() == 0.0

@@ -247,6 +247,7 @@ class PagedPromptCache:
         t0 = time.perf_counter()
         try:
             prefix = self._layout_of(model, prompt_cache)
+            tokens = tokens[:_covered(prompt_cache, len(tokens))]
             if prefix is None or not tokens:
                 return
             prefix.store(tokens, prompt_cache, consume=True)
@@ -413,6 +414,17 @@ def model_id_for(model_path: str) -> str | None:
     weights = sorted(path.resolve().glob("*.safetensors"))
     stamp = ";".join(f"{w.name}:{w.stat().st_size}:{w.stat().st_mtime_ns}" for w in weights)
     return f"path:{path.resolve()}|{stamp}"
+
+
+def _covered(cache: list, n_tokens: int) -> int:
+    """How many of the ``n_tokens`` inserted tokens ``cache`` holds: fewer when every layer that
+    tracks an offset agrees on a smaller one (speculative decoding inserts the last accepted
+    token before the model has seen it); else ``n_tokens`` (store checks the cache)."""
+    offsets = {getattr(layer, "offset", None) for layer in cache}
+    offsets.discard(None)
+    if len(offsets) == 1 and isinstance(n := offsets.pop(), int) and 0 <= n < n_tokens:
+        return n
+    return n_tokens
 
 
 def _plain_layout(model: Any) -> Callable[[], list]:
