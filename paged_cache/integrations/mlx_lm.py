@@ -417,14 +417,12 @@ def model_id_for(model_path: str) -> str | None:
 
 
 def _covered(cache: list, n_tokens: int) -> int:
-    """How many of the ``n_tokens`` inserted tokens ``cache`` holds: fewer when every layer that
-    tracks an offset agrees on a smaller one (speculative decoding inserts the last accepted
-    token before the model has seen it); else ``n_tokens`` (store checks the cache)."""
+    """How many of the ``n_tokens`` inserted tokens ``cache`` holds: one fewer when every layer
+    that tracks an offset is there (speculative decoding inserts the last accepted token before
+    the model has seen it); else ``n_tokens`` (store checks the cache against them)."""
     offsets = {getattr(layer, "offset", None) for layer in cache}
     offsets.discard(None)
-    if len(offsets) == 1 and isinstance(n := offsets.pop(), int) and 0 <= n < n_tokens:
-        return n
-    return n_tokens
+    return n_tokens - 1 if offsets == {n_tokens - 1} else n_tokens
 
 
 def _plain_layout(model: Any) -> Callable[[], list]:
@@ -435,9 +433,16 @@ def _plain_layout(model: Any) -> Callable[[], list]:
 
 def _quantized(cache: list, bits: int, group_size: int) -> list:
     """``cache`` with every layer that can be quantized turned into a QuantizedKVCache, as
-    mlx-lm's generation does once a cache reaches ``quantized_kv_start`` tokens."""
-    return [layer.to_quantized(group_size=group_size, bits=bits)
-            if hasattr(layer, "to_quantized") else layer for layer in cache]
+    mlx-lm's generation does once a cache reaches ``quantized_kv_start`` tokens (a layer whose
+    ``to_quantized`` is not implemented, e.g. RotatingKVCache, stays as it is)."""
+    out = []
+    for layer in cache:
+        try:
+            out.append(layer.to_quantized(group_size=group_size, bits=bits)
+                       if hasattr(layer, "to_quantized") else layer)
+        except NotImplementedError:
+            out.append(layer)
+    return out
 
 
 class ModelWithDraft:
