@@ -10,7 +10,7 @@ on the same SSD directory serves the first turn from SSD and the next from RAM.
 
 from __future__ import annotations
 
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from test_serve_e2e import MODES, QUESTIONS, REQUEST_LINE, ask, paged_argv, server
@@ -69,12 +69,17 @@ def runs(tmp_path_factory):
             with server([*plain_argv, "--prompt-cache-size", "0"], base / "cold.log") as (c, _, _):
                 cold = cold_replies(c)
             replies = [r for r, _, _ in cold]
-            with server(plain_argv, base / "plain.log") as (c, _, _):
-                plain = replay(c, replies, range(TURNS))
             ssd = base / "ssd"
-            with server(paged_argv(model, "--ssd-dir", str(ssd)), base / "paged.log") as (c, _, _):
-                paged = replay(c, replies, range(TURNS))
-            done[arch] = (cold, plain, paged, model, ssd)
+
+            def answers(argv: list[str], log: str) -> list[tuple[str, int, int]]:
+                with server(argv, base / log) as (c, _, _):
+                    return replay(c, replies, range(TURNS))
+
+            # Plain and paged side by side (the wait is mostly start-up).
+            with ThreadPoolExecutor(2) as pool:
+                plain = pool.submit(answers, plain_argv, "plain.log")
+                paged = pool.submit(answers, paged_argv(model, "--ssd-dir", str(ssd)), "paged.log")
+                done[arch] = (cold, plain.result(), paged.result(), model, ssd)
         return done[arch]
 
     return run
