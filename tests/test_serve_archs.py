@@ -15,8 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from test_serve_e2e import MODES, QUESTIONS, REQUEST_LINE, ask, paged_argv, server
 
-from paged_cache.testing import ARCHS, write_model_dir
+from paged_cache.testing import write_model_dir
 
+# One of each cache mix: KV, sliding window, linear attention + KV, recurrent only, recurrent +
+# window, chunked attention.
+ARCHS = ("llama", "gemma3_text", "qwen3_next", "mamba", "baichuan_m1", "llama4")
 SYSTEM = "You are a terse assistant for a cache test. Answer briefly. " * 2
 TURNS = 3
 HYBRID_REUSE = ("reuse parity on windowed / chunked / recurrent layers needs the fetch rewrite "
