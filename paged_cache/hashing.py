@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 _DOMAIN = b"paged-cache/block/v1\0"
+_CHECKPOINT_DOMAIN = b"paged-cache/checkpoint/v1\0"
 ROOT_PARENT = ""  # parent key of a chain's first block
 
 
@@ -72,6 +73,13 @@ def decode_token_ids(text: str) -> np.ndarray:
 def block_key(fingerprint: str, namespace: str, parent: str, tokens: Sequence[int]) -> str:
     """Key of one block: hash(fingerprint, namespace, parent key, the block's token ids)."""
     return _digest(_DOMAIN, fingerprint.encode(), namespace.encode(), parent.encode(),
+                   token_bytes(tokens))
+
+
+def checkpoint_key(fingerprint: str, namespace: str, parent: str, tokens: Sequence[int]) -> str:
+    """Key of a checkpoint node: like ``block_key`` under its own domain tag, so a checkpoint and
+    the block of the same tokens never collide."""
+    return _digest(_CHECKPOINT_DOMAIN, fingerprint.encode(), namespace.encode(), parent.encode(),
                    token_bytes(tokens))
 
 

@@ -15,7 +15,9 @@ from typing import Any, Iterable, Literal, Sequence
 import mlx.core as mx
 
 from paged_cache.block import Block, check_key, is_key
+from paged_cache.chain_index import ChainIndex, ChainNode, merge_children
 from paged_cache.config import CacheConfig, filesystem_space
+from paged_cache.hashing import ROOT_PARENT
 from paged_cache.tiers.format import RawTensors, check_meta, raw_tensors
 from paged_cache.tiers.hot import HotTier
 
@@ -39,6 +41,7 @@ class PagedSSDCacheManager:
                              promotions=0, takes=0, discards=0, spills=0, evicted_dropped=0,
                              evicted_dropped_bytes=0)
         self._hits = dict(hot=0, pending=0, ssd=0)
+        self._index = ChainIndex()  # nodes in RAM or queued; the manifest indexes the SSD files
         self._ssd = None if self.config.hot_cache_only else self._open_ssd()
         self._hot = HotTier(self.config.hot_cache_max_bytes, on_evict=self._on_evict)
         log.debug("opened: %s", self.config)
@@ -72,10 +75,15 @@ class PagedSSDCacheManager:
                 self.counters["puts_existing"] += 1
                 return False
             if self._ssd is not None and self._ssd.contains(block.key):
+                # the live arrays are right here: hold them in RAM too (no read needed later)
                 self._ssd.touch(block.key)
                 self.counters["puts_existing"] += 1
+                if self._hot.insert(block, persisted=True):
+                    self._index_block(block)
+                    self.counters["promotions"] += 1
                 return False
             self.counters["puts"] += 1
+            self._index_block(block)
             persisted = (self._ssd is not None and self.config.write_policy == "write-through"
                          and self._persist(block, raw))
             if self._hot.insert(block, persisted=persisted):
@@ -83,6 +91,7 @@ class PagedSSDCacheManager:
             if self._ssd is not None and (persisted or self._persist(block, raw)):
                 return True
             self.counters["puts_dropped"] += 1
+            self._index.remove(block.key)
             log.debug("block %s (%d bytes) dropped: larger than the hot budget, no SSD copy",
                       block.key[:12], block.nbytes)
             return False
@@ -109,6 +118,7 @@ class PagedSSDCacheManager:
         if self._ssd is not None and self._persist(block):
             self.counters["spills"] += 1
             return
+        self._index.remove(block.key)
         self.counters["evicted_dropped"] += 1
         self.counters["evicted_dropped_bytes"] += block.nbytes
 
@@ -143,6 +153,7 @@ class PagedSSDCacheManager:
                 self.counters["takes"] += 1
             elif discards == self._discards and not self._closed:
                 if self._hot.insert(block, persisted=True):
+                    self._index_block(block)
                     self.counters["promotions"] += 1
         return block
 
@@ -156,6 +167,8 @@ class PagedSSDCacheManager:
         self.counters["takes"] += 1
         if not persisted and self._ssd is not None and self._persist(block):
             self.counters["spills"] += 1
+        elif not persisted:
+            self._index.remove(key)  # held nowhere now
         return block
 
     def _miss(self) -> None:
@@ -239,6 +252,7 @@ class PagedSSDCacheManager:
         with self._lock:
             self._check_open()
             self._discards += 1
+            self._index.remove(key)
             held = self._hot.discard(key)
             if self._ssd is not None and self._ssd.contains(key):
                 self._ssd.discard(key)
@@ -296,18 +310,45 @@ class PagedSSDCacheManager:
 
     # ------------------------------------------------------------------------------ chain lookup
 
-    def children(self, parent: str, fingerprint: str) -> list[str]:
-        """Keys held by the SSD tier (queued or written, by any process) whose meta names
-        `parent` and `fingerprint`; [] without an SSD tier. Hot-only blocks are not listed."""
-        with self._lock:
-            self._check_open()
-            ssd = self._ssd
-        return [] if ssd is None else ssd.children(parent, fingerprint)
+    def _index_block(self, block: Block) -> None:
+        node = ChainNode.from_meta(block.key, block.meta)
+        if node is not None:
+            self._index.add(node)
 
-    def ssd_meta(self, key: str) -> dict[str, str] | None:
-        """A block's meta from the SSD tier without reading its payload, or None."""
-        check_key(key)
+    def chain(self, keys: Sequence[str], fingerprint: str, namespace: str = ""
+              ) -> tuple[list[Tier | None], dict[str, list[ChainNode]]]:
+        """One batched chain lookup: the tiers of ``keys`` (a chain of block keys, up to the first
+        held nowhere) and, for the root and every held key, its held child nodes of
+        ``fingerprint`` (RAM, write queue and SSD files of any process: one manifest query).
+        Every namespace's chains start at the same root: a root child is listed only when its
+        key is the one ``namespace`` gives its tokens."""
+        tiers = self.tiers_of(keys, until_miss=True)
+        held = [k for k, t in zip(keys, tiers) if t is not None]
+        parents = [ROOT_PARENT, *held]
         with self._lock:
             self._check_open()
             ssd = self._ssd
-        return None if ssd is None else ssd.read_meta(key)
+        local = self._index.children(parents, fingerprint)
+        on_disk: dict[str, list[ChainNode]] = {}
+        if ssd is not None:
+            for meta in ssd.child_nodes(parents, fingerprint):
+                node = ChainNode.from_meta(meta["key"], meta, tier="ssd")
+                if node is not None:
+                    on_disk.setdefault(node.parent, []).append(node)
+        merged = merge_children(local, on_disk)
+        flat = [n for nodes in merged.values() for n in nodes]
+        where = self.tiers_of([n.key for n in flat])
+        out: dict[str, list[ChainNode]] = {}
+        for node, tier in zip(flat, where):
+            if node.parent == ROOT_PARENT and not node.keyed_by(namespace):
+                continue
+            if tier is None:
+                if node.tier is None:
+                    self._index.remove(node.key)  # left every tier meanwhile
+                continue
+            out.setdefault(node.parent, []).append(node.with_tier(tier))
+        return tiers, out
+
+    def parent_of(self, key: str) -> str | None:
+        """The parent of a block held in RAM or queued (None for a root or an unknown key)."""
+        return self._index.parent_of(key)

@@ -49,7 +49,8 @@ class Scheduler:
     """Drives generation for many requests over one model, reusing and filling a prefix cache.
 
     Options: ``block_size`` (only without a prefix cache; else the cache's), ``prefill_chunk_size``
-    (a multiple of the block size; default the multiple nearest 512), ``max_kv_size`` / ``keep`` /
+    (a multiple of the block size; default the multiple nearest 512, one block when the cache
+    layout needs boundary snapshots), ``max_kv_size`` / ``keep`` /
     ``preallocate`` (bounded rotating windows, see ``make_bounded_cache``), ``snapshot_max_bytes``
     (per-request snapshot bound), ``max_batch`` (requests in flight), ``caching`` (fetch/store on
     or off) and ``batch_decode`` (None: batch through BatchGenerator when the layout allows).
@@ -63,8 +64,13 @@ class Scheduler:
         self.model = model
         self.prefix_cache = prefix_cache
         self.block_size = self._pick_block_size(prefix_cache, block_size)
+        self.caching = bool(caching) and prefix_cache is not None
+        self._needs_snapshots = self.caching and bool(prefix_cache.needs_snapshots)
         if prefill_chunk_size is None:
-            prefill_chunk_size = max(1, round(512 / self.block_size)) * self.block_size
+            # recurrent / windowed layouts: state is captured between forward calls, so one block
+            # per chunk gives a restorable position at every block boundary (see docs/scheduler.md)
+            prefill_chunk_size = (self.block_size if self._needs_snapshots
+                                  else max(1, round(512 / self.block_size)) * self.block_size)
         _positive_int("prefill_chunk_size", prefill_chunk_size)
         if prefill_chunk_size % self.block_size:
             raise ValueError(f"prefill_chunk_size: expected a multiple of block_size="
@@ -73,9 +79,7 @@ class Scheduler:
         self.max_batch = _positive_int("max_batch", max_batch)
         SnapshotStore(snapshot_max_bytes)  # validates the bound once, here
         self.snapshot_max_bytes = snapshot_max_bytes
-        self.caching = bool(caching) and prefix_cache is not None
         self._make_cache = self._cache_factory(max_kv_size, keep, preallocate)
-        self._needs_snapshots = self.caching and bool(prefix_cache.needs_snapshots)
 
         batchable = is_batchable(self._make_cache())
         if batch_decode and not batchable:
@@ -127,17 +131,28 @@ class Scheduler:
 
     def submit(self, prompt_tokens: Sequence[int] | mx.array, max_tokens: int = 256,
                sampler: Optional[Sampler] = None,
-               stop_tokens: Optional[Iterable[int]] = None) -> Request:
-        """Queue a request and return its handle; ``step()`` (or ``run()``) makes progress."""
+               stop_tokens: Optional[Iterable[int]] = None,
+               checkpoints: Optional[Iterable[int]] = None) -> Request:
+        """Queue a request and return its handle; ``step()`` (or ``run()``) makes progress.
+
+        ``checkpoints``: prompt positions the engine knows later requests will branch at (end of
+        the system prompt, of each message); prefill ends a chunk at each, captures and stores the
+        state there, so a request sharing exactly that prefix restores every layer at it.
+        """
         prompt = _token_list("prompt_tokens", prompt_tokens)
         if not prompt:
             raise ValueError("prompt_tokens: expected at least one token")
+        marks = sorted(set(_token_list("checkpoints", checkpoints or ())))
+        if marks and not 1 <= marks[0] <= marks[-1] <= len(prompt):
+            raise ValueError(f"checkpoints: expected positions in [1, {len(prompt)}] (the prompt's "
+                             f"length), got {marks}")
         _positive_int("max_tokens", max_tokens)
         if sampler is not None and not callable(sampler):
             raise ValueError(f"sampler: expected a callable, got {type(sampler).__name__}")
         stops = frozenset(_token_list("stop_tokens", stop_tokens or ()))
         req = Request(id=self._next_id, prompt=prompt, max_tokens=max_tokens, sampler=sampler,
-                      stop_tokens=stops, snapshots=SnapshotStore(self.snapshot_max_bytes, self.block_size))
+                      stop_tokens=stops, snapshots=SnapshotStore(self.snapshot_max_bytes, self.block_size),
+                      checkpoints=marks)
         self._next_id += 1
         self._queue.append(req)
         self._live[req.id] = req
@@ -147,12 +162,13 @@ class Scheduler:
 
     def generate(self, prompt_tokens: Sequence[int] | mx.array, max_tokens: int = 256,
                  sampler: Optional[Sampler] = None,
-                 stop_tokens: Optional[Iterable[int]] = None) -> GenerationResult:
+                 stop_tokens: Optional[Iterable[int]] = None,
+                 checkpoints: Optional[Iterable[int]] = None) -> GenerationResult:
         """Run one request to the end (other requests in flight progress too); greedy by default.
 
-        Raises the request's error if it failed.
+        Raises the request's error if it failed. ``checkpoints``: see ``submit``.
         """
-        req = self.submit(prompt_tokens, max_tokens, sampler, stop_tokens)
+        req = self.submit(prompt_tokens, max_tokens, sampler, stop_tokens, checkpoints)
         while not req.done:
             self.step()
         if req.error is not None:
@@ -161,9 +177,10 @@ class Scheduler:
 
     def stream(self, prompt_tokens: Sequence[int] | mx.array, max_tokens: int = 256,
                sampler: Optional[Sampler] = None,
-               stop_tokens: Optional[Iterable[int]] = None) -> Iterator[int]:
+               stop_tokens: Optional[Iterable[int]] = None,
+               checkpoints: Optional[Iterable[int]] = None) -> Iterator[int]:
         """Yield the request's tokens as they are produced; closing the generator cancels it."""
-        req = self.submit(prompt_tokens, max_tokens, sampler, stop_tokens)
+        req = self.submit(prompt_tokens, max_tokens, sampler, stop_tokens, checkpoints)
         sent = 0
         try:
             while True:
@@ -211,6 +228,7 @@ class Scheduler:
             "requests_submitted": 0, "requests_finished": 0, "prompt_tokens": 0,
             "cached_tokens": 0, "generated_tokens": 0, "stores": 0, "stored_tokens": 0,
             "store_errors": 0, "cache_errors": 0, "snapshots_captured": 0,
+            "match_checkpoints": 0,
         }
         out.update(self._counts)
         out.update(
@@ -240,6 +258,14 @@ class Scheduler:
         req.cache = cache if cache is not None else self._make_cache()
         req.covered = req.cached_tokens = req.last_capture = n
         self._counts["cached_tokens"] += n
+        if self.caching and self._needs_snapshots and req.caching:
+            # stored tokens reach past every restorable position: make one where the match ends
+            shared = min(getattr(self.prefix_cache.last_fetch, "tokens_shared", 0),
+                         len(req.prompt) - 1)
+            if shared > n and shared % self.block_size:
+                req.checkpoints = sorted(set(req.checkpoints) | {shared})
+                self._counts["match_checkpoints"] += 1
+        req.checkpoints = [p for p in req.checkpoints if p > n]
 
     def _prefill_chunk(self, req: Request) -> None:
         if req.cache is None:
@@ -247,11 +273,12 @@ class Scheduler:
         stop = len(req.prompt) - 1  # the last prompt token is fed by the first decode step
         if req.covered < stop:
             end = next_chunk_end(req.covered, stop, self.block_size, self.prefill_chunk_size)
+            end = min([end] + [p for p in req.checkpoints if p > req.covered])
             self.model(mx.array(req.prompt[req.covered:end])[None], cache=req.cache)
             mx.eval([c.state for c in req.cache])
             req.covered = end
-            if end % self.block_size == 0:
-                self._capture(req, req.cache)
+            if end % self.block_size == 0 or end in req.checkpoints:
+                self._capture(req, req.cache, pinned=end in req.checkpoints)
             mx.clear_cache()
         if req.covered == stop:
             self._store(req, req.cache)  # now, so a concurrent request can already hit
@@ -259,7 +286,7 @@ class Scheduler:
             req.state = State.DECODE
             self._decoder.add(req)
 
-    def _capture(self, req: Request, cache: list[Any]) -> None:
+    def _capture(self, req: Request, cache: list[Any], pinned: bool = False) -> None:
         if not self._needs_snapshots or not req.caching:
             return
         try:
@@ -270,7 +297,7 @@ class Scheduler:
             return
         req.last_capture = req.covered
         if snapshot is not None:
-            req.snapshots.add(snapshot)
+            req.snapshots.add(snapshot, pinned=pinned)
             self._counts["snapshots_captured"] += 1
 
     def _store(self, req: Request, cache: list[Any], *, consume: bool = False) -> None:

@@ -59,6 +59,7 @@ class Request:
     caching: bool = True          # False after a prefix-cache error: the rest runs uncached
     covered: int = 0              # tokens of ``sequence`` whose KV is in ``cache``
     last_capture: int = 0         # boundary of the newest snapshot (or the fetched length)
+    checkpoints: list[int] = field(default_factory=list)  # prompt positions to capture and store
     stored_tokens: int = 0
     finish_reason: Optional[str] = None
     error: Optional[BaseException] = None

@@ -1,6 +1,6 @@
 """Per-request store of boundary snapshots, bounded in bytes.
 
-omlx's snapshots reached hundreds of GB (REFERENCE.md): here every snapshot has one owner (the
+Unbounded boundary snapshots can reach hundreds of GB: here every snapshot has one owner (the
 request), the total never exceeds ``max_bytes``, and everything is dropped once stored.
 """
 
@@ -24,9 +24,10 @@ class SnapshotStore:
     """Boundary -> snapshot for one request, never holding more than ``max_bytes``.
 
     Past the bound the store keeps an even lattice: boundaries that are multiples of
-    ``stride * unit`` tokens (``unit``: the block size), plus the newest snapshot; each time the
-    total exceeds the bound the stride doubles. A single snapshot larger than the bound is not
-    kept. ``dropped`` counts the snapshots discarded this way.
+    ``stride * unit`` tokens (``unit``: the block size), plus the newest snapshot and the pinned
+    ones (checkpoints the caller asked for); each time the total exceeds the bound the stride
+    doubles, and once only pinned ones are left to thin, the oldest pinned one goes. A single
+    snapshot larger than the bound is not kept. ``dropped`` counts the snapshots discarded.
     """
 
     def __init__(self, max_bytes: int, unit: int = 1) -> None:
@@ -39,19 +40,27 @@ class SnapshotStore:
         self.stride = 1
         self.dropped = 0
         self._snapshots: dict[int, Any] = {}
+        self._pinned: set[int] = set()
         self._nbytes = 0
 
-    def add(self, snapshot: Any) -> None:
-        """Keep ``snapshot`` (anything with ``.boundary`` and ``.nbytes``), thinning past the bound."""
+    def add(self, snapshot: Any, pinned: bool = False) -> None:
+        """Keep ``snapshot`` (anything with ``.boundary`` and ``.nbytes``), thinning past the
+        bound; ``pinned`` snapshots are not thinned by the lattice."""
         if snapshot.nbytes > self.max_bytes:  # could never fit: keep the others as they are
             self.dropped += 1
             return
         if snapshot.boundary in self._snapshots:
             self._drop([snapshot.boundary], count=False)
         self._snapshots[snapshot.boundary] = snapshot
+        if pinned:
+            self._pinned.add(snapshot.boundary)
         self._nbytes += snapshot.nbytes
         self._prune()
         while self._nbytes > self.max_bytes and len(self._snapshots) > 1:
+            newest = max(self._snapshots)
+            if all(b in self._pinned or b == newest for b in self._snapshots):
+                self._drop([min(b for b in self._snapshots if b != newest)])
+                continue
             self.stride *= 2
             self._prune()
             logger.debug("snapshots over %d bytes: lattice stride %d", self.max_bytes, self.stride)
@@ -59,11 +68,13 @@ class SnapshotStore:
     def _prune(self) -> None:
         newest = max(self._snapshots)
         step = self.stride * self.unit
-        self._drop([b for b in self._snapshots if b != newest and b % step])
+        self._drop([b for b in self._snapshots
+                    if b != newest and b % step and b not in self._pinned])
 
     def _drop(self, boundaries: list[int], count: bool = True) -> None:
         for b in boundaries:
             snapshot = self._snapshots.pop(b)
+            self._pinned.discard(b)
             self._nbytes -= snapshot.nbytes
             self.dropped += count
             release([snapshot])
@@ -71,12 +82,13 @@ class SnapshotStore:
     def take(self) -> dict[int, Any]:
         """Hand every snapshot over (to ``store``) and forget them: the store is empty after."""
         taken, self._snapshots, self._nbytes = self._snapshots, {}, 0
+        self._pinned = set()
         return taken
 
     def clear(self) -> None:
         """Free every snapshot (abort, error, cancel)."""
         release(self._snapshots.values())
-        self._snapshots, self._nbytes = {}, 0
+        self._snapshots, self._nbytes, self._pinned = {}, 0, set()
 
     @property
     def nbytes(self) -> int:

@@ -350,7 +350,7 @@ def test_short_lived_threads_do_not_leak_manifest_connections(tmp_path: Path) ->
         listed = []
         for _ in range(50):  # a thread-per-request caller: each thread queries the manifest once
             worker = threading.Thread(target=lambda: listed.append(
-                t.children(block.meta["parent"], "m1")))
+                [m["key"] for m in t.child_nodes([block.meta["parent"]], "m1")]))
             worker.start()
             worker.join()
         assert listed == [[block.key]] * 50

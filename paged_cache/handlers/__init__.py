@@ -16,7 +16,7 @@ from paged_cache.handlers.kv import (ChunkedKVHandler, ConcatenateKVHandler, KVH
 from paged_cache.handlers.rotating import PreallocatedRotatingHandler, RotatingHandler
 
 __all__ = ["LayerHandler", "Part", "Span", "UnsupportedCacheError", "handler_for",
-           "register_handler", "require_handler", "layer_needs_snapshots"]
+           "register_handler", "require_handler", "layer_needs_snapshots", "layer_needs_exact_end", "restorable_at_end"]
 
 _REGISTRY: dict[type, LayerHandler] = {}
 
@@ -67,3 +67,22 @@ def layer_needs_snapshots(layer: Any) -> bool:
     if isinstance(handler, CacheListHandler):
         return any(layer_needs_snapshots(m) for m in layer.caches)
     return handler.needs_snapshots
+
+
+def restorable_at_end(layer: Any, desc: dict) -> bool:
+    """True when a block cut from ``layer`` with descriptor ``desc`` holds, for every part that
+    cannot be cut by token, what a rebuild at the block's end needs (its state or its rows)."""
+    handler = require_handler(layer)
+    if isinstance(handler, CacheListHandler):
+        return all(restorable_at_end(m, d) for m, d in zip(layer.caches, desc["members"]))
+    if not handler.needs_snapshots:
+        return True
+    return desc.get("has_state", True) is not False and desc.get("has_rows", True) is not False
+
+
+def layer_needs_exact_end(layer: Any) -> bool:
+    """True if some part of ``layer`` can only be rebuilt at the end of a node holding its state."""
+    handler = require_handler(layer)
+    if isinstance(handler, CacheListHandler):
+        return any(layer_needs_exact_end(m) for m in layer.caches)
+    return handler.exact_end

@@ -21,11 +21,12 @@ class ArraysHandler(LayerHandler):
     kind = "arrays"
     cache_types = (ArraysCache,)
     needs_snapshots = True
+    exact_end = True
 
     def layout(self, layer: Any) -> dict:
+        # rank and dtype only: some states grow with the tokens seen (an n-gram window of ids)
         return {"class": type(layer).__name__,
-                "entries": [None if a is None else [list(a.shape[1:]), str(a.dtype)]
-                            for a in layer.cache]}
+                "entries": [None if a is None else [a.ndim, str(a.dtype)] for a in layer.cache]}
 
     def _copy(self, layer: Any) -> Arrays:
         return {f"s{i}": owned(a) for i, a in enumerate(layer.cache) if a is not None}

@@ -45,6 +45,7 @@ class LayerHandler:
     kind: ClassVar[str] = "?"
     cache_types: ClassVar[tuple[type, ...]] = ()
     needs_snapshots: ClassVar[bool] = False  # rows/state cannot be sliced by token afterwards
+    exact_end: ClassVar[bool] = False  # rebuilt only at the exact end of a node with its state
 
     def layout(self, layer: Any) -> dict:
         """What makes this layer's KV incompatible with another's (goes into the fingerprint)."""
@@ -67,6 +68,12 @@ class LayerHandler:
         """
         raise NotImplementedError
 
+    def cut_checkpoint(self, layer: Any, start: int, end: int, captures: dict[int, Captured],
+                       live_at: int) -> tuple[Arrays, dict]:
+        """What a checkpoint at ``end`` (a node over ``[start, end)``) holds for this layer: by
+        default the layer's cut of that span."""
+        return self.cut(layer, [(start, end)], captures, live_at)[0]
+
     def plan(self, layer: Any, spans: Sequence[Span], n: int) -> list[int] | None:
         """Indices of the blocks needed to rebuild ``layer`` (a fresh one) at ``n`` tokens, or None."""
         raise NotImplementedError
@@ -88,16 +95,28 @@ def token_slice(x: mx.array, a: int, b: int) -> mx.array:
 
 
 def covering(spans: Sequence[Span], lo: int, hi: int) -> list[int] | None:
-    """Indices of spans intersecting ``[lo, hi)``; None if those tokens are not all covered."""
+    """Indices of spans (sorted by start) covering ``[lo, hi)``, each adding tokens the earlier
+    ones do not hold (the first of equal spans wins); None if those tokens are not all covered."""
     out, pos = [], lo
     for i, span in enumerate(spans):
-        if span.end <= lo or span.start >= hi:
+        if span.end <= pos or span.start >= hi:
             continue
         if span.start > pos:
             return None
         out.append(i)
-        pos = max(pos, span.end)
+        pos = span.end
     return out if pos >= hi or lo >= hi else None
+
+
+def clipped(desc: dict) -> dict:
+    """A block descriptor for a block used only up to a position before its end: its rows stay,
+    nothing that describes the state at its end (state, ring slot) does."""
+    out = {k: v for k, v in desc.items() if k not in ("has_state", "ring_idx")}
+    if "has_state" in desc:
+        out["has_state"] = False
+    if "members" in desc:
+        out["members"] = [clipped(m) for m in desc["members"]]
+    return out
 
 
 def assemble_rows(parts: Sequence[Part], names: Sequence[str], runs: Sequence[tuple[int, int]],

@@ -61,6 +61,18 @@ class CacheListHandler(LayerHandler):
                 desc["members"].append(m_desc)
         return out
 
+    def cut_checkpoint(self, layer: Any, start: int, end: int, captures: dict[int, Captured],
+                       live_at: int) -> tuple[Arrays, dict]:
+        arrays: Arrays = {}
+        desc: dict = {"members": []}
+        for j, (member, handler) in enumerate(self.members(layer)):
+            mine = {b: (split_prefixed(a, f"m{j}."), info["members"][j])
+                    for b, (a, info) in captures.items() if info["members"][j] is not None}
+            m_arrays, m_desc = handler.cut_checkpoint(member, start, end, mine, live_at)
+            arrays.update({f"m{j}.{k}": v for k, v in m_arrays.items()})
+            desc["members"].append(m_desc)
+        return arrays, desc
+
     def plan(self, layer: Any, spans: Sequence[Span], n: int) -> list[int] | None:
         needed: set[int] = set()
         for j, (member, handler) in enumerate(self.members(layer)):

@@ -103,19 +103,36 @@ class RowsHandler(LayerHandler):
             out.append((cut, desc))
         return out
 
+    def cut_checkpoint(self, layer: Any, start: int, end: int, captures: dict[int, Captured],
+                       live_at: int) -> tuple[Arrays, dict]:
+        """A windowed layer's checkpoint holds every row of its window at ``end`` the sources
+        still have (blocks cut earlier may have lost them), not just ``[start, end)``."""
+        reach = start
+        if self.needs_snapshots:
+            reach = min([start] + [lo for lo, _ in self.window(layer, end)])
+        arrays, desc = self.cut(layer, [(reach, end)], captures, live_at)[0]
+        if reach < start and desc["has_rows"]:
+            desc.setdefault("rows", [[reach, end]])  # held positions, not the node's span
+        return arrays, desc
+
     def plan(self, layer: Any, spans: Sequence[Span], n: int) -> list[int] | None:
+        # a checkpoint's rows may reach back before its node's start (its window)
+        reach = [Span(min(span.start, held_ranges(span)[0][0]), span.end, span.desc)
+                 for span in spans]
+        usable = sorted((i for i, span in enumerate(reach) if span.desc.get("has_rows")),
+                        key=lambda i: reach[i].start)
+        with_rows = [reach[i] for i in usable]
         needed: set[int] = set()
         for lo, hi in self.window(layer, n):
-            idx = covering(spans, lo, hi)
+            idx = covering(with_rows, lo, hi)
             if idx is None:
                 return None
             for i in idx:
-                span = spans[i]
+                span = with_rows[i]
                 want = (max(lo, span.start), min(hi, span.end))
-                if not span.desc.get("has_rows") or not any(
-                        a <= want[0] and want[1] <= b for a, b in held_ranges(span)):
+                if not any(a <= want[0] and want[1] <= b for a, b in held_ranges(span)):
                     return None
-            needed.update(idx)
+            needed.update(usable[i] for i in idx)
         return sorted(needed)
 
     def rebuild(self, layer: Any, parts: Sequence[Part], n: int, capacity: int) -> Any:

@@ -38,6 +38,10 @@ META_FINGERPRINT = "fingerprint"
 META_PARENT = "parent"
 META_TOKENS = "tokens"
 META_LAYERS = "layers"
+META_START = "start"            # first token position of the block
+META_TOKEN_IDS = "token_ids"    # the block's own token ids (hashing.encode_token_ids)
+META_CHECKPOINT = "checkpoint"  # "1": a checkpoint node (state at its end, no rows a block holds)
+META_RESTORABLE = "restorable"  # "1": every layer of the node can be rebuilt at its end from it
 
 
 @dataclass(frozen=True)

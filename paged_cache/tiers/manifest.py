@@ -7,16 +7,17 @@ byte budget is checked in O(1) inside the same transaction that reserves space f
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from paged_cache.tiers import format as fmt
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"  # 2: chain columns (start, token ids, node flags)
 RESERVED, COMPLETE = 0, 1
 
 _SCHEMA = """
@@ -31,6 +32,10 @@ CREATE TABLE IF NOT EXISTS blocks(
     fingerprint TEXT,
     parent TEXT,
     layers TEXT,
+    start INTEGER,
+    token_ids TEXT,
+    checkpoint INTEGER,
+    restorable INTEGER,
     created REAL NOT NULL,
     last_access REAL NOT NULL,
     writer TEXT NOT NULL
@@ -49,7 +54,9 @@ CREATE TRIGGER IF NOT EXISTS blocks_upd AFTER UPDATE OF file_bytes ON blocks BEG
 """
 
 _COLUMNS = ("key", "state", "compression", "file_bytes", "raw_bytes", "tokens", "fingerprint",
-            "parent", "layers", "created", "last_access", "writer")
+            "parent", "layers", "start", "token_ids", "checkpoint", "restorable", "created",
+            "last_access", "writer")
+NODE_COLUMNS = ("key", "parent", "fingerprint", "start", "token_ids", "checkpoint", "restorable")
 
 
 @dataclass
@@ -65,6 +72,10 @@ class Row:
     fingerprint: str | None
     parent: str | None
     layers: str | None
+    start: int | None
+    token_ids: str | None
+    checkpoint: int | None
+    restorable: int | None
     created: float
     last_access: float
     writer: str
@@ -74,10 +85,15 @@ def row_from_meta(key: str, state: int, file_bytes: int, raw_bytes: int, compres
                   meta: dict[str, str], when: float, writer: str) -> Row:
     """The row for a block file with this meta (tokens, fingerprint, parent, layer summary)."""
     tokens = meta.get(fmt.META_TOKENS, "")
+    start = meta.get(fmt.META_START, "")
     return Row(key=key, state=state, compression=compression, file_bytes=file_bytes,
                raw_bytes=raw_bytes, tokens=int(tokens) if tokens.isdigit() else None,
                fingerprint=meta.get(fmt.META_FINGERPRINT), parent=meta.get(fmt.META_PARENT),
-               layers=fmt.layers_summary(meta), created=when, last_access=when, writer=writer)
+               layers=fmt.layers_summary(meta), start=int(start) if start.isdigit() else None,
+               token_ids=meta.get(fmt.META_TOKEN_IDS),
+               checkpoint=int(meta.get(fmt.META_CHECKPOINT) == "1"),
+               restorable=int(meta.get(fmt.META_RESTORABLE, "1") == "1"),
+               created=when, last_access=when, writer=writer)
 
 
 class ManifestError(RuntimeError):
@@ -99,6 +115,7 @@ class Manifest:
         self._local = threading.local()
         self._connections: dict[threading.Thread, sqlite3.Connection] = {}
         self._connections_lock = threading.Lock()
+        self.queries = 0  # chain lookups answered (child_nodes), for tests and stats
         try:
             db = self._db
             if db.execute("PRAGMA journal_mode = WAL").fetchone()[0].lower() != "wal":
@@ -155,11 +172,15 @@ class Manifest:
         """(rows, bytes) over all rows, reservations included."""
         return tuple(self._db.execute("SELECT blocks, bytes FROM totals WHERE id = 0").fetchone())
 
-    def children(self, parent: str, fingerprint: str) -> list[str]:
-        """Keys of complete rows stored under ``parent`` for ``fingerprint`` (the blocks_parent index)."""
-        cur = self._db.execute("SELECT key FROM blocks WHERE parent = ? AND fingerprint = ? AND state = ?",
-                               (parent, fingerprint, COMPLETE))
-        return [r[0] for r in cur.fetchall()]
+    def child_nodes(self, parents: Sequence[str], fingerprint: str) -> list[dict[str, str]]:
+        """Chain fields (as block meta, keyed by ``NODE_COLUMNS``) of the complete rows stored
+        under any of ``parents`` for ``fingerprint``: one query whatever the number of parents."""
+        self.queries += 1
+        cur = self._db.execute(
+            f"SELECT {','.join(NODE_COLUMNS)} FROM blocks WHERE state = ? AND fingerprint = ? "
+            "AND parent IN (SELECT value FROM json_each(?))",
+            (COMPLETE, fingerprint, json.dumps(list(parents))))
+        return [_node_meta(r) for r in cur.fetchall()]
 
     # ---- writes --------------------------------------------------------------------------
     def reserve(self, row: Row, max_bytes: int, deferred: tuple[dict[str, float], set[str]],
@@ -284,6 +305,14 @@ class _Txn:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._db.execute("ROLLBACK" if exc_type else "COMMIT")
+
+
+def _node_meta(r: tuple) -> dict[str, str]:
+    key, parent, fingerprint, start, token_ids, checkpoint, restorable = r
+    return {"key": key, fmt.META_PARENT: parent or "", fmt.META_FINGERPRINT: fingerprint or "",
+            fmt.META_START: "" if start is None else str(start), fmt.META_TOKEN_IDS: token_ids or "",
+            fmt.META_CHECKPOINT: "1" if checkpoint else "0",
+            fmt.META_RESTORABLE: "0" if restorable == 0 else "1"}
 
 
 def _values(row: Row) -> tuple:

@@ -26,7 +26,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from paged_cache.block import Block, check_key, is_key
 from paged_cache.tiers import format as fmt
@@ -218,24 +218,19 @@ class SSDTier:
         except sqlite3.Error:
             out["blocks"], out["bytes"] = None, None
         out.update(max_bytes=self.max_bytes, queue_max_bytes=self.queue_max_bytes,
-                   compression=self.compression, open_seconds=self.open_seconds)
+                   compression=self.compression, open_seconds=self.open_seconds,
+                   chain_lookups=self._manifest.queries)
         return out
 
-    # ---- chain lookup (the prefix cache's child listing; additive) ------------------------
-    def children(self, parent: str, fingerprint: str) -> list[str]:
-        """Keys of blocks stored under ``parent`` for ``fingerprint``: queued writes, then complete
-        manifest rows (any process's). [] if the manifest cannot be read now (logged)."""
-        with self._cond:
-            pending = [k for k, item in self._pending.items()
-                       if item.meta.get(fmt.META_PARENT) == parent
-                       and item.meta.get(fmt.META_FINGERPRINT) == fingerprint]
+    # ---- chain lookup --------------------------------------------------------------------
+    def child_nodes(self, parents: Sequence[str], fingerprint: str) -> list[dict[str, str]]:
+        """Chain fields of the complete blocks (any process's) stored under ``parents`` for
+        ``fingerprint``, in one manifest query; [] if the manifest cannot be read now (logged)."""
         try:
-            listed = self._manifest.children(parent, fingerprint)
+            return self._manifest.child_nodes(parents, fingerprint)
         except sqlite3.Error as exc:
-            log.warning("listing children of %s failed: %s", parent[:16] or "<root>", exc)
-            listed = []
-        seen = set(pending)
-        return pending + [k for k in listed if k not in seen]
+            log.warning("chain lookup of %d parents failed: %s", len(parents), exc)
+            return []
 
     def read_meta(self, key: str) -> dict[str, str] | None:
         """A block's meta without its payload (a queued write's, or the file header's, header

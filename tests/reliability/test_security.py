@@ -223,8 +223,9 @@ def _tampered_manifest(tmp_path: Path) -> tuple[Path, Path]:
     victim = tmp_path / "victim.safetensors"
     victim.write_bytes(b"precious")
     with sqlite3.connect(root / MANIFEST_NAME) as db:
-        db.execute("INSERT INTO blocks VALUES ('../victim', 1, 'none', 1000000000, 0, NULL, NULL, "
-                   "NULL, NULL, 0, 0, 'adopted')")
+        db.execute("INSERT INTO blocks(key, state, compression, file_bytes, raw_bytes, created, "
+                   "last_access, writer) VALUES ('../victim', 1, 'none', 1000000000, 0, 0, 0, "
+                   "'adopted')")
     return root, victim
 
 

@@ -1,0 +1,254 @@
+"""Fetch: the longest prefix of a request at which every layer can be rebuilt exactly.
+
+One batched chain lookup gives the stored full blocks that match the request and every child of
+the root and of those blocks (partial tails, other conversations' blocks, checkpoints), each
+clipped to the tokens it shares with the request. Candidate end positions are tried longest
+first: for layouts with recurrent state only the ends of nodes that hold every such layer's state
+there; otherwise any position the rows reach. A candidate is accepted when every layer's handler
+can plan its rebuild from the chosen nodes (blocks read once, RAM preferred between equals); each
+layer is then rebuilt straight into one buffer sized for the continuation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from paged_cache.block import Block
+from paged_cache.chain_index import ChainNode, shared_prefix
+from paged_cache.handlers import Part, Span
+from paged_cache.handlers.base import clipped
+from paged_cache.hashing import ROOT_PARENT, chain_keys
+
+GROWTH_STEP = 256  # mlx-lm's KV growth step: rebuilt buffers are a multiple of it
+
+
+@dataclass(frozen=True, eq=False)
+class Candidate:
+    """A stored node usable for this request up to ``start + shared`` tokens."""
+
+    node: ChainNode
+    shared: int
+
+    @property
+    def start(self) -> int:
+        return self.node.start
+
+    @property
+    def end(self) -> int:
+        """Position up to which the node holds this request's tokens."""
+        return self.node.start + self.shared
+
+    @property
+    def whole(self) -> bool:
+        """True when every token of the node is the request's (its end state is usable)."""
+        return self.shared == len(self.node.token_ids)
+
+
+@dataclass
+class Found:
+    """A rebuilt cache list and what it came from."""
+
+    cache: list | None
+    n: int
+    tier: str
+    used: int
+    shared: int  # longest run of the request's tokens some stored node holds
+    blocks_taken: int = 0
+
+
+@dataclass
+class _Search:
+    pc: Any
+    ids: np.ndarray
+    path: list[ChainNode]
+    cands: list[Candidate]
+    kids: dict[str, list[ChainNode]]
+    blocks: dict[str, Block | None] = field(default_factory=dict)
+
+
+def find(pc: Any, tokens: list[int]) -> Found:
+    """Search and rebuild for ``tokens`` (see module doc); ``Found.cache`` is None on a miss."""
+    layout, bs = pc.layout, pc.block_size
+    total = len(tokens)
+    limit = total - 1
+    ids = np.asarray(tokens, dtype=np.int64)
+    keys = chain_keys(layout.fingerprint, pc.namespace, tokens[:total - total % bs], bs)
+    tiers, kids = pc.manager.chain(keys, layout.fingerprint, pc.namespace)
+    held = tiers.index(None) if None in tiers else len(keys)
+    path = []
+    for j in range(held):
+        parent = keys[j - 1] if j else ROOT_PARENT
+        node = next((k for k in kids.get(parent, ()) if k.key == keys[j]), None)
+        path.append(node if node is not None else ChainNode(
+            keys[j], parent, layout.fingerprint, j * bs, ids[j * bs:(j + 1) * bs],
+            restorable=False, tier=tiers[j]))
+    cands = []
+    for depth, parent in enumerate([ROOT_PARENT, *keys[:held]]):
+        for node in kids.get(parent, ()):
+            if node.start != depth * bs:
+                continue  # not where this parent's children start: another chain's meta
+            shared = shared_prefix(node.token_ids, ids[node.start:])
+            if shared > 0:
+                cands.append(Candidate(node, shared))
+    search = _Search(pc, ids, path, cands, kids)
+    shared_max = max((c.end for c in cands), default=0)
+    for n in _candidate_ends(layout, cands, min(limit, shared_max)):
+        found = _try(search, n)
+        if found is not None:
+            found.shared = shared_max
+            return found
+    return Found(None, 0, "miss", 0, shared_max)
+
+
+def _candidate_ends(layout: Any, cands: list[Candidate], limit: int) -> list[int]:
+    """Positions worth a rebuild attempt, longest first."""
+    rows_end = min(limit, max((c.end for c in cands if not c.node.checkpoint), default=0))
+    if layout.exact_end:
+        ends = {c.end for c in cands if c.whole and c.node.restorable and c.end <= rows_end}
+    else:
+        ends = {rows_end} | {c.end for c in cands if c.end <= rows_end and not c.node.checkpoint}
+        ends |= {c.end for c in cands if c.node.checkpoint and c.whole and c.end <= rows_end}
+    return sorted((e for e in ends if e > 0), reverse=True)
+
+
+def _pick(options: list[Candidate], n: int) -> Candidate | None:
+    """Among nodes usable up to ``n``: one ending exactly at ``n`` with its state first, then RAM."""
+    ranked = sorted(options, key=lambda c: (not (c.whole and c.end == n and c.node.restorable),
+                                            c.node.tier != "hot"))
+    return ranked[0] if ranked else None
+
+
+def _nodes_for(search: _Search, n: int) -> list[tuple[ChainNode, int]] | None:
+    """(node, tokens used) for a rebuild at ``n``: the path's blocks, the node holding the rows
+    after them, and the node holding the state at ``n``; None when some is missing."""
+    bs = search.pc.block_size
+    k = min(n // bs, len(search.path))
+    chosen = [(node, node.end - node.start) for node in search.path[:k]]
+    tail = None
+    if n > k * bs:
+        tail = _pick([c for c in search.cands if c.start == k * bs and not c.node.checkpoint
+                      and c.end >= n], n)
+        if tail is None:
+            return None
+        chosen.append((tail.node, n - tail.start))
+    if search.pc.layout.full_history:
+        return chosen
+    ends_here = tail is not None and tail.whole and tail.end == n
+    if not ends_here and not (tail is None and k and search.path[k - 1].end == n
+                              and search.path[k - 1].restorable):
+        state = _pick([c for c in search.cands if c.whole and c.end == n and c.node.restorable
+                       and c.node.key not in {node.key for node, _ in chosen}], n)
+        if state is not None:
+            chosen.append((state.node, n - state.start))
+    return chosen
+
+
+def _try(search: _Search, n: int) -> Found | None:
+    """Plan and, if every layer can be rebuilt at ``n``, rebuild; else None."""
+    pc = search.pc
+    layout, manager = pc.layout, pc.manager
+    chosen = _nodes_for(search, n)
+    if not chosen:
+        return None
+    handover = _handover(search, chosen)
+    blocks = []
+    for node, _ in chosen:
+        if node.key not in search.blocks:
+            # an SSD block handed over is read without promotion (taken)
+            take = node.key in handover and node.tier != "hot"
+            block = manager.get(node.key, take=take)
+            if block is not None and block.meta.get("fingerprint") != layout.fingerprint:
+                block = None
+            search.blocks[node.key] = block
+        if search.blocks[node.key] is None:
+            return None
+        blocks.append(search.blocks[node.key])
+    descs = [json.loads(b.meta["layers"]) for b in blocks]
+    spans = []
+    for i in range(len(layout.handlers)):
+        layer_spans = []
+        for (node, used), d in zip(chosen, descs):
+            desc = d[i] if used == node.end - node.start else clipped(d[i])
+            layer_spans.append(Span(node.start, node.start + used, desc))
+        spans.append(layer_spans)
+    template = pc.make_cache()
+    plans = [h.plan(layer, s, n) for h, layer, s in zip(layout.handlers, template, spans)]
+    if any(p is None for p in plans):
+        return None
+    for j, (node, _) in enumerate(chosen):
+        if node.key in handover and node.tier == "hot":
+            got = manager.get(node.key, take=True)
+            if got is not None:
+                blocks[j] = got
+    taken = {node.key for node, _ in chosen if node.key in handover}
+    capacity = math.ceil((len(search.ids) + pc.headroom) / GROWTH_STEP) * GROWTH_STEP
+    by_layer = [_group_by_layer(b.arrays) for b in blocks]
+    for i, (h, layer) in enumerate(zip(layout.handlers, template)):
+        parts = []
+        for j in plans[i]:
+            names = by_layer[j].get(i, [])
+            node = chosen[j][0]
+            if node.key in taken:  # handed over: the arrays leave the block as they are written
+                local = {short: blocks[j].arrays.pop(full) for full, short in names}
+            else:
+                local = {short: blocks[j].arrays[full] for full, short in names}
+            parts.append(Part(spans[i][j].start, spans[i][j].end, spans[i][j].desc, local))
+        template[i] = h.rebuild(layer, parts, n, capacity)
+        del parts
+    tier_set = {"ssd" if node.tier == "ssd" else "hot" for node, _ in chosen}
+    tier = tier_set.pop() if len(tier_set) == 1 else "mixed"
+    return Found(template, n, tier, len(chosen), n, blocks_taken=len(taken))
+
+
+def _handover(search: _Search, chosen: list[tuple[ChainNode, int]]) -> set[str]:
+    """Keys of the chosen nodes the request may take (the live cache becomes their only copy).
+
+    Only this conversation's own line past the last block another conversation continues
+    through: a path block none of whose later path blocks has a child that is not this
+    request's (a child holding tokens other than the request's), and whole tail nodes after
+    such blocks. In hot_cache_only mode only full-history layouts hand over: the live cache
+    cannot give back the state that windowed / recurrent layers held at earlier positions.
+    """
+    pc = search.pc
+    if pc.manager.config.hot_cache_only and not pc.layout.full_history:
+        return set()
+    path_keys = {node.key for node in search.path}
+    k = sum(1 for node, _ in chosen if node.key in path_keys)
+    if len(search.path) > k:
+        return set()  # stored blocks continue past what this request uses: keep their chain
+    first = k
+    for j in range(k - 1, -1, -1):
+        nxt = search.path[j + 1].key if j + 1 < len(search.path) else None
+        if _shared(search, search.path[j], nxt):
+            break
+        first = j
+    out = {node.key for node in search.path[first:k]}
+    # whole tail nodes (partial tails, checkpoints) are this request's own leaves
+    out |= {node.key for node, used in chosen[k:] if used == node.end - node.start}
+    return out
+
+
+def _shared(search: _Search, node: ChainNode, nxt: str | None) -> bool:
+    """True when a held child of ``node`` other than the path's next block holds tokens other
+    than this request's (another conversation continues through ``node``)."""
+    for kid in search.kids.get(node.key, ()):
+        if kid.key == nxt:
+            continue
+        theirs = search.ids[kid.start:kid.start + len(kid.token_ids)]
+        if len(theirs) < len(kid.token_ids) or not np.array_equal(theirs, kid.token_ids):
+            return True
+    return False
+
+
+def _group_by_layer(arrays: dict) -> dict[int, list[tuple[str, str]]]:
+    """Block array names grouped by layer: {i: [("l<i>.<name>", "<name>"), ...]}."""
+    out: dict[int, list[tuple[str, str]]] = {}
+    for full in arrays:
+        layer, short = full.split(".", 1)
+        out.setdefault(int(layer[1:]), []).append((full, short))
+    return out

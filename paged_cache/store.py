@@ -1,0 +1,147 @@
+"""Store: cut a live cache list into chained blocks and checkpoints and put them in the manager.
+
+Blocks hold every layer's rows / state for up to ``block_size`` tokens; only blocks the store does
+not hold yet are cut. Where some layer cannot be cut by token (recurrent state, a wrapped window,
+a chunked window), every store also leaves the state at its end position and at each snapshot
+position: in the block ending there when that block is new, else in a checkpoint node (that
+state over the block's tokens, no rows of layers a block already holds).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from paged_cache.block import Block
+from paged_cache.chain_index import ChainNode
+from paged_cache.handlers import restorable_at_end
+from paged_cache.hashing import ROOT_PARENT, chain_keys, checkpoint_key
+from paged_cache.tiers.format import META_LAYERS
+
+
+@dataclass(frozen=True)
+class StoreResult:
+    """What one store did: blocks and checkpoints written, blocks it found already held."""
+
+    written: int
+    checkpoints: int
+    deduplicated: int
+
+
+def store_chain(pc: Any, tokens: list[int], cache: list, snaps: dict, consume: bool) -> StoreResult:
+    """Store ``cache`` (positioned at ``len(tokens)``) for prefix cache ``pc`` (see module doc)."""
+    layout, manager, bs = pc.layout, pc.manager, pc.block_size
+    fp, n = layout.fingerprint, len(tokens)
+    ids = np.asarray(tokens, dtype=np.int64)
+    keys = chain_keys(fp, pc.namespace, tokens, bs)
+    spans = [(s, min(s + bs, n)) for s in range(0, n, bs)]
+    parents = [keys[j - 1] if j else ROOT_PARENT for j in range(len(keys))]
+    tiers, kids = manager.chain(keys, fp, pc.namespace)
+    new = [j for j, tier in enumerate(tiers) if tier is None]
+    last = len(keys) - 1
+    ckpts: list[tuple[int, int]] = []  # (position, block index)
+    if last in new and _covered_by_sibling(kids.get(parents[last], ()), ids, spans[last]):
+        new.remove(last)  # a held sibling block already holds these tokens' rows
+        if not layout.full_history:
+            ckpts.append((n, last))
+    if layout.full_history:
+        _drop_dominated(manager, kids, parents, ids, spans, new)
+    else:
+        ckpts += _checkpoint_positions(kids, parents, ids, spans, new, snaps, n,
+                                       exclude={p for p, _ in ckpts})
+    types = [type(layer).__name__ for layer in cache]
+    block_cuts, ckpt_cuts = [], []
+    for i, h in enumerate(layout.handlers):
+        captures = {b: s.layers[i] for b, s in snaps.items() if i in s.layers}
+        block_cuts.append(h.cut(cache[i], [spans[j] for j in new], captures, n))
+        if layout.snapshot_layers[i]:
+            ckpt_cuts.append([h.cut_checkpoint(cache[i], spans[j][0], p, captures, n)
+                              for p, j in ckpts])
+        else:
+            ckpt_cuts.append([({}, {"has_rows": False})] * len(ckpts))
+        if consume:
+            mx.eval([a for cuts in (block_cuts[-1], ckpt_cuts[-1]) for arrays, _ in cuts
+                     for a in arrays.values()])
+            cache[i] = None
+    written = 0
+    for pos, j in enumerate(new):
+        s, e = spans[j]
+        written += _put(pc, keys[j], ChainNode(keys[j], parents[j], fp, s, ids[s:e]),
+                        block_cuts, pos, types)
+    done = 0
+    for pos, (p, j) in enumerate(ckpts):
+        s = spans[j][0]
+        key = checkpoint_key(fp, pc.namespace, parents[j], tokens[s:p])
+        done += _put(pc, key, ChainNode(key, parents[j], fp, s, ids[s:p], checkpoint=True),
+                     ckpt_cuts, pos, types)
+    return StoreResult(written, done, len(keys) - len(new))
+
+
+def _put(pc: Any, key: str, node: ChainNode, cuts: list[list], pos: int, types: list[str]) -> int:
+    """Assemble one node's arrays from every layer's cut ``pos`` and put it; 1 if new."""
+    arrays: dict[str, mx.array] = {}
+    descs = []
+    restorable = True
+    for i, layer_cuts in enumerate(cuts):
+        block_arrays, desc = layer_cuts[pos]
+        arrays.update({f"l{i}.{name}": a for name, a in block_arrays.items()})
+        descs.append({"type": types[i], **desc})
+        restorable = restorable and (not pc.layout.snapshot_layers[i]
+                                     or restorable_at_end(pc.layout.template[i], desc))
+        layer_cuts[pos] = None
+    mx.eval(list(arrays.values()))
+    node = ChainNode(node.key, node.parent, node.fingerprint, node.start, node.token_ids,
+                     node.checkpoint, restorable)
+    meta = {**node.to_meta(), META_LAYERS: json.dumps(descs)}
+    return int(bool(pc.manager.put(Block(key, arrays, meta))))
+
+
+def _covered_by_sibling(siblings: Any, ids: np.ndarray, span: tuple[int, int]) -> bool:
+    """True when a held block (not a checkpoint) under the same parent holds more tokens that
+    start with this partial block's tokens."""
+    s, e = span
+    mine = ids[s:e]
+    return any(not k.checkpoint and len(k.token_ids) > len(mine)
+               and np.array_equal(k.token_ids[:len(mine)], mine) for k in siblings)
+
+
+def _drop_dominated(manager: Any, kids: dict, parents: list[str], ids: np.ndarray,
+                    spans: list[tuple[int, int]], new: list[int]) -> None:
+    """Full-history layouts (every layer trims to any length): a held partial tail whose tokens
+    are a proper prefix of a block this store writes serves nothing the new block does not;
+    discard it."""
+    for j in new:
+        if j and j - 1 in new:
+            continue  # the parent is new too: it has no other child yet
+        s, e = spans[j]
+        mine = ids[s:e]
+        for kid in kids.get(parents[j], ()):
+            if len(kid.token_ids) < len(mine) and np.array_equal(mine[:len(kid.token_ids)],
+                                                                  kid.token_ids):
+                manager.discard(kid.key)
+
+
+def _checkpoint_positions(kids: dict, parents: list[str], ids: np.ndarray,
+                          spans: list[tuple[int, int]], new: list[int], snaps: dict, n: int,
+                          exclude: set[int]) -> list[tuple[int, int]]:
+    """Positions (the store's end and every snapshot) where no held or new node already
+    restores every layer: (position, index of the block holding the position's last token)."""
+    bs = spans[0][1] - spans[0][0] if spans else 1
+    out = []
+    for p in sorted({b for b in snaps if 0 < b <= n} | {n}):
+        if p in exclude:
+            continue
+        j = (p - 1) // bs
+        s, e = spans[j]
+        if e == p and j in new:
+            continue  # the new block ending here carries the state
+        held = kids.get(parents[j], ())
+        if any(k.restorable and k.end == p and k.start == s and np.array_equal(k.token_ids, ids[s:p])
+               for k in held):
+            continue
+        out.append((p, j))
+    return out

@@ -1,0 +1,162 @@
+"""Fetch returns the longest prefix every layer can be rebuilt at, over every stored branch, and
+stores leave checkpoints where recurrent / windowed state would otherwise be missing.
+
+Stores here are made as mlx_lm.server makes them (no boundary snapshots: a cache at the end of a
+segment) unless a test says otherwise; every fetch is checked against a cold run with the same
+chunking (max abs diff 0.0 of the logits, prefill and decode).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from paged_cache.config import CacheConfig
+from paged_cache.hashing import chain_keys
+from paged_cache.manager import PagedSSDCacheManager
+from paged_cache.prefix_cache import BlockAwarePrefixCache
+from paged_cache.testing import tiny_model
+from scheduler import Scheduler
+from test_prefix_cache_support import assert_exact, prefill, prompt
+
+BLOCK = 16
+ARCHS = ["llama", "gemma3_text", "qwen3_next", "mamba", "baichuan_m1", "llama4"]
+RECURRENT = ["qwen3_next", "mamba", "baichuan_m1"]
+
+
+def segment_store(model, prefix: BlockAwarePrefixCache, tokens: list[int]) -> None:
+    """Prefill ``tokens`` in block-aligned chunks without snapshots and store the cache."""
+    cache = prefix.make_cache()
+    prefill(model, cache, tokens, 0, prefix.block_size)
+    prefix.store(tokens, cache)
+
+
+def manager_for(tmp_path: Path, ssd: bool) -> PagedSSDCacheManager:
+    if ssd:
+        return PagedSSDCacheManager(CacheConfig(block_size=BLOCK, ssd_dir=tmp_path))
+    return PagedSSDCacheManager(CacheConfig(block_size=BLOCK, hot_cache_only=True))
+
+
+@pytest.mark.parametrize("ssd", [False, True], ids=["hot", "ssd"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_shared_system_prompt_is_reused_whole(tmp_path: Path, arch: str, ssd: bool) -> None:
+    """System segment stored, then a request through it (its full block crossing the segment end
+    has no state there): a new request over the same system prompt restores the whole segment
+    from the shorter sibling, the longer branch not standing in its way."""
+    model = tiny_model(arch)
+    system = prompt(45, seed=1)
+    with manager_for(tmp_path, ssd) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        segment_store(model, prefix, system)
+        segment_store(model, prefix, system + prompt(30, seed=2))
+        assert assert_exact(model, prefix, system + prompt(20, seed=3)) == len(system)
+        assert prefix.last_fetch.tokens_shared == len(system)
+
+
+@pytest.mark.parametrize("arch", RECURRENT)
+def test_store_through_a_stateless_block_end_leaves_a_checkpoint(arch: str) -> None:
+    """A longer conversation stored first holds no state at 32; storing the 32-token prefix then
+    finds its blocks held and writes a checkpoint (state only, no KV rows a block holds)."""
+    model = tiny_model(arch)
+    with manager_for(Path("."), ssd=False) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        long = prompt(60, seed=4)
+        segment_store(model, prefix, long)
+        assert prefix.fetch(long[:32] + [1, 2])[1] == 0  # no state at 32 (nor before)
+        segment_store(model, prefix, long[:32])
+        st = prefix.stats()
+        assert st["checkpoints_written"] == 1 and st["blocks_written"] == 4
+        assert assert_exact(model, prefix, long[:32] + [1, 2]) == 32
+        keys = chain_keys(prefix.fingerprint, "", long[:32], BLOCK)
+        _, kids = manager.chain(keys, prefix.fingerprint)
+        ckpt = [n for n in kids[keys[0]] if n.checkpoint]
+        assert len(ckpt) == 1 and ckpt[0].end == 32 and ckpt[0].restorable
+        block = manager.get(ckpt[0].key)
+        for i, full_history in enumerate(not s for s in prefix.layout.snapshot_layers):
+            names = [k for k in block.arrays if k.startswith(f"l{i}.")]
+            assert not names if full_history else names  # KV layers: rows stay in the blocks
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+def test_fetch_after_restart_costs_one_manifest_query(tmp_path: Path, arch: str) -> None:
+    """Whatever the chain length, a fetch in a new process asks the manifest once."""
+    model = tiny_model(arch)
+    tokens = prompt(20 * BLOCK + 5, seed=6)
+    with manager_for(tmp_path, ssd=True) as manager:
+        segment_store(model, BlockAwarePrefixCache(manager, model), tokens)
+    with manager_for(tmp_path, ssd=True) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        before = manager.stats()["ssd"]["chain_lookups"]
+        cache, n = prefix.fetch(tokens + [3])
+        assert n == len(tokens)
+        assert manager.stats()["ssd"]["chain_lookups"] - before == 1
+        before = manager.stats()["ssd"]["chain_lookups"]
+        prefix.fetch(tokens[:5 * BLOCK + 3] + [9])
+        assert manager.stats()["ssd"]["chain_lookups"] - before == 1
+
+
+def test_namespaces_do_not_share_root_nodes(tmp_path: Path) -> None:
+    """Root nodes of every namespace share the parent "": a fetch only takes its own."""
+    model = tiny_model("qwen3_next")
+    tokens = prompt(BLOCK + 5, seed=8)
+    with manager_for(tmp_path, ssd=True) as manager:
+        segment_store(model, BlockAwarePrefixCache(manager, model, namespace="a"), tokens)
+        other = BlockAwarePrefixCache(manager, model, namespace="b")
+        assert other.fetch(tokens + [1]) == (None, 0)
+        assert assert_exact(model, BlockAwarePrefixCache(manager, model, namespace="a"),
+                            tokens + [1]) == len(tokens)
+
+
+@pytest.mark.parametrize("arch", RECURRENT + ["llama4", "gemma3_text"])
+def test_scheduler_branch_reuses_to_the_block_then_to_the_token(arch: str) -> None:
+    """A request branching 13 tokens into the third block reuses the two blocks before it (one
+    block per prefill chunk: a state at every boundary); the prefill ends a chunk where the
+    stored match ends and stores a checkpoint there, so the next request reuses all 77 tokens.
+    Generated tokens equal a cold run's."""
+    model = tiny_model(arch)
+    block = 32
+    with PagedSSDCacheManager(CacheConfig(hot_cache_only=True, block_size=block)) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        sched = Scheduler(model, prefix)
+        cold = Scheduler(model, None, block_size=block, prefill_chunk_size=block)
+        base = prompt(3 * block + 10, seed=9)
+        sched.generate(base, max_tokens=4)
+        branch = base[:2 * block + 13] + prompt(20, seed=10)
+        got = sched.generate(branch, max_tokens=4)
+        assert got.cached_tokens >= 2 * block
+        assert got.tokens == cold.generate(branch, max_tokens=4).tokens
+        again = branch[:2 * block + 13] + prompt(9, seed=11)
+        got = sched.generate(again, max_tokens=4)
+        assert got.cached_tokens == 2 * block + 13
+        assert got.tokens == cold.generate(again, max_tokens=4).tokens
+        assert sched.stats()["snapshot_bytes"] == 0
+
+
+@pytest.mark.parametrize("arch", RECURRENT)
+def test_scheduler_checkpoints_make_the_system_prompt_reusable(arch: str) -> None:
+    """``checkpoints=[end of system prompt]`` on the first conversation: the second and third
+    reuse the whole system prompt; without it the third does (the second leaves one)."""
+    model = tiny_model(arch)
+    block = 32
+    system = prompt(70, seed=12)
+    with PagedSSDCacheManager(CacheConfig(hot_cache_only=True, block_size=block)) as manager:
+        sched = Scheduler(model, BlockAwarePrefixCache(manager, model))
+        sched.generate(system + prompt(20, seed=13), max_tokens=3, checkpoints=[len(system)])
+        assert sched.generate(system + prompt(25, seed=14), max_tokens=3).cached_tokens == 70
+    with PagedSSDCacheManager(CacheConfig(hot_cache_only=True, block_size=block)) as manager:
+        sched = Scheduler(model, BlockAwarePrefixCache(manager, model))
+        sched.generate(system + prompt(20, seed=13), max_tokens=3)
+        assert sched.generate(system + prompt(25, seed=14), max_tokens=3).cached_tokens == 64
+        assert sched.generate(system + prompt(30, seed=15), max_tokens=3).cached_tokens == 70
+        assert sched.stats()["match_checkpoints"] == 1
+
+
+def test_checkpoints_argument_is_checked() -> None:
+    model = tiny_model("mamba")
+    with PagedSSDCacheManager(CacheConfig(hot_cache_only=True, block_size=16)) as manager:
+        sched = Scheduler(model, BlockAwarePrefixCache(manager, model))
+        with pytest.raises(ValueError, match="checkpoints: expected positions in"):
+            sched.submit([1, 2, 3], checkpoints=[4])
+        with pytest.raises(ValueError, match="checkpoints"):
+            sched.submit([1, 2, 3], checkpoints=["a"])
