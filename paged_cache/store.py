@@ -4,7 +4,9 @@ Blocks hold every layer's rows / state for up to ``block_size`` tokens; only blo
 not hold yet are cut. Where some layer cannot be cut by token (recurrent state, a wrapped window,
 a chunked window), every store also leaves the state at its end position and at each snapshot
 position: in the block ending there when that block is new, else in a checkpoint node (that
-state over the block's tokens, no rows of layers a block already holds).
+state over the block's tokens, no rows of layers a block already holds). A held partial tail
+whose tokens a new block extends is dropped when every layer trims to any length, else turned
+into a checkpoint of the same tokens (its state stays, the rows the new block holds go).
 """
 
 from __future__ import annotations
@@ -48,9 +50,13 @@ def store_chain(pc: Any, tokens: list[int], cache: list, snaps: dict, consume: b
         new.remove(last)  # a held sibling block already holds these tokens' rows
         if not layout.full_history:
             ckpts.append((n, last))
+    dominated = _dominated_tails(kids, parents, ids, spans, new)
     if layout.full_history:
-        _drop_dominated(manager, kids, parents, ids, spans, new)
+        for kid in dominated:
+            manager.discard(kid.key)
     else:
+        for kid in dominated:
+            _tail_to_checkpoint(pc, kid)
         ckpts += _checkpoint_positions(kids, parents, ids, spans, new, snaps, n,
                                        exclude={p for p, _ in ckpts})
     types = [type(layer).__name__ for layer in cache]
@@ -109,20 +115,41 @@ def _covered_by_sibling(siblings: Any, ids: np.ndarray, span: tuple[int, int]) -
                and np.array_equal(k.token_ids[:len(mine)], mine) for k in siblings)
 
 
-def _drop_dominated(manager: Any, kids: dict, parents: list[str], ids: np.ndarray,
-                    spans: list[tuple[int, int]], new: list[int]) -> None:
-    """Full-history layouts (every layer trims to any length): a held partial tail whose tokens
-    are a proper prefix of a block this store writes serves nothing the new block does not;
-    discard it."""
+def _dominated_tails(kids: dict, parents: list[str], ids: np.ndarray,
+                     spans: list[tuple[int, int]], new: list[int]) -> list[ChainNode]:
+    """Held partial tails (not checkpoints) whose tokens are a proper prefix of a block this
+    store writes: the new block holds their rows."""
+    out = []
     for j in new:
         if j and j - 1 in new:
             continue  # the parent is new too: it has no other child yet
         s, e = spans[j]
         mine = ids[s:e]
-        for kid in kids.get(parents[j], ()):
-            if len(kid.token_ids) < len(mine) and np.array_equal(mine[:len(kid.token_ids)],
-                                                                  kid.token_ids):
-                manager.discard(kid.key)
+        out += [kid for kid in kids.get(parents[j], ())
+                if not kid.checkpoint and len(kid.token_ids) < len(mine)
+                and np.array_equal(mine[:len(kid.token_ids)], kid.token_ids)]
+    return out
+
+
+def _tail_to_checkpoint(pc: Any, tail: ChainNode) -> None:
+    """Replace a dominated partial tail by a checkpoint of the same tokens: its state (and the
+    rows of windowed layers) stay, the rows of layers a block holds go."""
+    block = pc.manager.get(tail.key, take=True)
+    pc.manager.discard(tail.key)
+    if block is None:
+        return
+    layout = pc.layout
+    descs = json.loads(block.meta[META_LAYERS])
+    arrays = {}
+    for i, keep in enumerate(layout.snapshot_layers):
+        if keep:
+            arrays.update({k: v for k, v in block.arrays.items() if k.startswith(f"l{i}.")})
+        else:
+            descs[i] = {"type": descs[i]["type"], "has_rows": False}
+    key = checkpoint_key(layout.fingerprint, pc.namespace, tail.parent, tail.token_ids)
+    node = ChainNode(key, tail.parent, tail.fingerprint, tail.start, tail.token_ids,
+                     checkpoint=True, restorable=tail.restorable)
+    pc.manager.put(Block(key, arrays, {**node.to_meta(), META_LAYERS: json.dumps(descs)}))
 
 
 def _checkpoint_positions(kids: dict, parents: list[str], ids: np.ndarray,

@@ -94,20 +94,6 @@ def token_slice(x: mx.array, a: int, b: int) -> mx.array:
     return x[index]
 
 
-def covering(spans: Sequence[Span], lo: int, hi: int) -> list[int] | None:
-    """Indices of spans (sorted by start) covering ``[lo, hi)``, each adding tokens the earlier
-    ones do not hold (the first of equal spans wins); None if those tokens are not all covered."""
-    out, pos = [], lo
-    for i, span in enumerate(spans):
-        if span.end <= pos or span.start >= hi:
-            continue
-        if span.start > pos:
-            return None
-        out.append(i)
-        pos = span.end
-    return out if pos >= hi or lo >= hi else None
-
-
 def clipped(desc: dict) -> dict:
     """A block descriptor for a block used only up to a position before its end: its rows stay,
     nothing that describes the state at its end (state, ring slot) does."""

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from paged_cache.handlers.base import (TOKEN_AXIS, Arrays, Captured, LayerHandler, Part, Span,
-                                       assemble_rows, covering, owned, token_slice)
+                                       assemble_rows, owned, token_slice)
 
 Run = tuple[int, int, int]  # (first position, end position, first row)
 
@@ -116,23 +116,19 @@ class RowsHandler(LayerHandler):
         return arrays, desc
 
     def plan(self, layer: Any, spans: Sequence[Span], n: int) -> list[int] | None:
-        # a checkpoint's rows may reach back before its node's start (its window)
-        reach = [Span(min(span.start, held_ranges(span)[0][0]), span.end, span.desc)
-                 for span in spans]
-        usable = sorted((i for i, span in enumerate(reach) if span.desc.get("has_rows")),
-                        key=lambda i: reach[i].start)
-        with_rows = [reach[i] for i in usable]
+        # what each span holds rows for (a checkpoint's may reach back before its start)
+        held = [(a, min(b, span.end), i) for i, span in enumerate(spans)
+                if span.desc.get("has_rows") for a, b in held_ranges(span) if a < min(b, span.end)]
         needed: set[int] = set()
         for lo, hi in self.window(layer, n):
-            idx = covering(with_rows, lo, hi)
-            if idx is None:
-                return None
-            for i in idx:
-                span = with_rows[i]
-                want = (max(lo, span.start), min(hi, span.end))
-                if not any(a <= want[0] and want[1] <= b for a, b in held_ranges(span)):
+            pos = lo
+            while pos < hi:  # greedy: the range reaching furthest from pos (the first of equals)
+                reach = [(b, -k) for k, (a, b, _) in enumerate(held) if a <= pos < b]
+                if not reach:
                     return None
-            needed.update(usable[i] for i in idx)
+                b, k = max(reach)
+                needed.add(held[-k][2])
+                pos = b
         return sorted(needed)
 
     def rebuild(self, layer: Any, parts: Sequence[Part], n: int, capacity: int) -> Any:
