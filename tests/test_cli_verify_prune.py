@@ -132,7 +132,9 @@ def test_dead_writers_reservation_is_an_orphan(cache):
     d = cache["dir"]
     key = "d" * 64
     with sqlite3.connect(d / "manifest.sqlite") as db:  # as left by a writer killed mid-write
-        db.execute("INSERT INTO blocks VALUES (?, 0, 'none', 100, 90, 16, ?, '', NULL, ?, ?, ?)",
+        db.execute("INSERT INTO blocks(key, state, compression, file_bytes, raw_bytes, tokens, "
+                   "fingerprint, parent, created, last_access, writer) "
+                   "VALUES (?, 0, 'none', 100, 90, 16, ?, '', ?, ?, ?)",
                    (key, FP_A, time.time(), time.time(), "999999999:abcd"))
     status, data = verify_json(d)
     assert status == 1 and [(f["kind"], f["what"], f["key"]) for f in data["findings"]] == [
