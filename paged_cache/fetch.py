@@ -12,6 +12,7 @@ layer is then rebuilt straight into one buffer sized for the continuation.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,8 @@ from paged_cache.chain_index import ChainNode, shared_prefix
 from paged_cache.handlers import Part, Span
 from paged_cache.handlers.base import clipped
 from paged_cache.hashing import ROOT_PARENT, chain_keys
+
+logger = logging.getLogger("paged_cache.fetch")
 
 GROWTH_STEP = 256  # mlx-lm's KV growth step: rebuilt buffers are a multiple of it
 
@@ -58,7 +61,7 @@ class Found:
     tier: str
     used: int
     shared: int  # longest run of the request's tokens some stored node holds
-    blocks_taken: int = 0
+    taken: list[str] = field(default_factory=list)  # keys handed over to the rebuilt cache
 
 
 @dataclass
@@ -200,19 +203,24 @@ def _try(search: _Search, n: int) -> Found | None:
             parts.append(Part(spans[i][j].start, spans[i][j].end, spans[i][j].desc, local))
         template[i] = h.rebuild(layer, parts, n, capacity)
         del parts
+    logger.debug("rebuilt at %d from %s", n, ", ".join(
+        f"{'checkpoint' if node.checkpoint else 'block'} [{node.start}, {node.start + used})"
+        f" {node.tier}" for node, used in chosen))
     tier_set = {"ssd" if node.tier == "ssd" else "hot" for node, _ in chosen}
     tier = tier_set.pop() if len(tier_set) == 1 else "mixed"
-    return Found(template, n, tier, len(chosen), n, blocks_taken=len(taken))
+    return Found(template, n, tier, len(chosen), n, taken=sorted(taken))
 
 
 def _handover(search: _Search, chosen: list[tuple[ChainNode, int]]) -> set[str]:
     """Keys of the chosen nodes the request may take (the live cache becomes their only copy).
 
-    Only this conversation's own line past the last block another conversation continues
-    through: a path block none of whose later path blocks has a child that is not this
-    request's (a child holding tokens other than the request's), and whole tail nodes after
-    such blocks. In hot_cache_only mode only full-history layouts hand over: the live cache
-    cannot give back the state that windowed / recurrent layers held at earlier positions.
+    Only this conversation's own full blocks past the last block another conversation continues
+    through: path blocks none of whose later path blocks has a child that is not this request's
+    (a child holding tokens other than the request's). Partial tails and checkpoints (at most a
+    block's rows, or a state) stay, and are promoted when read from disk: the request's stores
+    need not write them again. In hot_cache_only mode only full-history layouts hand over: the
+    live cache cannot give back the state that windowed / recurrent layers held at earlier
+    positions.
     """
     pc = search.pc
     if pc.manager.config.hot_cache_only and not pc.layout.full_history:
@@ -227,10 +235,7 @@ def _handover(search: _Search, chosen: list[tuple[ChainNode, int]]) -> set[str]:
         if _shared(search, search.path[j], nxt):
             break
         first = j
-    out = {node.key for node in search.path[first:k]}
-    # whole tail nodes (partial tails, checkpoints) are this request's own leaves
-    out |= {node.key for node, used in chosen[k:] if used == node.end - node.start}
-    return out
+    return {node.key for node in search.path[first:k]}
 
 
 def _shared(search: _Search, node: ChainNode, nxt: str | None) -> bool:

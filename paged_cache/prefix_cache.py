@@ -21,6 +21,7 @@ from paged_cache.handlers import layer_needs_snapshots
 from paged_cache.handlers.base import Captured
 from paged_cache.hashing import model_identity
 from paged_cache.layout import CacheLayout
+from paged_cache.loans import Loan, Loans
 from paged_cache.store import store_chain
 
 logger = logging.getLogger("paged_cache.prefix_cache")
@@ -105,6 +106,7 @@ class BlockAwarePrefixCache:
              "blocks_written", "checkpoints_written", "blocks_deduplicated", "blocks_taken",
              "store_seconds", "restore_seconds"), 0)
         self.last_fetch = FetchInfo(0, 0, "miss", 0.0, 0)
+        self._loans = Loans(self._give_back)
 
     # ------------------------------------------------------------------ layout / fingerprint
 
@@ -201,6 +203,8 @@ class BlockAwarePrefixCache:
         if not tokens:
             return 0
         result = store_chain(self, tokens, cache, snaps, consume)
+        if len(self._loans):
+            self._loans.settle(self._held, stored=np.asarray(tokens, dtype=np.int64))
         seconds = time.perf_counter() - t0
         st = self._stats
         st["stores"] += 1
@@ -222,11 +226,15 @@ class BlockAwarePrefixCache:
         total = len(tokens)
         st = self._stats
         st["tokens_requested"] += total
+        if len(self._loans):
+            self._loans.settle(self._held, np.asarray(tokens, dtype=np.int64))
         found = find(self, tokens) if total >= 2 and self.layout.ready() else None
         n = found.n if found is not None else 0
         if found is not None:
             self._count_loss(min(found.shared, total - 1), n)
-            st["blocks_taken"] += found.blocks_taken
+            st["blocks_taken"] += len(found.taken)
+            if n and found.taken and self.manager.config.hot_cache_only:
+                self._loans.lend(tokens[:n], found.cache, found.taken)
         seconds = time.perf_counter() - t0
         st["hits" if n else "misses"] += 1
         st["tokens_matched"] += n
@@ -238,6 +246,13 @@ class BlockAwarePrefixCache:
         logger.debug("fetch: %d/%d tokens from %s (%d nodes) in %.1f ms",
                      n, total, self.last_fetch.tier, self.last_fetch.blocks, seconds * 1e3)
         return (found.cache, n) if n else (None, 0)
+
+    def _held(self, keys: list[str]) -> bool:
+        return all(t is not None for t in self.manager.tiers_of(keys))
+
+    def _give_back(self, loan: Loan) -> None:
+        """Store a loan's tokens again from its live cache (rows before its position unchanged)."""
+        store_chain(self, loan.tokens, loan.cache, {}, consume=False)
 
     def _count_loss(self, matched: int, n: int) -> None:
         lost = matched - n
@@ -253,5 +268,5 @@ class BlockAwarePrefixCache:
     # ------------------------------------------------------------------ stats
 
     def stats(self) -> dict:
-        """Counters: hits/misses, tokens requested/matched/saved/lost, blocks, timings."""
-        return dict(self._stats)
+        """Counters: hits/misses, tokens requested/matched/saved/lost, blocks, loans, timings."""
+        return {**self._stats, **self._loans.counters, "loans_open": len(self._loans)}

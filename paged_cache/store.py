@@ -24,6 +24,8 @@ from paged_cache.handlers import restorable_at_end
 from paged_cache.hashing import ROOT_PARENT, chain_keys, checkpoint_key
 from paged_cache.tiers.format import META_LAYERS
 
+ON_DISK = ("ssd", "remote")  # tiers a block is read from with I/O (a store offers it to RAM)
+
 
 @dataclass(frozen=True)
 class StoreResult:
@@ -44,10 +46,13 @@ def store_chain(pc: Any, tokens: list[int], cache: list, snaps: dict, consume: b
     parents = [keys[j - 1] if j else ROOT_PARENT for j in range(len(keys))]
     tiers, kids = manager.chain(keys, fp, pc.namespace)
     new = [j for j, tier in enumerate(tiers) if tier is None]
+    # blocks held only on disk are cut too: the live arrays go to the RAM tier (next turn: a RAM hit)
+    offered = [j for j, tier in enumerate(tiers) if tier is None or tier in ON_DISK]
     last = len(keys) - 1
     ckpts: list[tuple[int, int]] = []  # (position, block index)
     if last in new and _covered_by_sibling(kids.get(parents[last], ()), ids, spans[last]):
         new.remove(last)  # a held sibling block already holds these tokens' rows
+        offered.remove(last)
         if not layout.full_history:
             ckpts.append((n, last))
     dominated = _dominated_tails(kids, parents, ids, spans, new)
@@ -57,13 +62,13 @@ def store_chain(pc: Any, tokens: list[int], cache: list, snaps: dict, consume: b
     else:
         for kid in dominated:
             _tail_to_checkpoint(pc, kid)
-        ckpts += _checkpoint_positions(kids, parents, ids, spans, new, snaps, n,
+        ckpts += _checkpoint_positions(kids, parents, ids, spans, new, offered, snaps, n,
                                        exclude={p for p, _ in ckpts})
     types = [type(layer).__name__ for layer in cache]
     block_cuts, ckpt_cuts = [], []
     for i, h in enumerate(layout.handlers):
         captures = {b: s.layers[i] for b, s in snaps.items() if i in s.layers}
-        block_cuts.append(h.cut(cache[i], [spans[j] for j in new], captures, n))
+        block_cuts.append(h.cut(cache[i], [spans[j] for j in offered], captures, n))
         if layout.snapshot_layers[i]:
             ckpt_cuts.append([h.cut_checkpoint(cache[i], spans[j][0], p, captures, n)
                               for p, j in ckpts])
@@ -74,10 +79,11 @@ def store_chain(pc: Any, tokens: list[int], cache: list, snaps: dict, consume: b
                      for a in arrays.values()])
             cache[i] = None
     written = 0
-    for pos, j in enumerate(new):
+    for pos, j in enumerate(offered):
         s, e = spans[j]
+        held = next((k for k in kids.get(parents[j], ()) if k.key == keys[j]), None)
         written += _put(pc, keys[j], ChainNode(keys[j], parents[j], fp, s, ids[s:e]),
-                        block_cuts, pos, types)
+                        block_cuts, pos, types, floor=held is not None and held.restorable)
     done = 0
     for pos, (p, j) in enumerate(ckpts):
         s = spans[j][0]
@@ -87,8 +93,10 @@ def store_chain(pc: Any, tokens: list[int], cache: list, snaps: dict, consume: b
     return StoreResult(written, done, len(keys) - len(new))
 
 
-def _put(pc: Any, key: str, node: ChainNode, cuts: list[list], pos: int, types: list[str]) -> int:
-    """Assemble one node's arrays from every layer's cut ``pos`` and put it; 1 if new."""
+def _put(pc: Any, key: str, node: ChainNode, cuts: list[list], pos: int, types: list[str],
+         floor: bool = False) -> int:
+    """Assemble one node's arrays from every layer's cut ``pos`` and put it; 1 if new.
+    ``floor``: the block is held on disk restorable at its end; offer it only if this cut is too."""
     arrays: dict[str, mx.array] = {}
     descs = []
     restorable = True
@@ -99,6 +107,8 @@ def _put(pc: Any, key: str, node: ChainNode, cuts: list[list], pos: int, types: 
         restorable = restorable and (not pc.layout.snapshot_layers[i]
                                      or restorable_at_end(pc.layout.template[i], desc))
         layer_cuts[pos] = None
+    if floor and not restorable:
+        return 0  # the copy on disk holds more than this cut: leave it there
     mx.eval(list(arrays.values()))
     node = ChainNode(node.key, node.parent, node.fingerprint, node.start, node.token_ids,
                      node.checkpoint, restorable)
@@ -153,7 +163,8 @@ def _tail_to_checkpoint(pc: Any, tail: ChainNode) -> None:
 
 
 def _checkpoint_positions(kids: dict, parents: list[str], ids: np.ndarray,
-                          spans: list[tuple[int, int]], new: list[int], snaps: dict, n: int,
+                          spans: list[tuple[int, int]], new: list[int], offered: list[int],
+                          snaps: dict, n: int,
                           exclude: set[int]) -> list[tuple[int, int]]:
     """Positions (the store's end and every snapshot) where no held or new node already
     restores every layer: (position, index of the block holding the position's last token)."""
@@ -166,9 +177,12 @@ def _checkpoint_positions(kids: dict, parents: list[str], ids: np.ndarray,
         s, e = spans[j]
         if e == p and j in new:
             continue  # the new block ending here carries the state
-        held = kids.get(parents[j], ())
-        if any(k.restorable and k.end == p and k.start == s and np.array_equal(k.token_ids, ids[s:p])
-               for k in held):
-            continue
+        held = [k for k in kids.get(parents[j], ()) if k.restorable and k.end == p
+                and k.start == s and np.array_equal(k.token_ids, ids[s:p])]
+        if any(k.tier not in ON_DISK for k in held):
+            continue  # restored from RAM already
+        if held and e == p and j in offered and not all(k.checkpoint for k in held):
+            continue  # the block ending here is offered again (to RAM) with this store
+        # (a checkpoint held only on disk is written again: the put puts it in RAM)
         out.append((p, j))
     return out

@@ -43,13 +43,8 @@ BIG = 1 << 30                        # budgets: nothing is evicted on either sid
 ARCHS = ["llama", "gemma3_text", "qwen3_next", "mamba", "baichuan_m1", "llama4", "nemotron_h",
          "falcon_h1", "granitemoehybrid", "jamba", "lfm2"]
 VARIANTS = ["hot", "ssd", "restart"]
-# (arch, variant) pairs that fail on the current fetch: on recurrent / hybrid layouts it walks back
-# along one path instead of searching every stored branch (exact repeats, branches and new prompts
-# over a shared system prompt restore 0); on llama hot-only, a fetch that shares a few tokens of
-# another conversation's partial tail hands that tail over and it is lost.
 RECURRENT = ["qwen3_next", "mamba", "baichuan_m1", "nemotron_h", "falcon_h1", "granitemoehybrid",
              "jamba", "lfm2"]
-PENDING: set[tuple[str, str]] = {("llama", "hot")} | {(a, v) for a in RECURRENT for v in VARIANTS}
 
 
 COLD: dict[str, dict] = {}   # arch -> (prompt, system end) -> cold greedy tokens
@@ -215,9 +210,8 @@ def check_stream(model: Any, variant: str, ops: list[tuple], memo: dict) -> None
 
 def _cases(long: bool = False) -> list:
     marks = [pytest.mark.long] if long else []
-    return [pytest.param(arch, variant, id=f"{arch}-{variant}", marks=marks + (
-        [pytest.mark.xfail(reason="fetch rewrite pending", strict=False)]
-        if (arch, variant) in PENDING else [])) for arch in ARCHS for variant in VARIANTS]
+    return [pytest.param(arch, variant, id=f"{arch}-{variant}", marks=marks)
+            for arch in ARCHS for variant in VARIANTS]
 
 
 _SETTINGS = dict(deadline=None, derandomize=True, database=None,

@@ -22,15 +22,9 @@ ARCHS = ["mamba", "mamba2", "qwen3_next", "nemotron_h", "granitemoehybrid", "jam
 # A branch this many tokens into the stored 3-block chain: inside each block, on a boundary, and
 # 13 tokens into the third block.
 BRANCHES = [13, 45, 64, 77, 90]
-# Prefill chunk sizes: one block (a snapshot at every boundary) and the Scheduler's default
-# (None: the multiple of the block size nearest 512, so the 97-token prompts are one chunk).
+# Prefill chunk sizes: one block, and the Scheduler's default (one block too for these layouts:
+# they need boundary snapshots).
 CHUNKS = [BLOCK, None]
-# (arch, branch point, chunk) / (arch, chunk) that fail on the current fetch (it walks back along
-# one path and keeps recurrent state only where a chunk ended); expected to pass once it is
-# rewritten.
-PENDING_BRANCH: set[tuple[str, int, int | None]] = {
-    (a, b, None) for a in ARCHS for b in BRANCHES if b >= BLOCK}
-PENDING_SYSTEM: set[tuple[str, int | None]] = {(a, c) for a in ARCHS for c in CHUNKS}
 
 
 @functools.cache
@@ -57,16 +51,12 @@ def _manager() -> PagedSSDCacheManager:
                                             hot_cache_only=True))
 
 
-def _pending(condition: bool) -> list:
-    return [pytest.mark.xfail(reason="fetch rewrite pending", strict=False)] if condition else []
-
-
 def _chunk_id(chunk: int | None) -> str:
     return f"chunk{chunk}" if chunk else "chunk-default"
 
 
 @pytest.mark.parametrize("arch, branch, chunk", [
-    pytest.param(a, b, c, id=f"{a}-{b}-{_chunk_id(c)}", marks=_pending((a, b, c) in PENDING_BRANCH))
+    pytest.param(a, b, c, id=f"{a}-{b}-{_chunk_id(c)}")
     for a in ARCHS for b in BRANCHES for c in CHUNKS])
 def test_branch_inside_stored_chain_reuses_to_the_branch_point(arch, branch, chunk):
     model = _model(arch)
@@ -84,8 +74,7 @@ def test_branch_inside_stored_chain_reuses_to_the_branch_point(arch, branch, chu
 
 
 @pytest.mark.parametrize("arch, chunk", [
-    pytest.param(a, c, id=f"{a}-{_chunk_id(c)}", marks=_pending((a, c) in PENDING_SYSTEM))
-    for a in ARCHS for c in CHUNKS])
+    pytest.param(a, c, id=f"{a}-{_chunk_id(c)}") for a in ARCHS for c in CHUNKS])
 def test_third_conversation_reuses_the_shared_system_prompt(arch, chunk):
     model = _model(arch)
     system = _tokens(2 * BLOCK + 11, seed=3)   # not block-aligned

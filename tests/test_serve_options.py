@@ -20,9 +20,6 @@ from paged_cache.testing import write_model_dir
 
 BLOCK = 16   # paged_argv's --block-size
 SYSTEM = "You answer in one short line for a cache test, nothing else. " * 2
-HOT_ONLY_HAND_OVER = ("hot-only hand-over: a fetch hands the conversation's blocks to the request, "
-                      "so a concurrent request fetched before it stores them again finds nothing; "
-                      "fixed by the hand-over policy rewrite in prefix_cache.py")
 
 
 @pytest.fixture(scope="module")
@@ -73,10 +70,7 @@ def warm_prefix(client) -> tuple[list[dict], int]:
     return messages + [{"role": "assistant", "content": reply}], prompt
 
 
-@pytest.mark.parametrize("hot_only", [
-    # Not strict: the requests that arrive after the first one's prefill stored its segments hit.
-    False, pytest.param(True, marks=pytest.mark.xfail(strict=False, reason=HOT_ONLY_HAND_OVER))],
-    ids=["ssd", "hot-only"])
+@pytest.mark.parametrize("hot_only", [False, True], ids=["ssd", "hot-only"])
 def test_three_concurrent_requests_on_one_prefix_all_hit(hot_only, model_dir, tmp_path):
     tier = ["--hot-cache-only"] if hot_only else ["--ssd-dir", str(tmp_path / "ssd")]
     with server(paged_argv(model_dir, *tier), tmp_path / "paged.log") as (c, _, url):
