@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import sys
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from decimal import Decimal
@@ -46,6 +47,11 @@ HOT_DEFAULT_CAP = 8 * 2**30   # ... capped at 8 GiB
 HOT_FALLBACK = 2 * 2**30      # when physical RAM cannot be read
 SSD_AUTO_SHARE = 0.5          # ssd_max_bytes="auto": half of (free space + the cache's own bytes)
 QUEUE_DEFAULT = 256 * 2**20   # write queue: 256 MiB of raw block buffers
+REMOTE_QUEUE_DEFAULT = 64 * 2**20   # remote write queue: 64 MiB of raw block buffers
+REMOTE_TIMEOUT_DEFAULT = 0.5        # seconds a remote read or write may wait on one socket operation
+REMOTE_SCHEMES = ("redis", "rediss", "valkey", "valkeys")  # "...s": TLS
+# Read by the remote tier at connect time, never stored in a CacheConfig (nor shown by `config`).
+REMOTE_PASSWORD_ENV = "PAGED_CACHE_REMOTE_PASSWORD"
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
@@ -148,6 +154,59 @@ def _path(value: Any, name: str) -> Path:
     return Path(os.path.expanduser(value))
 
 
+class RemoteURL(str):
+    """A remote tier URL whose repr hides the password (configs are logged and printed)."""
+
+    def redacted(self) -> str:
+        """The URL with its password replaced by ***."""
+        parts = urllib.parse.urlsplit(self)
+        if parts.password is None:
+            return str(self)
+        user = parts.username or ""
+        netloc = f"{user}:***@{parts.netloc.rpartition('@')[2]}"
+        return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+    def __repr__(self) -> str:
+        return repr(self.redacted())
+
+
+def _remote_url(value: Any, name: str) -> RemoteURL | None:
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    form = f"a URL like redis://[user:password@]host:6379/0 (schemes: {', '.join(REMOTE_SCHEMES)})"
+    if not isinstance(value, str):
+        raise ValueError(f"{name}: expected {form}, got {value!r}")
+    try:
+        parts = urllib.parse.urlsplit(value.strip())
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError as exc:
+        raise ValueError(f"{name}: expected {form}; the URL does not parse ({exc})") from None
+    if parts.scheme.lower() not in REMOTE_SCHEMES or not parts.hostname:
+        raise ValueError(f"{name}: expected {form}, got {RemoteURL(value).redacted()!r}")
+    db = parts.path.strip("/")
+    if db and not db.isdigit():
+        raise ValueError(f"{name}: database {db!r} in the URL path must be a number, e.g. /0")
+    return RemoteURL(value.strip())
+
+
+def _seconds(value: Any, name: str) -> float:
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise ValueError(f"{name}: expected seconds (a number >= 0), got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise ValueError(f"{name}: expected seconds (a number >= 0), got {value!r}")
+    return float(value)
+
+
+def _positive_seconds(value: Any, name: str) -> float:
+    seconds = _seconds(value, name)
+    if seconds <= 0:
+        raise ValueError(f"{name}: expected seconds > 0, got {value!r}")
+    return seconds
+
+
 def _size_or_auto(value: Any, name: str) -> int | str:
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
@@ -170,6 +229,14 @@ _FIELD_SPECS: dict[str, tuple[Any, str]] = {
     "queue_full_policy": (lambda v, n: _choice(v, n, QUEUE_FULL_POLICIES),
                           "when the write queue is full: skip (drop the write, count it; default) | "
                           "write-on-caller (write synchronously)"),
+    "remote_url": (_remote_url, "shared remote tier below SSD on a Valkey / Redis server, e.g. "
+                                "redis://host:6379/0 (rediss:// for TLS; password in the URL or "
+                                f"{REMOTE_PASSWORD_ENV}); default none"),
+    "remote_ttl": (_seconds, "seconds a block lives on the remote server after its last write "
+                             "(0 = no TTL: the server's maxmemory policy evicts; default 0)"),
+    "remote_timeout": (_positive_seconds, "seconds one remote socket operation may wait before the "
+                                          "tier counts an error and serves locally (default 0.5)"),
+    "remote_queue_max_bytes": (parse_size, "byte bound of the remote write queue (default 64 MiB)"),
 }
 
 _DEFAULTS: dict[str, Any] = {
@@ -182,6 +249,10 @@ _DEFAULTS: dict[str, Any] = {
     "write_policy": "write-through",
     "write_queue_max_bytes": QUEUE_DEFAULT,
     "queue_full_policy": "skip",
+    "remote_url": None,
+    "remote_ttl": 0.0,
+    "remote_timeout": REMOTE_TIMEOUT_DEFAULT,
+    "remote_queue_max_bytes": REMOTE_QUEUE_DEFAULT,
 }
 
 # Settings that only mean something with an SSD tier: giving one explicitly with hot_cache_only
@@ -206,6 +277,10 @@ class CacheConfig:
     write_policy: str = UNSET
     write_queue_max_bytes: int = UNSET
     queue_full_policy: str = UNSET
+    remote_url: RemoteURL | None = UNSET
+    remote_ttl: float = UNSET
+    remote_timeout: float = UNSET
+    remote_queue_max_bytes: int = UNSET
     explicit: frozenset = field(init=False, repr=False, compare=False)
     sources: dict = field(init=False, repr=False, compare=False)
 
@@ -289,8 +364,8 @@ class CacheConfig:
     # ----------------------------------------------------------------------------- views
 
     def to_dict(self) -> dict[str, Any]:
-        """Field values as JSON-friendly types (paths as strings)."""
-        return {n: str(v) if isinstance(v, Path) else v
+        """Field values as JSON-friendly types (paths as strings, the remote URL without password)."""
+        return {n: str(v) if isinstance(v, Path) else v.redacted() if isinstance(v, RemoteURL) else v
                 for n in _FIELD_SPECS for v in [getattr(self, n)]}
 
     def ssd_budget_bytes(self, cache_bytes: int = 0) -> int:
@@ -307,10 +382,11 @@ class CacheConfig:
 
 
 def read_env(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
-    """PAGED_CACHE_<FIELD> variables as {field: (raw string, "env:NAME")}; unknown ones raise."""
+    """PAGED_CACHE_<FIELD> variables as {field: (raw string, "env:NAME")}; unknown ones raise
+    (REMOTE_PASSWORD_ENV is no field: the remote tier reads it when it connects)."""
     out = {}
     for key, value in environ.items():
-        if not key.startswith(ENV_PREFIX):
+        if not key.startswith(ENV_PREFIX) or key == REMOTE_PASSWORD_ENV:
             continue
         name = key[len(ENV_PREFIX):].lower()
         if name not in _FIELD_SPECS:

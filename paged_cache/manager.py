@@ -4,6 +4,9 @@ Reads look in the hot tier, then the SSD writer's queue, then the SSD files (che
 promote what they find into the hot tier. Writes never wait on disk: with write-through every put
 is queued for the SSD writer; with write-back a block is queued when it leaves the hot tier
 (evicted, demoted, taken). With ``hot_cache_only`` there is no SSD tier at all: no directory, no files, no thread, no queue.
+With ``remote_url`` a shared remote tier (tiers/remote.py) sits below SSD: every new put is queued
+for it, a chain walk (``tiers_of(until_miss=True)``) and ``get`` ask it last, and a block read
+from it is promoted into the local tiers.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from paged_cache.tiers.hot import HotTier
 
 log = logging.getLogger("paged_cache.manager")
 
-Tier = Literal["hot", "pending", "ssd"]
+Tier = Literal["hot", "pending", "ssd", "remote"]
 
 
 class PagedSSDCacheManager:
@@ -38,8 +41,9 @@ class PagedSSDCacheManager:
         self.counters = dict(puts=0, puts_existing=0, puts_dropped=0, gets=0, misses=0,
                              promotions=0, takes=0, discards=0, spills=0, evicted_dropped=0,
                              evicted_dropped_bytes=0)
-        self._hits = dict(hot=0, pending=0, ssd=0)
+        self._hits = dict(hot=0, pending=0, ssd=0, remote=0)
         self._ssd = None if self.config.hot_cache_only else self._open_ssd()
+        self._remote = self._open_remote() if self.config.remote_url else None
         self._hot = HotTier(self.config.hot_cache_max_bytes, on_evict=self._on_evict)
         log.debug("opened: %s", self.config)
 
@@ -59,6 +63,14 @@ class PagedSSDCacheManager:
         log.info("SSD tier at %s: budget %d bytes", cfg.ssd_dir, ssd.max_bytes)
         return ssd
 
+    def _open_remote(self) -> Any:
+        from paged_cache.tiers.remote import RemoteTier
+
+        cfg = self.config
+        log.info("remote tier at %r", cfg.remote_url)
+        return RemoteTier(cfg.remote_url, timeout=cfg.remote_timeout, ttl=cfg.remote_ttl,
+                          queue_max_bytes=cfg.remote_queue_max_bytes, compression=cfg.compression)
+
     # ------------------------------------------------------------------------------ writes
 
     def put(self, block: Block) -> bool:
@@ -76,6 +88,8 @@ class PagedSSDCacheManager:
                 self.counters["puts_existing"] += 1
                 return False
             self.counters["puts"] += 1
+            if self._remote is not None:
+                self._remote.enqueue(block.key, raw, dict(block.meta))
             persisted = (self._ssd is not None and self.config.write_policy == "write-through"
                          and self._persist(block, raw))
             if self._hot.insert(block, persisted=persisted):
@@ -129,21 +143,24 @@ class PagedSSDCacheManager:
                 self._hits["hot"] += 1
                 return block
             discards = self._discards
-        if self._ssd is None:
-            return self._miss()
-        tier: Tier = "pending"
-        block = self._ssd.read_pending(key)
-        if block is None:
+        tier: Tier | None = None
+        block = None if self._ssd is None else self._ssd.read_pending(key)
+        if block is not None:
+            tier = "pending"
+        elif self._ssd is not None:
             tier, block = "ssd", self._ssd.read(key)
+        if block is None and self._remote is not None:
+            tier, block = "remote", self._remote.read(key)
         if block is None:
             return self._miss()
         with self._lock:
             self._hits[tier] += 1
+            fresh = discards == self._discards and not self._closed
+            persisted = tier != "remote" or (fresh and self._ssd is not None and self._persist(block))
             if take:
                 self.counters["takes"] += 1
-            elif discards == self._discards and not self._closed:
-                if self._hot.insert(block, persisted=True):
-                    self.counters["promotions"] += 1
+            elif fresh and self._hot.insert(block, persisted=persisted):
+                self.counters["promotions"] += 1
         return block
 
     def _get_hot(self, key: str, take: bool) -> Block | None:
@@ -164,22 +181,26 @@ class PagedSSDCacheManager:
         return None
 
     def tier_of(self, key: str) -> Tier | None:
-        """Where `key` is held now ("hot", "pending" write, "ssd"), or None; no payload I/O."""
+        """Where `key` is held now ("hot", "pending" write, "ssd", "remote"), or None; no payload
+        I/O (the remote tier is asked last, in one round trip)."""
         check_key(key)
         with self._lock:
             self._check_open()
             if key in self._hot:
                 return "hot"
-            if self._ssd is None:
-                return None
-            if self._ssd.has_pending(key):
+            if self._ssd is not None and self._ssd.has_pending(key):
                 return "pending"
-            return "ssd" if self._ssd.contains(key) else None
+            if self._ssd is not None and self._ssd.contains(key):
+                return "ssd"
+            remote = self._remote
+        return "remote" if remote is not None and remote.held([key])[0] else None
 
     def tiers_of(self, keys: Sequence[str], *, until_miss: bool = False) -> list[Tier | None]:
         """``tier_of`` of every key under one lock acquisition (hot dict lookups first, then the
         write queue and the block files for the rest). ``until_miss``: stop at the first key held
-        nowhere (what a chain walk needs); the entries after it are None without a lookup."""
+        nowhere (what a chain walk needs); the entries after it are None without a lookup. A chain
+        walk also asks the remote tier, in one round trip, for the keys held nowhere locally, and
+        plans their reads; without ``until_miss`` (a store deciding what to put) it is not asked."""
         if isinstance(keys, str):
             raise TypeError("keys: expected a sequence of keys, got a single str")
         keys = list(keys)
@@ -197,9 +218,24 @@ class PagedSSDCacheManager:
                     out[i] = "pending"
                 elif ssd is not None and ssd.contains(key):
                     out[i] = "ssd"
-                elif until_miss:
+                elif until_miss and self._remote is None:
                     break
+        if until_miss and self._remote is not None:
+            self._remote_chain(keys, out)
         return out
+
+    def _remote_chain(self, keys: list[str], out: list[Tier | None]) -> None:
+        """Mark the keys held only by the remote tier, cut ``out`` at the first key held nowhere,
+        and plan the remote reads of the chain (read ahead in pipelined batches)."""
+        first = out.index(None) if None in out else len(out)
+        ask = [i for i in range(first, len(out)) if out[i] is None]
+        for i, held in zip(ask, self._remote.held([keys[i] for i in ask]) if ask else []):
+            if held:
+                out[i] = "remote"
+        if None in out:
+            out[out.index(None):] = [None] * (len(out) - out.index(None))
+        held = [k for k, t in zip(keys, out) if t is not None]
+        self._remote.plan(held, [k for k, t in zip(keys, out) if t == "remote"])
 
     def contains(self, key: str) -> bool:
         """True when some tier holds `key`."""
@@ -245,13 +281,20 @@ class PagedSSDCacheManager:
                 held = True
             if held:
                 self.counters["discards"] += 1
+            if self._remote is not None:
+                self._remote.discard(key)
 
     # ------------------------------------------------------------------------------ lifecycle
 
     def flush(self) -> None:
-        """Give every hot block without an SSD copy to the writer, then wait until all are written."""
+        """Give every hot block without an SSD copy to the writer, then wait until all are written
+        (and until the remote tier's queue is sent)."""
         with self._lock:
-            if self._closed or self._ssd is None:
+            if self._closed:
+                return
+            if self._remote is not None:
+                self._remote.flush()
+            if self._ssd is None:
                 return
             self._ssd.flush()
             for block in self._hot.unpersisted():
@@ -266,6 +309,8 @@ class PagedSSDCacheManager:
             self.flush()
             if self._ssd is not None:
                 self._ssd.close()
+            if self._remote is not None:
+                self._remote.close()
             self._hot.clear()
             self._closed = True
             log.debug("closed")
@@ -284,7 +329,7 @@ class PagedSSDCacheManager:
 
     def stats(self) -> dict[str, Any]:
         """Counters and gauges: totals, "hits" by tier, the "hot" tier's and (with SSD) the "ssd"
-        tier's own stats (see docs/storage.md for every key)."""
+        tier's own stats, and with a remote tier its "remote" stats (see docs/storage.md)."""
         with self._lock:
             out: dict[str, Any] = dict(self.counters)
             out["hits"] = dict(self._hits, total=sum(self._hits.values()))
@@ -292,22 +337,31 @@ class PagedSSDCacheManager:
             out["hot"] = self._hot.stats()
             if self._ssd is not None:
                 out["ssd"] = self._ssd.stats()
+            if self._remote is not None:
+                out["remote"] = self._remote.stats()
             return out
 
     # ------------------------------------------------------------------------------ chain lookup
 
     def children(self, parent: str, fingerprint: str) -> list[str]:
-        """Keys held by the SSD tier (queued or written, by any process) whose meta names
-        `parent` and `fingerprint`; [] without an SSD tier. Hot-only blocks are not listed."""
+        """Keys held by the SSD tier (queued or written, by any process) or listed by the remote
+        tier (any host's) whose meta names `parent` and `fingerprint`. Hot-only blocks are not
+        listed."""
         with self._lock:
             self._check_open()
-            ssd = self._ssd
-        return [] if ssd is None else ssd.children(parent, fingerprint)
+            ssd, remote = self._ssd, self._remote
+        local = [] if ssd is None else ssd.children(parent, fingerprint)
+        if remote is None:
+            return local
+        seen = set(local)
+        return local + [k for k in remote.children(parent, fingerprint) if k not in seen]
 
     def ssd_meta(self, key: str) -> dict[str, str] | None:
-        """A block's meta from the SSD tier without reading its payload, or None."""
+        """A block's meta from the SSD tier without reading its payload (or, for a remote child,
+        from the remote tier's last listing), or None."""
         check_key(key)
         with self._lock:
             self._check_open()
-            ssd = self._ssd
-        return None if ssd is None else ssd.read_meta(key)
+            ssd, remote = self._ssd, self._remote
+        meta = None if ssd is None else ssd.read_meta(key)
+        return meta if meta is not None or remote is None else remote.meta(key)

@@ -58,7 +58,7 @@ class FetchInfo:
 
     tokens_requested: int
     tokens_matched: int
-    tier: str  # "hot" | "ssd" | "mixed" | "miss"
+    tier: str  # "hot" | "ssd" | "remote" | "mixed" | "miss"
     seconds: float
     blocks: int
 
@@ -440,7 +440,7 @@ class BlockAwarePrefixCache:
                     parts.append(Part(starts[j], ends[j], layer_descs[j][i], local))
             template[i] = h.rebuild(layer, parts, n, capacity)
             del parts
-        tier_set = {"ssd" if t == "ssd" else "hot" for t in tiers[:used]}
+        tier_set = {t if t in ("ssd", "remote") else "hot" for t in tiers[:used]}
         tier = tier_set.pop() if len(tier_set) == 1 else "mixed"
         return template, n, tier, used
 

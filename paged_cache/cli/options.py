@@ -15,7 +15,9 @@ from paged_cache.config import (COMPRESSIONS, QUEUE_FULL_POLICIES, WRITE_POLICIE
 _CHOICES = {"compression": COMPRESSIONS, "write_policy": WRITE_POLICIES,
             "queue_full_policy": QUEUE_FULL_POLICIES}
 _METAVARS = {"block_size": "TOKENS", "hot_cache_max_bytes": "SIZE", "ssd_dir": "DIR",
-             "ssd_max_bytes": "SIZE|auto", "write_queue_max_bytes": "SIZE"}
+             "ssd_max_bytes": "SIZE|auto", "write_queue_max_bytes": "SIZE",
+             "remote_url": "URL", "remote_ttl": "SECONDS", "remote_timeout": "SECONDS",
+             "remote_queue_max_bytes": "SIZE"}
 
 
 def flag_of(name: str) -> str:
