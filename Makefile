@@ -4,12 +4,12 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: install demo test test-long bench clean
+.PHONY: install server demo test test-long bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[dev,turboquant]"
+	$(BIN)/pip install --quiet -e ".[dev,turboquant,remote]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -17,13 +17,30 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/paged-cache demo
 
-test: $(STAMP)
+# The remote tier's tests need valkey-server or redis-server on PATH: installed here when missing
+# (apt-get: valkey-server where the distribution has it, else redis-server; macOS: brew). Fails,
+# never skips, when neither can be had.
+server:
+	@if command -v valkey-server >/dev/null 2>&1 || command -v redis-server >/dev/null 2>&1; then \
+		exit 0; \
+	elif command -v apt-get >/dev/null 2>&1; then \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && \
+		{ $$SUDO apt-get install -y -qq valkey-server >/dev/null 2>&1 || \
+		  $$SUDO apt-get install -y -qq redis-server >/dev/null; }; \
+	elif command -v brew >/dev/null 2>&1; then \
+		brew install valkey; \
+	fi; \
+	command -v valkey-server >/dev/null 2>&1 || command -v redis-server >/dev/null 2>&1 || \
+		{ echo "make server: cannot install valkey-server or redis-server; install one" >&2; exit 1; }
+
+test: $(STAMP) server
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-test-long: $(STAMP)
+test-long: $(STAMP) server
 	$(BIN)/python -m pytest -q --long $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: $(STAMP) server
 	$(BIN)/python -m benchmarks.run
 
 clean:
