@@ -302,3 +302,31 @@ def test_server_keys_are_namespaced(url: str) -> None:
     with pytest.raises(ValueError, match="fingerprint"):
         children_name("", "*")
     assert fmt.FORMAT_VERSION in KEY_PREFIX
+
+
+def test_inspect_and_stats_cli_show_the_remote_tier(tmp_path: Path, url: str) -> None:
+    from test_cli_inspect import cli_json, run_cli, serve_stats
+
+    model = tiny_model("llama")
+    config = CacheConfig(block_size=BLOCK, ssd_dir=tmp_path, remote_url=url)
+    with PagedSSDCacheManager(config) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        store_prompt(model, prefix, prompt(3 * BLOCK))
+        manager.flush()
+        server, stats_url = serve_stats(lambda: {"manager": manager.stats()})
+        try:
+            status, out, _ = run_cli("stats", "--url", stats_url)
+            assert status == 0 and f"remote tier {url}: up" in out and "remote_write_bytes" in out
+            status, out, _ = run_cli("stats", "--url", stats_url, "--prometheus")
+            assert "paged_cache_manager_remote_writes_total 3" in out
+        finally:
+            server.shutdown()
+    data = cli_json("inspect", str(tmp_path), "--remote-url", url)
+    assert data["remote"]["blocks"] == 3 and data["remote"]["listings"] == 3
+    assert data["remote"]["used_memory"] > 0 and data["remote"]["maxmemory_policy"]
+    status, out, _ = run_cli("inspect", str(tmp_path), "--remote-url", url)
+    assert status == 0 and "remote tier" in out and "3 blocks" in out
+    absent = f"redis://127.0.0.1:{free_port()}/0"
+    data = cli_json("inspect", str(tmp_path), "--remote-url", absent)
+    assert "error" in data["remote"] and data["totals"]["blocks"] == 3
+    assert cli_json("inspect", str(tmp_path))["remote"] is None

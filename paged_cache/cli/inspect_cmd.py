@@ -25,7 +25,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add inspect, ls, show and chains."""
     p = subparsers.add_parser("inspect", help="totals per model of a cache directory",
                               description="Blocks, tokens, bytes, compression, cache types, access "
-                                          "times and budget use per model fingerprint (SSD tier).")
+                                          "times and budget use per model fingerprint (SSD tier); "
+                                          "with --remote-url also the remote server's blocks, "
+                                          "memory and eviction policy.")
     render.add_dir_arguments(p)
     p.set_defaults(func=render.dir_command("inspect", run_inspect))
 
@@ -75,6 +77,7 @@ def run_inspect(args: argparse.Namespace, cache: CacheDir) -> int:
         "budget": budget,
         "quarantine": {"files": len(quarantined), "bytes": sum(q.size for q in quarantined)},
         "models": [_model_json(m) for m in models],
+        "remote": _remote(args),
     }
     if args.json:
         render.print_json(data)
@@ -92,11 +95,35 @@ def run_inspect(args: argparse.Namespace, cache: CacheDir) -> int:
                              _types(m.cache_types), render.ago(m.oldest_access),
                              render.ago(m.newest_access), m.reserved] for m in models],
                            right=("blocks", "tokens", "on disk", "raw", "ratio", "writing")))
+    remote = data["remote"]
+    if remote is not None and "error" in remote:
+        out.print(f"remote tier {remote['url']}: [red]not answering[/] ({remote['error']})")
+    elif remote is not None:
+        limit = f"{render.size(remote['maxmemory'])} ({remote['maxmemory_policy']})" \
+            if remote["maxmemory"] else f"none ({remote['maxmemory_policy']})"
+        out.print(f"remote tier {remote['url']} ({remote['server']}): "
+                  f"{remote['blocks']}{'' if remote['counted_all'] else '+'} blocks, "
+                  f"{render.size(remote['used_memory'])} used, maxmemory {limit}, "
+                  f"{remote['evicted_keys']} evicted, {remote['expired_keys']} expired")
     if quarantined:
         out.print(f"quarantine/: {len(quarantined)} file(s), "
                   f"{render.size(data['quarantine']['bytes'])} (moved aside by verify --repair)")
     out.print(f"[dim]{render.HOT_TIER_NOTE}[/]")
     return render.EXIT_OK
+
+
+def _remote(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The remote server's summary when a remote_url is configured (its error if it does not
+    answer: the directory view still prints)."""
+    url = config_from_args(args).remote_url
+    if url is None:
+        return None
+    from paged_cache.tiers.remote import server_summary
+
+    try:
+        return server_summary(url)
+    except (OSError, ImportError) as exc:  # no answer, refused, no client: shown, not fatal
+        return {"url": url.redacted(), "error": str(exc)}
 
 
 def _budget(args: argparse.Namespace, cache: CacheDir, used: int) -> dict[str, Any]:

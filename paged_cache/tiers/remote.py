@@ -41,6 +41,7 @@ PRESENT_SECONDS = 2.0          # how long a key seen on the server counts as hel
 MAX_REMEMBERED = 1 << 14       # bound of the remembered child metas and present keys
 BACKOFF_FIRST, BACKOFF_MAX = 0.25, 30.0  # seconds between reconnection probes (doubling)
 MAX_VALUE_BYTES = 1 << 31      # a value larger than this is not decoded (counted damaged)
+SUMMARY_SCAN_LIMIT = 1_000_000  # keys `inspect` counts at most
 _COUNTERS = ("hits", "misses", "damaged", "errors", "skipped", "outages", "reads", "read_bytes",
              "read_seconds", "writes", "write_bytes", "writes_existing", "write_drops",
              "write_errors", "discards")
@@ -490,6 +491,47 @@ class RemoteTier:
                        available=not self._down, queue_max_bytes=self.queue_max_bytes,
                        ttl_seconds=self.ttl, url=_shown(self.url))
         return out
+
+
+def server_summary(url: str, timeout: float = 2.0) -> dict[str, Any]:
+    """What the server at ``url`` holds and how it evicts (``paged-cache inspect --remote-url``):
+    paged-cache's block and listing keys (a bounded SCAN), memory, maxmemory and its policy,
+    evictions, expiries. OSError when the server does not answer (or refuses us)."""
+    valkey = _client_module()
+    password = None if "@" in url.partition("://")[2] else os.environ.get(REMOTE_PASSWORD_ENV)
+    db = valkey.Valkey.from_url(url, password=password, socket_timeout=timeout,
+                                socket_connect_timeout=timeout)
+    try:
+        return _summary(db, url, valkey.ResponseError)
+    except (valkey.ValkeyError, OSError) as exc:
+        raise OSError(str(exc)) from exc
+    finally:
+        db.close()
+
+
+def _summary(db: Any, url: str, response_error: type[BaseException]) -> dict[str, Any]:
+    """The summary of ``server_summary`` read through an open client ``db``."""
+    info = db.info()
+    counts = {b"b": 0, b"c": 0}  # block values, child listings
+    scanned = 0
+    for name in db.scan_iter(match=f"{KEY_PREFIX}:*", count=1000):
+        kind = bytes(name).split(b":")[2:3]
+        if kind and kind[0] in counts:
+            counts[kind[0]] += 1
+        scanned += 1
+        if scanned >= SUMMARY_SCAN_LIMIT:
+            break
+    try:
+        policy = db.config_get("maxmemory-policy").get("maxmemory-policy")
+    except response_error:  # CONFIG is often disabled on managed servers
+        policy = info.get("maxmemory_policy")
+    return {"url": _shown(url), "server": f"{'valkey' if 'valkey_version' in info else 'redis'} "
+                                          f"{info.get('valkey_version') or info.get('redis_version')}",
+            "blocks": counts[b"b"], "listings": counts[b"c"],
+            "counted_all": scanned < SUMMARY_SCAN_LIMIT,
+            "used_memory": info.get("used_memory"), "maxmemory": info.get("maxmemory"),
+            "maxmemory_policy": policy, "evicted_keys": info.get("evicted_keys"),
+            "expired_keys": info.get("expired_keys")}
 
 
 def _shown(url: str) -> str:
