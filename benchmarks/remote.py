@@ -14,6 +14,7 @@ import shutil
 
 from benchmarks.common import (Context, Timing, bar_plot, block_files, drop_page_cache, figure,
                                kv_model, settle)
+from benchmarks.ttft import scheduler_ttft
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
 from paged_cache.testing.server import ValkeyServer
 from scheduler import Scheduler
@@ -22,18 +23,10 @@ FAMILY = "remote"
 BLOCK = 256
 
 
-def _ttft(sched: Scheduler, prompt: list[int], tier: str | None, cached: int) -> float:
-    result = sched.generate(prompt, max_tokens=1)
-    if result.cache_tier != tier or result.cached_tokens != cached:
-        raise AssertionError(f"remote: expected {cached} tokens from {tier}, got "
-                             f"{result.cached_tokens} from {result.cache_tier}")
-    return result.ttft_s
-
-
 def _size(ctx: Context, model, url: str, size: int, repeats: int) -> dict:
     rng = random.Random(size)
     prompt = [rng.randrange(256) for _ in range(size + 1)]
-    cold = Timing.of([_ttft(Scheduler(model, None), prompt, None, 0) for _ in range(repeats)])
+    cold = Timing.of([scheduler_ttft(Scheduler(model, None), prompt, None, 0) for _ in range(repeats)])
     settle()
     ssd_dir = ctx.scratch / f"remote-{size}"
     shutil.rmtree(ssd_dir, ignore_errors=True)
@@ -41,20 +34,20 @@ def _size(ctx: Context, model, url: str, size: int, repeats: int) -> dict:
                              ssd_max_bytes="4GiB", remote_url=url)
     with PagedSSDCacheManager(writer_cfg) as writer:   # stores to SSD and to the server
         on_ssd = BlockAwarePrefixCache(writer, model)
-        _ttft(Scheduler(model, on_ssd), prompt, None, 0)
+        scheduler_ttft(Scheduler(model, on_ssd), prompt, None, 0)
         writer.flush()
         ssd_runs = []
         for _ in range(repeats):
             settle()
             drop_page_cache(block_files(ssd_dir))
-            ssd_runs.append(_ttft(Scheduler(model, on_ssd), prompt, "ssd", size))
+            ssd_runs.append(scheduler_ttft(Scheduler(model, on_ssd), prompt, "ssd", size))
     remote_runs, read_bytes, round_trips = [], 0, 0
     reader_cfg = CacheConfig(block_size=BLOCK, hot_cache_only=True, hot_cache_max_bytes="1GiB",
                              remote_url=url)
     for _ in range(repeats):
         settle()
         with PagedSSDCacheManager(reader_cfg) as reader:  # a host that never saw the prompt
-            remote_runs.append(_ttft(Scheduler(model, BlockAwarePrefixCache(reader, model)),
+            remote_runs.append(scheduler_ttft(Scheduler(model, BlockAwarePrefixCache(reader, model)),
                                      prompt, "remote", size))
             stats = reader.stats()["remote"]
             read_bytes, round_trips = stats["read_bytes"], stats["reads"]

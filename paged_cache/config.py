@@ -232,6 +232,8 @@ _FIELD_SPECS: dict[str, tuple[Any, str]] = {
     "remote_url": (_remote_url, "shared remote tier below SSD on a Valkey / Redis server, e.g. "
                                 "redis://host:6379/0 (rediss:// for TLS; password in the URL or "
                                 f"{REMOTE_PASSWORD_ENV}); default none"),
+    "remote_cluster": (parse_bool, "remote_url names a node of a Valkey / Redis Cluster: keys "
+                                   "go to their shards by hash slot (default false)"),
     "remote_ttl": (_seconds, "seconds a block lives on the remote server after its last write "
                              "(0 = no TTL: the server's maxmemory policy evicts; default 0)"),
     "remote_timeout": (_positive_seconds, "seconds one remote socket operation may wait before the "
@@ -250,6 +252,7 @@ _DEFAULTS: dict[str, Any] = {
     "write_queue_max_bytes": QUEUE_DEFAULT,
     "queue_full_policy": "skip",
     "remote_url": None,
+    "remote_cluster": False,
     "remote_ttl": 0.0,
     "remote_timeout": REMOTE_TIMEOUT_DEFAULT,
     "remote_queue_max_bytes": REMOTE_QUEUE_DEFAULT,
@@ -278,6 +281,7 @@ class CacheConfig:
     write_queue_max_bytes: int = UNSET
     queue_full_policy: str = UNSET
     remote_url: RemoteURL | None = UNSET
+    remote_cluster: bool = UNSET
     remote_ttl: float = UNSET
     remote_timeout: float = UNSET
     remote_queue_max_bytes: int = UNSET

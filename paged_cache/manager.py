@@ -69,7 +69,8 @@ class PagedSSDCacheManager:
         cfg = self.config
         log.info("remote tier at %r", cfg.remote_url)
         return RemoteTier(cfg.remote_url, timeout=cfg.remote_timeout, ttl=cfg.remote_ttl,
-                          queue_max_bytes=cfg.remote_queue_max_bytes, compression=cfg.compression)
+                          queue_max_bytes=cfg.remote_queue_max_bytes, compression=cfg.compression,
+                          cluster=cfg.remote_cluster)
 
     # ------------------------------------------------------------------------------ writes
 

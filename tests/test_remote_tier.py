@@ -22,9 +22,9 @@ from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.stats import render_prometheus
 from paged_cache.testing import tiny_model
-from paged_cache.testing.server import ValkeyServer, client, free_port
+from paged_cache.testing.server import ServerCluster, ValkeyServer, client, free_port
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.remote import KEY_PREFIX, block_name, children_name
+from paged_cache.tiers.remote import KEY_PREFIX, block_name, children_name, server_summary
 
 from test_prefix_cache_support import assert_exact, prompt, store_prompt
 
@@ -212,15 +212,20 @@ def test_write_queue_is_bounded_in_bytes(url: str) -> None:
 
 # ------------------------------------------------------------------------------ capacity
 
+def put_each(url: str, blocks: list[Block]) -> dict:
+    """Put and send the blocks one by one through a hot-only host; its remote stats."""
+    with PagedSSDCacheManager(remote_config(url)) as manager:
+        for block in blocks:
+            manager.put(block)
+            manager.flush()
+        return manager.stats()["remote"]
+
+
 def test_allkeys_lru_bounds_the_server_and_ttl_expires(tmp_path: Path) -> None:
     blocks = [Block(f"{i:064x}", {"a": mx.full((128, 128), i, dtype=mx.float32)}, {})
               for i in range(40)]  # 64 KiB each, 2.5 MiB in all
     with ValkeyServer(maxmemory="2mb", maxmemory_policy="allkeys-lru") as srv:
-        with PagedSSDCacheManager(remote_config(srv.url)) as manager:
-            for block in blocks:
-                manager.put(block)
-                manager.flush()
-            remote = manager.stats()["remote"]
+        remote = put_each(srv.url, blocks)
         info = client(srv.url).info("memory")
         assert remote["write_errors"] == 0 and remote["writes"] == len(blocks)
         assert info["used_memory"] <= 2 * 2**20
@@ -228,11 +233,7 @@ def test_allkeys_lru_bounds_the_server_and_ttl_expires(tmp_path: Path) -> None:
         assert 0 < held < len(blocks)
         assert client(srv.url).exists(block_name(blocks[-1].key))  # the newest survive
     with ValkeyServer(maxmemory="1mb", maxmemory_policy="noeviction") as srv:
-        with PagedSSDCacheManager(remote_config(srv.url)) as manager:
-            for block in blocks:
-                manager.put(block)
-                manager.flush()
-            remote = manager.stats()["remote"]
+        remote = put_each(srv.url, blocks)
         assert remote["write_errors"] > 0 and remote["outages"] == 0  # full: counted, served
     with ValkeyServer() as srv:
         with PagedSSDCacheManager(remote_config(srv.url, remote_ttl=100)) as manager:
@@ -330,3 +331,28 @@ def test_inspect_and_stats_cli_show_the_remote_tier(tmp_path: Path, url: str) ->
     data = cli_json("inspect", str(tmp_path), "--remote-url", absent)
     assert "error" in data["remote"] and data["totals"]["blocks"] == 3
     assert cli_json("inspect", str(tmp_path))["remote"] is None
+
+
+def test_a_cluster_shards_blocks_by_key_hash(tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    tokens = prompt(6 * BLOCK + 3)
+    with ServerCluster(shards=3) as cluster:
+        config = remote_config(cluster.url, remote_cluster=True)
+        with PagedSSDCacheManager(config) as manager:
+            store_prompt(model, BlockAwarePrefixCache(manager, model), tokens)
+            manager.flush()
+            assert manager.stats()["remote"]["writes"] == 7
+        per_node = [client(n.url).dbsize() for n in cluster.nodes]
+        assert sum(per_node) == 14 and sum(1 for n in per_node if n) >= 2  # blocks + listings
+        with PagedSSDCacheManager(config) as manager:  # another host: exact, from the shards
+            prefix = BlockAwarePrefixCache(manager, model)
+            assert assert_exact(model, prefix, tokens + [5]) == len(tokens)
+            assert prefix.last_fetch.tier == "remote" and manager.stats()["hits"]["remote"] == 7
+            summary = server_summary(cluster.url, cluster=True)
+            assert summary["blocks"] == 7 and summary["listings"] == 7
+            cluster.nodes[1].kill()  # one shard gone: what is local is served exactly, no raise
+            assert_exact(model, prefix, tokens + [6])
+            other = prompt(3 * BLOCK, seed=9)
+            assert_exact(model, prefix, other)
+            store_prompt(model, prefix, other)
+            assert manager.stats()["remote"]["outages"] == 1

@@ -115,15 +115,15 @@ def run_inspect(args: argparse.Namespace, cache: CacheDir) -> int:
 def _remote(args: argparse.Namespace) -> dict[str, Any] | None:
     """The remote server's summary when a remote_url is configured (its error if it does not
     answer: the directory view still prints)."""
-    url = config_from_args(args).remote_url
-    if url is None:
+    config = config_from_args(args)
+    if config.remote_url is None:
         return None
     from paged_cache.tiers.remote import server_summary
 
     try:
-        return server_summary(url)
+        return server_summary(config.remote_url, cluster=config.remote_cluster)
     except (OSError, ImportError) as exc:  # no answer, refused, no client: shown, not fatal
-        return {"url": url.redacted(), "error": str(exc)}
+        return {"url": config.remote_url.redacted(), "error": str(exc)}
 
 
 def _budget(args: argparse.Namespace, cache: CacheDir, used: int) -> dict[str, Any]:

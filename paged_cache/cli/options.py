@@ -33,7 +33,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                        help="TOML file with a [paged_cache] table (or settings at top level)")
     for name in CacheConfig.field_names():
         help_text = CacheConfig.field_help(name)
-        if name == "hot_cache_only":
+        if name in ("hot_cache_only", "remote_cluster"):
             group.add_argument(flag_of(name), dest=name, default=None,
                                action=argparse.BooleanOptionalAction, help=help_text)
         else:

@@ -108,6 +108,50 @@ class ValkeyServer:
         self.stop()
 
 
+class ServerCluster:
+    """A real Valkey / Redis Cluster of ``shards`` primaries on 127.0.0.1 (slots split evenly,
+    no replicas); ``url`` names its first node, ``nodes`` are ValkeyServers."""
+
+    def __init__(self, shards: int = 3, **settings: Any) -> None:
+        self.nodes = [ValkeyServer(cluster_enabled="yes", cluster_port=free_port(),
+                                   cluster_node_timeout=2000, **settings) for _ in range(shards)]
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def start(self) -> "ServerCluster":
+        """Start every node, give each its slot range, join them, wait until the cluster is ok."""
+        for node in self.nodes:
+            node.start()
+        step = -(-16384 // len(self.nodes))
+        for i, node in enumerate(self.nodes):
+            client(node.url).execute_command("CLUSTER", "ADDSLOTSRANGE", i * step,
+                                             min((i + 1) * step, 16384) - 1)
+        first = client(self.url)
+        for node in self.nodes[1:]:
+            first.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port,
+                                  node.settings["cluster-port"])
+        deadline = time.monotonic() + START_SECONDS
+        while not all(b"cluster_state:ok" in client(n.url).execute_command("CLUSTER", "INFO")
+                      for n in self.nodes):
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("the test cluster did not reach cluster_state:ok")
+            time.sleep(0.1)
+        return self
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> "ServerCluster":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
 def client(url: str) -> Any:
     """A valkey client of ``url`` for planting and reading values directly in tests."""
     import valkey
@@ -115,4 +159,4 @@ def client(url: str) -> Any:
     return valkey.Valkey.from_url(url, socket_timeout=5.0)
 
 
-__all__ = ["ValkeyServer", "client", "free_port", "server_binary"]
+__all__ = ["ServerCluster", "ValkeyServer", "client", "free_port", "server_binary"]

@@ -94,26 +94,42 @@ def _client_module() -> Any:
     return valkey
 
 
+def connect(url: str, *, timeout: float, cluster: bool = False) -> Any:
+    """A client of ``url`` (a cluster client when ``cluster``: it connects to discover the
+    shards, so it may raise the client's errors). No client-side retry: a failure is reported at
+    once (the tier starts an outage and probes). The password comes from the URL or, without
+    one there, from REMOTE_PASSWORD_ENV."""
+    valkey = _client_module()
+    from valkey.backoff import NoBackoff
+    from valkey.retry import Retry
+
+    password = None if "@" in url.partition("://")[2] else os.environ.get(REMOTE_PASSWORD_ENV)
+    options = dict(password=password, socket_timeout=timeout, socket_connect_timeout=timeout,
+                   retry=Retry(NoBackoff(), 0), client_name="paged-cache")
+    if cluster:
+        from valkey.cluster import ValkeyCluster
+
+        return ValkeyCluster.from_url(url, cluster_error_retry_attempts=1, **options)
+    return valkey.Valkey.from_url(url, health_check_interval=0, **options)
+
+
 class RemoteTier:
     """Blocks on a Valkey / Redis server at ``url``: pipelined reads, a byte-bounded writer thread."""
 
     def __init__(self, url: str, *, timeout: float = 0.5, ttl: float = 0.0,
-                 queue_max_bytes: int = 64 << 20, compression: str = "none") -> None:
+                 queue_max_bytes: int = 64 << 20, compression: str = "none",
+                 cluster: bool = False) -> None:
         valkey = _client_module()
-        from valkey.backoff import NoBackoff
-        from valkey.retry import Retry
-
         self.url = url
+        self.timeout = timeout
+        self.cluster = cluster
         self.ttl = ttl
         self.queue_max_bytes = queue_max_bytes
         self.compression = compression
-        self._errors: tuple[type[BaseException], ...] = (valkey.ValkeyError, OSError)
-        self._response_error = valkey.ResponseError
-        password = None if "@" in url.partition("://")[2] else os.environ.get(REMOTE_PASSWORD_ENV)
-        # No client-side retry: a failure starts an outage at once and the writer thread probes.
-        self._client = valkey.Valkey.from_url(
-            url, password=password, socket_timeout=timeout, socket_connect_timeout=timeout,
-            retry=Retry(NoBackoff(), 0), health_check_interval=0, client_name="paged-cache")
+        self._errors: tuple[type[BaseException], ...] = (
+            valkey.ValkeyError, valkey.exceptions.ValkeyClusterException, OSError)
+        self._client: Any = None                   # made on first use (see _connected)
+        self._client_lock = threading.Lock()
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._counts["read_seconds"] = 0.0
         self._read_seconds_max = 0.0
@@ -278,7 +294,7 @@ class RemoteTier:
             return None
         started = time.perf_counter()
         try:
-            with self._client.pipeline(transaction=False) as pipe:
+            with self._connected().pipeline(transaction=False) as pipe:
                 build(pipe)
                 result = pipe.execute(raise_on_error=False)
         except self._errors as exc:
@@ -356,7 +372,15 @@ class RemoteTier:
         self._thread.join()
         with self._lock:
             self._fetched = {}
-        self._client.close()
+        if self._client is not None:
+            self._client.close()
+
+    def _connected(self) -> Any:
+        """The client, made on first use (a cluster client connects when it is made)."""
+        with self._client_lock:
+            if self._client is None:
+                self._client = connect(self.url, timeout=self.timeout, cluster=self.cluster)
+            return self._client
 
     # ---- writer thread -------------------------------------------------------------------
     def _run(self) -> None:
@@ -392,7 +416,7 @@ class RemoteTier:
 
     def _send(self, batch: list[_Write]) -> None:
         puts = [w for w in batch if w.raw is not None]
-        with self._client.pipeline(transaction=False) as pipe:
+        with self._connected().pipeline(transaction=False) as pipe:
             for w in puts:
                 pipe.exists(block_name(w.key))
             for w in batch:
@@ -402,7 +426,7 @@ class RemoteTier:
         self._count("discards", len(batch) - len(puts))
         ex = int(self.ttl) or None
         sent = 0
-        with self._client.pipeline(transaction=False) as pipe:
+        with self._connected().pipeline(transaction=False) as pipe:
             for w, exists in zip(puts, answers):
                 if exists:
                     self._count("writes_existing")
@@ -459,7 +483,7 @@ class RemoteTier:
     def _probe(self) -> None:
         """One reconnection attempt (writer thread); ends the outage on an answer."""
         try:
-            self._client.ping()
+            self._connected().ping()
         except self._errors:
             with self._cond:
                 self._backoff = min(self._backoff * 2, BACKOFF_MAX)
@@ -493,25 +517,32 @@ class RemoteTier:
         return out
 
 
-def server_summary(url: str, timeout: float = 2.0) -> dict[str, Any]:
+def server_summary(url: str, timeout: float = 2.0, cluster: bool = False) -> dict[str, Any]:
     """What the server at ``url`` holds and how it evicts (``paged-cache inspect --remote-url``):
     paged-cache's block and listing keys (a bounded SCAN), memory, maxmemory and its policy,
-    evictions, expiries. OSError when the server does not answer (or refuses us)."""
+    evictions, expiries (a cluster's primaries added up). OSError when the server does not answer
+    (or refuses us)."""
     valkey = _client_module()
-    password = None if "@" in url.partition("://")[2] else os.environ.get(REMOTE_PASSWORD_ENV)
-    db = valkey.Valkey.from_url(url, password=password, socket_timeout=timeout,
-                                socket_connect_timeout=timeout)
+    db = None
     try:
-        return _summary(db, url, valkey.ResponseError)
-    except (valkey.ValkeyError, OSError) as exc:
+        db = connect(url, timeout=timeout, cluster=cluster)
+        return _summary(db, url, valkey.ResponseError, cluster)
+    except (valkey.ValkeyError, valkey.exceptions.ValkeyClusterException, OSError) as exc:
         raise OSError(str(exc)) from exc
     finally:
-        db.close()
+        if db is not None:
+            db.close()
 
 
-def _summary(db: Any, url: str, response_error: type[BaseException]) -> dict[str, Any]:
+def _summary(db: Any, url: str, response_error: type[BaseException],
+             cluster: bool) -> dict[str, Any]:
     """The summary of ``server_summary`` read through an open client ``db``."""
-    info = db.info()
+    info = db.info(target_nodes=db.PRIMARIES) if cluster else db.info()
+    if cluster:  # {node: info}: add the counts up
+        nodes = list(info.values())
+        info = dict(nodes[0])
+        for name in ("used_memory", "maxmemory", "evicted_keys", "expired_keys"):
+            info[name] = sum(node.get(name) or 0 for node in nodes)
     counts = {b"b": 0, b"c": 0}  # block values, child listings
     scanned = 0
     for name in db.scan_iter(match=f"{KEY_PREFIX}:*", count=1000):
@@ -522,7 +553,8 @@ def _summary(db: Any, url: str, response_error: type[BaseException]) -> dict[str
         if scanned >= SUMMARY_SCAN_LIMIT:
             break
     try:
-        policy = db.config_get("maxmemory-policy").get("maxmemory-policy")
+        policy = info.get("maxmemory_policy") or \
+            db.config_get("maxmemory-policy").get("maxmemory-policy")
     except response_error:  # CONFIG is often disabled on managed servers
         policy = info.get("maxmemory_policy")
     return {"url": _shown(url), "server": f"{'valkey' if 'valkey_version' in info else 'redis'} "
