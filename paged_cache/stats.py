@@ -18,7 +18,7 @@ COUNTER_WORDS = frozenset({
     "promotions", "spills", "dropped", "drops", "fallbacks", "failures", "errors", "writes",
     "reads", "stores", "fetches", "requests", "clears", "existing", "removed", "aborts",
     "cancels", "snapshots", "prefills", "tokens", "write", "read", "damaged", "adopted",
-    "walkbacks",
+    "walkbacks", "skipped", "outages",
 })
 # A last name part that makes the value a level, not a count (hot_bytes, hot_max_bytes, ...).
 GAUGE_WORDS = frozenset({

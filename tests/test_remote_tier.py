@@ -287,7 +287,9 @@ def test_stats_and_metrics_show_the_remote_tier(url: str) -> None:
                    "paged_cache_manager_remote_read_bytes_total",
                    "paged_cache_manager_remote_write_bytes_total",
                    "paged_cache_manager_remote_read_seconds_total",
+                   "paged_cache_manager_remote_outages_total", "paged_cache_manager_remote_skipped_total",
                    "# TYPE paged_cache_manager_remote_available gauge",
+                   "# TYPE paged_cache_manager_remote_ttl gauge",
                    "# TYPE paged_cache_manager_remote_read_seconds_max gauge"):
         assert metric in text
 

@@ -34,9 +34,11 @@ log = logging.getLogger("paged_cache.remote")
 
 KEY_PREFIX = f"paged-cache:{fmt.FORMAT_VERSION}"
 ROOT_NAME = "root"             # the child hash name part of a chain's first blocks
-READ_AHEAD_BLOCKS = 32         # blocks of a planned chain read in one pipelined round trip
+READ_AHEAD_BLOCKS = 32         # at most this many blocks of a planned chain per read round trip
+READ_AHEAD_BYTES = 64 << 20    # ... and at most this many value bytes (beyond the first block)
 MAX_LISTINGS = 1024            # child hashes of a planned chain read in one round trip
-WRITE_BATCH_BLOCKS = 16        # queued blocks the writer sends per pipeline
+WRITE_BATCH_BLOCKS = 16        # queued blocks the writer sends per pipeline ...
+WRITE_BATCH_BYTES = 64 << 20   # ... within this many raw bytes (beyond the first block)
 PRESENT_SECONDS = 2.0          # how long a key seen on the server counts as held without asking
 MAX_REMEMBERED = 1 << 14       # bound of the remembered child metas and present keys
 BACKOFF_FIRST, BACKOFF_MAX = 0.25, 30.0  # seconds between reconnection probes (doubling)
@@ -139,7 +141,7 @@ class RemoteTier:
         self._chain: list[str] = []
         self._fetched: dict[str, Block] = {}       # read ahead, not yet asked for
         self._metas: OrderedDict[str, dict[str, str]] = OrderedDict()  # from child listings
-        self._present: OrderedDict[str, float] = OrderedDict()        # key -> seen at
+        self._present: OrderedDict[str, tuple[float, int]] = OrderedDict()  # key -> (seen, bytes)
         self._listings: OrderedDict[str, tuple[float, list[str]]] = OrderedDict()  # name -> (at, keys)
         self._cond = threading.Condition()
         self._queue: deque[_Write] = deque()
@@ -157,24 +159,27 @@ class RemoteTier:
 
     # ---- reads (caller thread) -------------------------------------------------------------
     def held(self, keys: Sequence[str]) -> list[bool]:
-        """Which ``keys`` the server holds now: one pipelined round trip (none for keys seen in
-        the last PRESENT_SECONDS); all False while the server is unreachable."""
+        """Which ``keys`` the server holds now: one pipelined round trip of STRLEN (none for keys
+        seen in the last PRESENT_SECONDS); their sizes size the read-ahead. All False while the
+        server is unreachable."""
         now = time.monotonic()
         with self._lock:
-            out = [now - self._present.get(k, -PRESENT_SECONDS) < PRESENT_SECONDS for k in keys]
+            out = [now - self._present.get(k, (-PRESENT_SECONDS, 0))[0] < PRESENT_SECONDS
+                   for k in keys]
         ask = [k for k, seen in zip(keys, out) if not seen]
         if not ask:
             return out
-        answers = self._pipelined(lambda p: [p.exists(block_name(k)) for k in ask])
+        answers = self._pipelined(lambda p: [p.strlen(block_name(k)) for k in ask])
         if answers is None:
             return out
-        found = {k for k, n in zip(ask, answers) if n == 1}
+        found = {k: n for k, n in zip(ask, answers) if isinstance(n, int) and n > 0}
         self._remember_present(found)
         return [seen or k in found for k, seen in zip(keys, out)]
 
     def plan(self, chain: Sequence[str], on_server: Sequence[str]) -> None:
         """Record a fetch's chain (the keys held somewhere, in order) and which of them only the
-        server holds: ``read`` then fetches up to READ_AHEAD_BLOCKS of those per round trip, and
+        server holds: ``read`` then fetches up to READ_AHEAD_BLOCKS / READ_AHEAD_BYTES of those
+        per round trip, and
         the first ``children`` call lists the children of the whole chain in one. Drops older
         read-ahead."""
         with self._lock:
@@ -193,13 +198,14 @@ class RemoteTier:
                 self._counts["hits"] += 1
                 return block
             i = self._plan.get(key)
-            batch = [key] if i is None else self._plan_keys[i:i + READ_AHEAD_BLOCKS]
+            batch = [key] if i is None else self._read_ahead(i)
         values = self._pipelined(lambda p: [p.get(block_name(k)) for k in batch])
         if values is None:
             return None
         found: dict[str, Block] = {}
-        for k, value in zip(batch, values):
-            block = self._decode(k, value)
+        for j, k in enumerate(batch):
+            block = self._decode(k, values[j])
+            values[j] = None  # one value's bytes at a time beside the decoded blocks
             if block is not None:
                 found[k] = block
         block = found.pop(key, None)
@@ -208,6 +214,17 @@ class RemoteTier:
             if self._plan.get(key) == i and i is not None:
                 self._fetched.update(found)
         return block
+
+    def _read_ahead(self, i: int) -> list[str]:
+        """Planned keys from position ``i`` within READ_AHEAD_BLOCKS and READ_AHEAD_BYTES (by
+        the sizes ``held`` saw; at least one key). Caller holds the lock."""
+        batch, total = [self._plan_keys[i]], 0
+        for key in self._plan_keys[i + 1:i + READ_AHEAD_BLOCKS]:
+            total += self._present.get(key, (0.0, READ_AHEAD_BYTES))[1]
+            if total > READ_AHEAD_BYTES:
+                break
+            batch.append(key)
+        return batch
 
     def children(self, parent: str, fingerprint: str) -> list[str]:
         """Keys the server lists as children of ``parent`` for ``fingerprint`` and still holds;
@@ -308,11 +325,12 @@ class RemoteTier:
                 self._read_seconds_max = max(self._read_seconds_max, seconds)
         return result
 
-    def _remember_present(self, keys: Sequence[str]) -> None:
+    def _remember_present(self, sizes: dict[str, int]) -> None:
+        """Record keys seen on the server now, with their value sizes."""
         now = time.monotonic()
         with self._lock:
-            for key in keys:
-                self._present[key] = now
+            for key, size in sizes.items():
+                self._present[key] = (now, size)
                 self._present.move_to_end(key)
             while len(self._present) > MAX_REMEMBERED:
                 self._present.popitem(last=False)
@@ -395,7 +413,10 @@ class RemoteTier:
                     return
                 batch: list[_Write] = []
                 if not self._down:
-                    while self._queue and len(batch) < WRITE_BATCH_BLOCKS:
+                    total = 0
+                    while self._queue and len(batch) < WRITE_BATCH_BLOCKS and (
+                            not batch or total + self._queue[0].nbytes <= WRITE_BATCH_BYTES):
+                        total += self._queue[0].nbytes
                         batch.append(self._queue.popleft())
                     self._sending = len(batch)
             if not batch:
@@ -415,33 +436,38 @@ class RemoteTier:
             batch = []  # the wait above must not pin the last batch's arrays
 
     def _send(self, batch: list[_Write]) -> None:
-        puts = [w for w in batch if w.raw is not None]
+        """Send a batch: two pipelines (which blocks the server has, then the new ones with
+        their listing entries); a discard in the batch wins over a put of the same key."""
+        discarded = {w.key for w in batch if w.raw is None}
+        puts = [w for w in batch if w.raw is not None and w.key not in discarded]
         with self._connected().pipeline(transaction=False) as pipe:
             for w in puts:
-                pipe.exists(block_name(w.key))
+                pipe.strlen(block_name(w.key))
             for w in batch:
                 if w.raw is None:
                     pipe.delete(block_name(w.key))
-            answers = pipe.execute()[:len(puts)]
-        self._count("discards", len(batch) - len(puts))
-        ex = int(self.ttl) or None
-        sent = 0
+            sizes = pipe.execute()[:len(puts)]
+        self._count("discards", len(discarded))
+        px = int(self.ttl * 1000) or None
+        sent = new = 0
         with self._connected().pipeline(transaction=False) as pipe:
-            for w, exists in zip(puts, answers):
-                if exists:
+            for j, w in enumerate(puts):
+                if sizes[j]:
                     self._count("writes_existing")
-                    if ex:
-                        pipe.expire(block_name(w.key), ex)
+                    if px:
+                        pipe.pexpire(block_name(w.key), px)
                 else:
-                    value = b"".join(bytes(fmt.byte_view(c))
-                                     for c in fmt.encode(w.key, w.raw, w.meta, self.compression).chunks)
-                    pipe.set(block_name(w.key), value, nx=True, ex=ex)
+                    chunks = fmt.encode(w.key, w.raw, w.meta, self.compression).chunks
+                    value = b"".join(fmt.byte_view(c) for c in chunks)
+                    pipe.set(block_name(w.key), value, nx=True, px=px)
+                    sizes[j] = len(value)
                     sent += len(value)
+                    new += 1
                 listing = _listing(w.meta)
                 if listing is not None:  # a block of a prefix cache chain: list it under its parent
                     pipe.hset(listing, w.key, child_entry(w.meta))
-                    if ex:
-                        pipe.expire(listing, ex)
+                    if px:
+                        pipe.pexpire(listing, px)
             results = pipe.execute(raise_on_error=False)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:  # e.g. OOM under maxmemory with noeviction: the server is full
@@ -454,9 +480,9 @@ class RemoteTier:
         if self._write_failing:
             self._write_failing = False
             log.info("remote writes resumed")
-        self._count("writes", sum(1 for a in answers if not a))
+        self._count("writes", new)
         self._count("write_bytes", sent)
-        self._remember_present([w.key for w in puts])
+        self._remember_present({w.key: size for w, size in zip(puts, sizes)})
 
     def _outage(self, exc: BaseException) -> None:
         """Start (or continue) an outage: count the error, WARNING once, probe with back-off."""
@@ -513,7 +539,7 @@ class RemoteTier:
         with self._cond:
             out.update(queue_bytes=self._queue_bytes, queue_blocks=len(self._queue),
                        available=not self._down, queue_max_bytes=self.queue_max_bytes,
-                       ttl_seconds=self.ttl, url=_shown(self.url))
+                       ttl=self.ttl, url=_shown(self.url))
         return out
 
 
