@@ -289,13 +289,11 @@ class PagedSSDCacheManager:
 
     def flush(self) -> None:
         """Give every hot block without an SSD copy to the writer, then wait until all are written
-        (and until the remote tier's queue is sent)."""
+        (and, without holding the manager's lock, until the remote tier's queue is sent)."""
+        if self._remote is not None and not self._closed:
+            self._remote.flush()
         with self._lock:
-            if self._closed:
-                return
-            if self._remote is not None:
-                self._remote.flush()
-            if self._ssd is None:
+            if self._closed or self._ssd is None:
                 return
             self._ssd.flush()
             for block in self._hot.unpersisted():

@@ -358,3 +358,20 @@ def test_a_cluster_shards_blocks_by_key_hash(tmp_path: Path) -> None:
             assert_exact(model, prefix, other)
             store_prompt(model, prefix, other)
             assert manager.stats()["remote"]["outages"] == 1
+
+
+def test_a_fetch_costs_a_bounded_number_of_round_trips(url: str) -> None:
+    model = tiny_model("llama")
+    base = prompt(40 * BLOCK)
+    with PagedSSDCacheManager(remote_config(url)) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        store_prompt(model, prefix, base)
+        for j in range(1, 40, 2):  # 20 branches: every other block has a second child
+            store_prompt(model, prefix, base[:j * BLOCK] + prompt(BLOCK + 5, seed=j))
+        manager.flush()
+    with PagedSSDCacheManager(remote_config(url)) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        assert assert_exact(model, prefix, base + [3, 4]) == len(base)
+        # chain lookup 1 + listings 2 + reads ceil(40 / 32) = 2 + the last block's children 2
+        assert manager.stats()["remote"]["reads"] <= 7
+        assert manager.stats()["hits"]["remote"] == 40
