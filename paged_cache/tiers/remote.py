@@ -255,7 +255,10 @@ class RemoteTier:
         entries: dict[str, dict[str, dict[str, str]]] = {}
         for name, fields in zip(names, listed):
             entries[name] = {}
-            for field, value in (fields.items() if isinstance(fields, dict) else ()):
+            if not isinstance(fields, dict):  # e.g. WRONGTYPE: something else planted there
+                self._count("damaged")
+                continue
+            for field, value in fields.items():
                 key = field.decode("ascii", "replace") if isinstance(field, bytes) else ""
                 meta = parse_child_entry(value)
                 if is_key(key) and meta is not None:
