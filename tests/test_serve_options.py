@@ -154,3 +154,10 @@ def test_startup_failures_exit_fast_and_create_nothing(model_dir, tmp_path):
             assert lines[-1].startswith(f"paged-cache serve: error: {message}"), (name, lines)
             assert "Traceback" not in done.stderr, (name, done.stderr[-2000:])
             assert not ssd.exists() and not xdg.exists(), name
+    # An SSD directory that cannot be created: the same one-line error, after the model loaded.
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    done = run_serve("--model", str(model_dir), "--port", "0", "--ssd-dir", str(blocker / "ssd"))
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        f"paged-cache serve: error: cannot open the SSD tier at {blocker / 'ssd'}: "), done.stderr

@@ -639,7 +639,11 @@ def serve_main(config: CacheConfig, server_argv: Sequence[str]) -> int:
     try:
         with ExitStack() as stack:
             def open_manager() -> PagedSSDCacheManager:
-                manager = stack.enter_context(PagedSSDCacheManager(config))
+                try:
+                    manager = stack.enter_context(PagedSSDCacheManager(config))
+                except OSError as error:
+                    raise ServeError(f"cannot open the SSD tier at {config.ssd_dir}: {error}") \
+                        from error
                 logger.info("serving with paged-cache: %s", _describe(config))
                 return manager
 
