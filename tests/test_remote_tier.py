@@ -375,3 +375,27 @@ def test_a_fetch_costs_a_bounded_number_of_round_trips(url: str) -> None:
         # chain lookup 1 + listings 2 + reads ceil(40 / 32) = 2 + the last block's children 2
         assert manager.stats()["remote"]["reads"] <= 7
         assert manager.stats()["hits"]["remote"] == 40
+
+
+def test_two_servers_share_a_prompt_through_the_remote_tier(tmp_path: Path, url: str) -> None:
+    from test_cli_inspect import run_cli
+    from test_serve_e2e import SYSTEM, ask, live_stats, paged_argv, server
+
+    from paged_cache.testing import write_model_dir
+
+    model = write_model_dir(tmp_path / "tiny-llama", "llama")
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello?"}]
+    replies = []
+    for name in ("a", "b"):  # two `paged-cache serve` hosts, own SSD directories, one server
+        argv = paged_argv(model, "--ssd-dir", str(tmp_path / name), "--remote-url", url)
+        with server(argv, tmp_path / f"{name}.log") as (c, proc, base):
+            replies.append(ask(c, messages, stream=False, seed=None))
+            doc = live_stats(base)
+            status, out, _ = run_cli("stats", "--url", base)
+        assert proc.returncode == 0
+    (text_a, cached_a, prompt_a), (text_b, cached_b, prompt_b) = replies
+    assert cached_a == 0 and text_b == text_a and prompt_b == prompt_a
+    assert 0 < cached_b < prompt_b                       # b's first request: a's blocks
+    assert doc["requests"]["requests_remote"] == 1 and doc["manager"]["hits"]["remote"] > 0
+    assert "cached (remote)" in (tmp_path / "b.log").read_text()
+    assert status == 0 and "remote tier" in out and ": up," in out

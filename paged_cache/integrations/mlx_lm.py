@@ -131,7 +131,7 @@ class PagedPromptCache:
         self._sequences: OrderedDict[str, _Sequence] = OrderedDict()
         self._open: list[_Request] = []   # fetched, not yet finished, oldest first
         self._lock = threading.RLock()
-        tiers = {f"requests_{t}": 0 for t in ("hot", "ssd", "mixed", "miss")}
+        tiers = {f"requests_{t}": 0 for t in ("hot", "ssd", "remote", "mixed", "miss")}
         self.counters = dict(requests=0, **tiers, prompt_tokens=0, cached_tokens=0,
                              fetch_seconds=0.0, inserts=0, store_errors=0, store_seconds=0.0,
                              demote_evictions=0, cache_errors=0)
