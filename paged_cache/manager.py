@@ -157,7 +157,8 @@ class PagedSSDCacheManager:
         with self._lock:
             self._hits[tier] += 1
             fresh = discards == self._discards and not self._closed
-            persisted = tier != "remote" or (fresh and self._ssd is not None and self._persist(block))
+            # A remote block is copied to SSD (promotion); without an SSD tier the server holds it.
+            persisted = tier != "remote" or self._ssd is None or (fresh and self._persist(block))
             if take:
                 self.counters["takes"] += 1
             elif fresh and self._hot.insert(block, persisted=persisted):

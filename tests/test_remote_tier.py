@@ -399,3 +399,20 @@ def test_two_servers_share_a_prompt_through_the_remote_tier(tmp_path: Path, url:
     assert doc["requests"]["requests_remote"] == 1 and doc["manager"]["hits"]["remote"] > 0
     assert "cached (remote)" in (tmp_path / "b.log").read_text()
     assert status == 0 and "remote tier" in out and ": up," in out
+
+
+def test_a_remote_hit_is_promoted_into_the_local_tiers(tmp_path: Path, url: str) -> None:
+    model = tiny_model("llama")
+    keys = stored_chain(url, model, prompt(2 * BLOCK))
+    config = CacheConfig(block_size=BLOCK, ssd_dir=tmp_path, remote_url=url)
+    with PagedSSDCacheManager(config) as manager:
+        assert manager.tiers_of(keys, until_miss=True) == ["remote", "remote"]
+        assert manager.get(keys[0]) is not None and manager.get(keys[1], take=True) is not None
+        manager.flush()
+        assert [manager.tier_of(k) for k in keys] == ["hot", "ssd"]   # a taken block: SSD only
+        client(url).flushall()                                          # the server forgets
+        manager.trim_hot(0)
+        assert all(manager.get(k) is not None for k in keys)
+        stats = manager.stats()
+        assert stats["hits"] == dict(hot=0, pending=0, ssd=2, remote=2, total=4)
+        assert stats["remote"]["reads"] == 2  # lookup + one read-ahead round trip for both
