@@ -1,16 +1,25 @@
 # Two entry points do all set-up on a fresh machine: `make demo` and `make test`.
+# `make test-lowest` runs the suite against the lowest supported mlx-lm / mlx-vlm (.ci/lowest.txt).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
+LOWEST  ?= .venv-lowest
+LOW_STAMP = $(LOWEST)/.installed
 
-.PHONY: install server demo test test-long bench clean
+.PHONY: install server demo test test-long test-lowest bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e ".[dev,turboquant,remote]"
 	touch $(STAMP)
+
+$(LOW_STAMP): pyproject.toml .ci/lowest.txt
+	$(PYTHON) -m venv $(LOWEST)
+	$(LOWEST)/bin/pip install --quiet --upgrade pip
+	$(LOWEST)/bin/pip install --quiet -c .ci/lowest.txt ".[dev,turboquant,remote]"
+	touch $(LOW_STAMP)
 
 install: $(STAMP)
 
@@ -40,8 +49,11 @@ test: $(STAMP) server
 test-long: $(STAMP) server
 	$(BIN)/python -m pytest -q --long $(PYTEST_ARGS)
 
+test-lowest: $(LOW_STAMP) server
+	$(LOWEST)/bin/python -m pytest -q $(PYTEST_ARGS)
+
 bench: $(STAMP) server
 	$(BIN)/python -m benchmarks.run
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(LOWEST) build *.egg-info

@@ -15,11 +15,11 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx_vlm import turboquant as tq
-
+from paged_cache import compat
 from paged_cache.handlers.base import Arrays, Part, Span, owned
 from paged_cache.handlers.rows import RowsHandler
 
+tq = compat.turboquant()
 SIDES = ("keys", "values")
 
 
@@ -55,7 +55,7 @@ def unflatten_state(structure: Any, prefix: str, arrays: Arrays) -> Any:
 
 
 def _codec_parts(codec: Any, side: str) -> tuple[Arrays, list]:
-    dim, low, high = tq._snapshot_kv_codec(codec)
+    dim, low, high = compat.snapshot_kv_codec(codec)
     if low is None:
         return {}, [dim, False]
     return {f"codec.{side}.low": mx.array(low), f"codec.{side}.high": mx.array(high)}, [dim, True]

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Hashable, Sequence
 
+from paged_cache import compat
 from paged_cache.config import CacheConfig, format_size
 from paged_cache.hashing import chain_keys, model_identity
 from paged_cache.manager import PagedSSDCacheManager
@@ -534,8 +535,9 @@ def patch_server(manager: PagedSSDCacheManager | Callable[[], PagedSSDCacheManag
 
     from paged_cache.integrations import stats_http
 
-    base = getattr(server.ResponseGenerator, "paged_base", server.ResponseGenerator)
-    run_http_server = getattr(server._run_http_server, "paged_base", server._run_http_server)
+    generator, run_http = compat.server_hooks()
+    base = getattr(generator, "paged_base", generator)
+    run_http_server = getattr(run_http, "paged_base", run_http)
     opened: list[PagedSSDCacheManager] = [manager] if not callable(manager) else []
 
     class PagedResponseGenerator(base):
@@ -578,8 +580,7 @@ def patch_server(manager: PagedSSDCacheManager | Callable[[], PagedSSDCacheManag
             raise ServeError(f"HTTP server on {host}:{port} failed: {error}") from error
 
     paged_run_http_server.paged_base = run_http_server  # type: ignore[attr-defined]
-    server.ResponseGenerator = PagedResponseGenerator
-    server._run_http_server = paged_run_http_server
+    compat.set_server_hooks(PagedResponseGenerator, paged_run_http_server)
 
 
 def _load_default(provider: Any) -> None:
