@@ -13,7 +13,7 @@ import re
 import shutil
 import sys
 import urllib.parse
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from decimal import Decimal
 from typing import Any, Mapping
@@ -258,9 +258,11 @@ _DEFAULTS: dict[str, Any] = {
     "remote_queue_max_bytes": REMOTE_QUEUE_DEFAULT,
 }
 
-# Settings that only mean something with an SSD tier: giving one explicitly with hot_cache_only
-# is a contradiction (the value that would be a no-op is allowed).
-_SSD_ONLY_NOOP: dict[str, Any] = {"ssd_dir": UNSET, "ssd_max_bytes": 0, "compression": "none"}
+# Settings that only mean something with an SSD tier: hot_cache_only makes them inert, whatever
+# their source (they are kept, logged once and shown as inactive by `paged-cache config`).
+SSD_FIELDS = ("ssd_dir", "ssd_max_bytes", "compression", "write_policy", "write_queue_max_bytes",
+              "queue_full_policy")
+_logged_inert: set[tuple] = set()
 
 
 @dataclass(frozen=True)
@@ -268,7 +270,8 @@ class CacheConfig:
     """Storage settings of a PagedSSDCacheManager; normalized and validated on construction.
 
     Omitted fields take their defaults (see docs/configuration.md). Sizes accept ints or strings
-    such as "512MB" / "1.5GiB"; ``ssd_max_bytes`` also accepts "auto".
+    such as "512MB" / "1.5GiB"; ``ssd_max_bytes`` also accepts "auto". ``hot_cache_only`` is a
+    master switch: with it the SSD fields (``SSD_FIELDS``) are inert, not errors.
     """
 
     block_size: int = UNSET
@@ -285,36 +288,56 @@ class CacheConfig:
     remote_ttl: float = UNSET
     remote_timeout: float = UNSET
     remote_queue_max_bytes: int = UNSET
+    origin: InitVar[Mapping[str, str] | None] = None
     explicit: frozenset = field(init=False, repr=False, compare=False)
     sources: dict = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, origin: Mapping[str, str] | None) -> None:
         explicit = set()
+        sources = {}
         for name, (parse, _) in _FIELD_SPECS.items():
             value = getattr(self, name)
             if value is UNSET:
                 default = _DEFAULTS[name]
                 value = default() if callable(default) else default
+                sources[name] = "default"
             else:
                 explicit.add(name)
-            object.__setattr__(self, name, parse(value, name))
+                sources[name] = (origin or {}).get(name, "constructor")
+            try:
+                object.__setattr__(self, name, parse(value, name))
+            except ValueError as exc:
+                raise ValueError(f"{exc} (from {sources[name]})") from None
         object.__setattr__(self, "explicit", frozenset(explicit))
-        object.__setattr__(self, "sources", {n: "constructor" if n in explicit else "default"
-                                             for n in _FIELD_SPECS})
+        object.__setattr__(self, "sources", sources)
         self._check_consistency()
 
     def _check_consistency(self) -> None:
-        if self.hot_cache_only:
-            for name, noop in _SSD_ONLY_NOOP.items():
-                value = getattr(self, name)
-                if name in self.explicit and value != noop:
-                    shown = str(value) if isinstance(value, Path) else value
-                    raise ValueError(
-                        f"{name}: {shown!r} contradicts hot_cache_only=True (nothing "
-                        f"is written to SSD); drop {name} or set hot_cache_only=False")
-        elif self.ssd_max_bytes == 0:
-            raise ValueError("ssd_max_bytes: 0 leaves no SSD space; give a size or 'auto', "
-                             "or set hot_cache_only=True")
+        if not self.hot_cache_only and self.ssd_max_bytes == 0:
+            raise ValueError(
+                f"ssd_max_bytes: 0 (from {self.sources['ssd_max_bytes']}) leaves no SSD space with "
+                f"hot_cache_only=False (from {self.sources['hot_cache_only']}); give a size or "
+                "'auto', or set hot_cache_only=True")
+
+    def inactive_fields(self) -> tuple[str, ...]:
+        """The SSD fields hot_cache_only makes inert (compression still applies to a remote tier)."""
+        if not self.hot_cache_only:
+            return ()
+        return tuple(n for n in SSD_FIELDS if not (n == "compression" and self.remote_url))
+
+    def inert_fields(self) -> dict[str, str]:
+        """{field: source} of the inactive fields that were given explicitly."""
+        return {n: self.sources[n] for n in self.inactive_fields() if n in self.explicit}
+
+    def log_inert_fields(self) -> None:
+        """Log (once per process for the same fields and sources) which settings hot_cache_only
+        overrides."""
+        inert = self.inert_fields()
+        key = tuple(sorted(inert.items()))
+        if inert and key not in _logged_inert:
+            _logged_inert.add(key)
+            log.warning("hot_cache_only=True (from %s): ignoring %s", self.sources["hot_cache_only"],
+                        ", ".join(f"{n} (from {src})" for n, src in inert.items()))
 
     # ----------------------------------------------------------------------------- sources
 
@@ -342,8 +365,9 @@ class CacheConfig:
     def layered(cls, *, toml_path: str | os.PathLike | None = None,
                 environ: Mapping[str, str] | None = None,
                 overrides: Mapping[str, Any] | None = None,
-                override_source: str = "constructor") -> "CacheConfig":
-        """Merge default < TOML < env < overrides, and record each value's source in ``sources``."""
+                override_source: str | Mapping[str, str] = "constructor") -> "CacheConfig":
+        """Merge default < TOML < env < overrides, and record each value's source in ``sources``
+        (``override_source``: one source for every override, or one per field)."""
         values: dict[str, Any] = {}
         sources: dict[str, str] = {}
         layers = []
@@ -356,14 +380,12 @@ class CacheConfig:
             if unknown:
                 raise ValueError(f"{unknown[0]}: unknown setting; expected one of "
                                  f"{', '.join(_FIELD_SPECS)}")
-            layers.append({k: (v, override_source) for k, v in overrides.items()})
+            layers.append({k: (v, override_source if isinstance(override_source, str)
+                                   else override_source[k]) for k, v in overrides.items()})
         for layer in layers:
             for name, (value, source) in layer.items():
                 values[name], sources[name] = value, source
-        config = cls(**values)
-        object.__setattr__(config, "sources",
-                           {n: sources.get(n, "default") for n in _FIELD_SPECS})
-        return config
+        return cls(**values, origin=sources)
 
     # ----------------------------------------------------------------------------- views
 

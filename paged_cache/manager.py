@@ -1,9 +1,11 @@
 """PagedSSDCacheManager: the block store (hot RAM tier + optional SSD tier) behind the prefix cache.
 
 Reads look in the hot tier, then the SSD writer's queue, then the SSD files (checksum verified) and
-promote what they find into the hot tier. Writes never wait on disk: with write-through every put
-is queued for the SSD writer; with write-back a block is queued when it leaves the hot tier
-(evicted, demoted, taken). With ``hot_cache_only`` there is no SSD tier at all: no directory, no files, no thread, no queue.
+promote what they find into the hot tier. With write-through every put is queued for the SSD
+writer; with write-back a block is queued when it leaves the hot tier (evicted, demoted, taken).
+Writes wait on disk only when the queue is full and queue_full_policy is write-on-caller (the
+caller writes the block itself) and on flush / close. With ``hot_cache_only`` there is no SSD
+tier at all: no directory, no files, no thread, no queue.
 With ``remote_url`` a shared remote tier (tiers/remote.py) sits below SSD: every new put is queued
 for it, a chain walk (``tiers_of(until_miss=True)``) and ``get`` ask it last, and a block read
 from it is promoted into the local tiers.
@@ -18,7 +20,7 @@ from typing import Any, Iterable, Literal, Sequence
 import mlx.core as mx
 
 from paged_cache.block import Block, check_key, is_key
-from paged_cache.config import CacheConfig, filesystem_space
+from paged_cache.config import CacheConfig, filesystem_space, format_size
 from paged_cache.tiers.format import RawTensors, check_meta, raw_tensors
 from paged_cache.tiers.hot import HotTier
 
@@ -42,6 +44,7 @@ class PagedSSDCacheManager:
                              promotions=0, takes=0, discards=0, spills=0, evicted_dropped=0,
                              evicted_dropped_bytes=0)
         self._hits = dict(hot=0, pending=0, ssd=0, remote=0)
+        self.config.log_inert_fields()
         self._ssd = None if self.config.hot_cache_only else self._open_ssd()
         self._remote = self._open_remote() if self.config.remote_url else None
         self._hot = HotTier(self.config.hot_cache_max_bytes, on_evict=self._on_evict)
@@ -60,7 +63,7 @@ class PagedSSDCacheManager:
                       queue_full_policy=cfg.queue_full_policy)
         if auto:
             ssd.max_bytes = max(cfg.ssd_budget_bytes(cache_bytes=ssd.stats()["bytes"] or 0), 1)
-        log.info("SSD tier at %s: budget %d bytes", cfg.ssd_dir, ssd.max_bytes)
+        log.info("SSD tier at %s: budget %s", cfg.ssd_dir, format_size(ssd.max_bytes))
         return ssd
 
     def _open_remote(self) -> Any:

@@ -49,9 +49,7 @@ def config_from_args(args: argparse.Namespace,
     """
     flags = {name: getattr(args, name) for name in CacheConfig.field_names()
              if getattr(args, name, None) is not None}
-    config = CacheConfig.layered(toml_path=getattr(args, "config_file", None),
-                                 environ=os.environ if environ is None else environ,
-                                 overrides=flags, override_source="flag")
-    for name in flags:
-        config.sources[name] = f"flag:{flag_of(name)}"
-    return config
+    return CacheConfig.layered(toml_path=getattr(args, "config_file", None),
+                               environ=os.environ if environ is None else environ,
+                               overrides=flags,
+                               override_source={name: f"flag:{flag_of(name)}" for name in flags})

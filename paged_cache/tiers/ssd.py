@@ -465,7 +465,8 @@ class SSDTier:
         """Remove every file of ``key`` now; its row goes at the next manifest transaction.
 
         File first, row later: a crash in between leaves a row without a file (bytes over-counted
-        until the next open), never an unaccounted file. Caller threads never write SQLite.
+        until the next open), never an unaccounted file. The row deletion is deferred, so this call
+        writes no SQLite itself (flush and write-on-caller stores do write it on the caller's thread).
         """
         self._remove_file(key)
         self._defer_forget(key)
