@@ -97,7 +97,7 @@ class BlockAwarePrefixCache:
 
     def __init__(self, manager: Any, model: Any, *, model_id: str | None = None,
                  namespace: str | None = None, make_cache: Callable[[], list] | None = None,
-                 headroom: int = 64) -> None:
+                 headroom: int = 64, model_name: str | None = None) -> None:
         if namespace is not None and not isinstance(namespace, str):
             raise TypeError(f"namespace: expected a str or None, got {type(namespace).__name__}")
         if make_cache is not None and not callable(make_cache):
@@ -107,6 +107,7 @@ class BlockAwarePrefixCache:
         self.manager = manager
         self.model = model
         self.namespace = namespace or ""
+        self.model_name = model_name or model_id or ""  # shown by the CLI beside the fingerprint
         self.headroom = headroom
         self._identity = model_identity(model, model_id)
         if make_cache is None:
@@ -286,7 +287,8 @@ class BlockAwarePrefixCache:
             s, e = spans[j]
             meta = {"parent": keys[j - 1] if j else ROOT_PARENT, "fingerprint": self._fingerprint,
                     "start": str(s), "tokens": str(e - s), "layers": json.dumps(descs),
-                    META_TOKEN_IDS: encode_token_ids(tokens[s:e])}
+                    META_TOKEN_IDS: encode_token_ids(tokens[s:e]), "namespace": self.namespace,
+                    "model_name": self.model_name}
             written += bool(self.manager.put(Block(keys[j], arrays, meta)))
         for j, key in enumerate(keys[:len(keys) - superseded]):
             self._children.add(keys[j - 1] if j else ROOT_PARENT, key,

@@ -25,13 +25,15 @@ def flag_of(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add --config FILE and a flag per CacheConfig field (all default to "not given")."""
+def add_config_arguments(parser: argparse.ArgumentParser,
+                         fields: tuple[str, ...] | None = None) -> None:
+    """Add --config FILE and a flag per CacheConfig field in ``fields`` (default: every field; a
+    command lists only the fields it uses). Every flag defaults to "not given"."""
     group = parser.add_argument_group("cache configuration",
                                       "precedence: default < --config TOML < PAGED_CACHE_* env < flags")
     group.add_argument("--config", dest="config_file", metavar="FILE", default=None,
                        help="TOML file with a [paged_cache] table (or settings at top level)")
-    for name in CacheConfig.field_names():
+    for name in fields or CacheConfig.field_names():
         help_text = CacheConfig.field_help(name)
         if name in ("hot_cache_only", "remote_cluster"):
             group.add_argument(flag_of(name), dest=name, default=None,

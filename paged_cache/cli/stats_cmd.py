@@ -102,8 +102,12 @@ def _print(doc: dict[str, Any]) -> None:
             continue
         flat = flatten(section)
         out.print(render.table(name, ["counter", "value"],
-                               [[k, _number(v)] for k, v in sorted(flat.items())], right=("value",)))
+                               [[k, _number(k, v)] for k, v in sorted(flat.items())],
+                               right=("value",)))
 
 
-def _number(value: float) -> str:
+def _number(name: str, value: float) -> str:
+    """A counter's value; byte counts in the size unit of every other output (format_size)."""
+    if name.endswith("bytes") and float(value).is_integer():
+        return render.size(int(value))
     return str(int(value)) if float(value).is_integer() else f"{value:.6g}"

@@ -54,6 +54,7 @@ class ModelBinding:
     namespace: str | None = None
     model_id: str | None = None
     kv_quantization: tuple[int, int] | None = None
+    name: str | None = None  # the model as the user gave it (stored with the blocks, for people)
 
     def same_as(self, other: "ModelBinding") -> bool:
         """The same live model (by identity: an mlx Module compares as a dict) and settings."""
@@ -147,7 +148,8 @@ class PagedPromptCache:
         """A cache for a single model: every model key the engine passes maps to ``model``."""
         binding = ModelBinding(model, options.pop("make_cache", None),
                                options.pop("namespace", None), options.pop("model_id", None),
-                               options.pop("kv_quantization", None))
+                               options.pop("kv_quantization", None),
+                               options.pop("model_name", None))
         return cls(manager, lambda _key: binding, **options)
 
     def bind(self, resolve: Resolver) -> None:
@@ -183,7 +185,8 @@ class PagedPromptCache:
             bits, group_size = binding.kv_quantization
             layouts.append(lambda: _quantized(make_plain(), bits, group_size))
         prefixes = [BlockAwarePrefixCache(self.manager, binding.model, model_id=binding.model_id,
-                                          namespace=binding.namespace, make_cache=make)
+                                          namespace=binding.namespace, make_cache=make,
+                                          model_name=binding.name)
                     for make in layouts]
         self._current = (model_key, binding, prefixes)
         return prefixes
@@ -488,7 +491,7 @@ def provider_binding(provider: Any, model_key: Hashable) -> ModelBinding:
         make_cache = model.make_cache
     bits = getattr(args, "kv_bits", None)
     quantization = None if bits is None else (bits, getattr(args, "kv_group_size", 64))
-    return ModelBinding(model, make_cache, namespace, model_id, quantization)
+    return ModelBinding(model, make_cache, namespace, model_id, quantization, path)
 
 
 def provider_resolver(provider: Any) -> Resolver:

@@ -38,6 +38,9 @@ META_FINGERPRINT = "fingerprint"
 META_PARENT = "parent"
 META_TOKENS = "tokens"
 META_LAYERS = "layers"
+# Block meta keys read from the file only (set by the prefix cache).
+META_NAMESPACE = "namespace"    # the namespace hashed into the block's key (docs/file-format.md)
+META_MODEL_NAME = "model_name"  # the model as given at serve time (for people; not in the key)
 
 
 @dataclass(frozen=True)
