@@ -1,6 +1,6 @@
 """Per-request store of boundary snapshots, bounded in bytes.
 
-omlx's snapshots reached hundreds of GB (REFERENCE.md): here every snapshot has one owner (the
+Unbounded boundary snapshots can reach hundreds of GB: here every snapshot has one owner (the
 request), the total never exceeds ``max_bytes``, and everything is dropped once stored.
 """
 
