@@ -21,8 +21,11 @@ import mlx.core as mx
 
 from paged_cache.block import Block, check_key, is_key
 from paged_cache.config import CacheConfig, filesystem_space, format_size
+from paged_cache.stats import nested_gauges
 from paged_cache.tiers.format import RawTensors, check_meta, raw_tensors
 from paged_cache.tiers.hot import HotTier
+from paged_cache.tiers.remote import RemoteTier
+from paged_cache.tiers.ssd import SSDTier
 
 log = logging.getLogger("paged_cache.manager")
 
@@ -51,8 +54,6 @@ class PagedSSDCacheManager:
         log.debug("opened: %s", self.config)
 
     def _open_ssd(self) -> Any:
-        from paged_cache.tiers.ssd import SSDTier
-
         cfg = self.config
         auto = cfg.ssd_max_bytes == "auto"
         # "auto" counts the cache's own files as free space, so it is sized after opening (with
@@ -67,8 +68,6 @@ class PagedSSDCacheManager:
         return ssd
 
     def _open_remote(self) -> Any:
-        from paged_cache.tiers.remote import RemoteTier
-
         cfg = self.config
         log.info("remote tier at %r", cfg.remote_url)
         return RemoteTier(cfg.remote_url, timeout=cfg.remote_timeout, ttl=cfg.remote_ttl,
@@ -329,6 +328,11 @@ class PagedSSDCacheManager:
             raise RuntimeError("PagedSSDCacheManager is closed")
 
     # ------------------------------------------------------------------------------ stats
+
+    # stats(): the levels (the tiers' own, nested); the rest are counters since open
+    STAT_GAUGES = (frozenset({"hot_cache_only"}) | nested_gauges("hot", HotTier.STAT_GAUGES)
+                   | nested_gauges("ssd", SSDTier.STAT_GAUGES)
+                   | nested_gauges("remote", RemoteTier.STAT_GAUGES))
 
     def stats(self) -> dict[str, Any]:
         """Counters and gauges: totals, "hits" by tier, the "hot" tier's and (with SSD) the "ssd"

@@ -161,6 +161,12 @@ def check_live_stats(url: str, turns: list[tuple[str, int, int]]) -> None:
     assert metrics["paged_cache_requests_cached_tokens_total"] == ("counter", cached)
     assert metrics["paged_cache_prefix_tokens_matched_total"] == ("counter", cached)
     assert metrics["paged_cache_manager_hot_bytes"][0] == "gauge"
+    # types come from the STAT_GAUGES declarations, not from the names
+    assert metrics["paged_cache_requests_sequences"][0] == "gauge"
+    if "ssd" in doc["manager"]:
+        assert metrics["paged_cache_manager_ssd_open_seconds"][0] == "gauge"
+        assert metrics["paged_cache_manager_ssd_queue_bytes"][0] == "gauge"
+    assert metrics["paged_cache_prefix_restore_seconds_total"][0] == "counter"
     # mlx_lm.server's own routes still answer next to the stats routes.
     with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
         assert r.status == 200

@@ -31,6 +31,7 @@ from paged_cache.config import CacheConfig, format_size
 from paged_cache.hashing import chain_keys, model_identity
 from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache, as_tokens
+from paged_cache.stats import nested_gauges
 
 logger = logging.getLogger("paged_cache.integrations.mlx_lm")
 
@@ -337,6 +338,10 @@ class PagedPromptCache:
         """Bytes of KV held in RAM (the hot tier); SSD bytes are not counted."""
         return self.manager.hot_bytes
 
+    # stats(): the levels of every section; the prefix cache's stats are all counters
+    STAT_GAUGES = (nested_gauges("manager", PagedSSDCacheManager.STAT_GAUGES)
+                   | nested_gauges("requests", ("requests_open", "sequences")))
+
     def stats(self) -> dict[str, Any]:
         """Sections for `paged-cache stats`: ``manager`` and ``prefix`` (the loaded model's prefix
         cache; empty before the first request) stats, and this server's ``requests`` counters.
@@ -569,7 +574,8 @@ def patch_server(manager: PagedSSDCacheManager | Callable[[], PagedSSDCacheManag
         """mlx_lm.server's request handler plus the `paged-cache stats` routes."""
 
         def do_GET(self) -> None:
-            if not stats_http.answer(self, self.response_generator.paged_cache.stats):
+            if not stats_http.answer(self, self.response_generator.paged_cache.stats,
+                                     PagedPromptCache.STAT_GAUGES):
                 super().do_GET()
 
     def paged_run_http_server(host: str, port: int, response_generator: Any,

@@ -533,6 +533,10 @@ class RemoteTier:
         """False during an outage."""
         return not self._down
 
+    # stats(): the levels; the rest are counters since open (url, a string, is not a number)
+    STAT_GAUGES = frozenset({"read_seconds_max", "queue_bytes", "queue_blocks", "available",
+                             "queue_max_bytes", "ttl"})
+
     def stats(self) -> dict[str, Any]:
         """Counters (hits, misses, damaged, errors, bytes read / written, read round trips and
         their seconds) and gauges (queue, availability, slowest read)."""
