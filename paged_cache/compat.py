@@ -45,10 +45,12 @@ def _in_range(version: tuple[int, ...], bounds: tuple[str, str]) -> bool:
 
 
 def _fail(dist: str, bounds: tuple[str, str], missing: list[str]) -> IncompatibleVersion:
+    """The one message: the supported range, the installed version and what it lacks."""
+    what = f"lacks {', '.join(missing)}" if missing else "is outside it"
     return IncompatibleVersion(
         f"paged-cache supports {dist}{','.join(bounds)}; the installed {dist} "
-        f"{metadata.version(dist)} lacks {', '.join(missing)}. "
-        f"Install a supported one: pip install '{dist}{','.join(bounds)}'")
+        f"{metadata.version(dist)} {what}. Install a supported one: "
+        f"pip install '{dist}{','.join(bounds)}'")
 
 
 def _check_rotating() -> list[str]:
@@ -85,7 +87,7 @@ def _check_mlx_lm() -> None:
     missing = _check_rotating()
     missing += [f"mlx_lm.server.{n}" for n in _SERVER_NAMES if not hasattr(server, n)]
     if missing or not _in_range(_version("mlx-lm"), MLX_LM_RANGE):
-        raise _fail("mlx-lm", MLX_LM_RANGE, missing or ["a tested version"])
+        raise _fail("mlx-lm", MLX_LM_RANGE, missing)
 
 
 _check_mlx_lm()
@@ -148,8 +150,7 @@ def turboquant() -> types.ModuleType:
 
     missing = [n for n in ("TurboQuantKVCache", "_snapshot_kv_codec") if not hasattr(tq, n)]
     if missing or not _in_range(_version("mlx-vlm"), MLX_VLM_RANGE):
-        raise _fail("mlx-vlm", MLX_VLM_RANGE,
-                    [f"mlx_vlm.turboquant.{n}" for n in missing] or ["a tested version"])
+        raise _fail("mlx-vlm", MLX_VLM_RANGE, [f"mlx_vlm.turboquant.{n}" for n in missing])
     if not hasattr(tq.TurboQuantKVCache, "prefix_cache_restore"):
         raise _fail("mlx-vlm", MLX_VLM_RANGE, ["TurboQuantKVCache.prefix_cache_restore"])
     return tq
