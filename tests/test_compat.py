@@ -61,3 +61,15 @@ def test_ring_slot_helpers_follow_mlx_lm() -> None:
     compat.set_ring_slot(layer, 2)
     assert compat.ring_slot(layer) == 2
     assert compat.temporal_order(layer, layer.keys).shape[2] == 4
+
+
+@pytest.mark.turboquant
+def test_unsupported_mlx_vlm_fails_loudly_not_as_a_missing_extra() -> None:
+    pytest.importorskip("mlx_vlm.turboquant")
+    run = subprocess.run([sys.executable, "-c", "import mlx_vlm.turboquant as t\n"
+                          "del t._snapshot_kv_codec\nimport paged_cache.handlers\n"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert "paged-cache supports mlx-vlm" + ",".join(compat.MLX_VLM_RANGE) in last
+    assert "mlx_vlm.turboquant._snapshot_kv_codec" in last
