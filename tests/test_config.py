@@ -103,6 +103,13 @@ def test_hot_cache_only_makes_explicit_ssd_settings_inert(kwargs, field):
     assert CacheConfig(**kwargs).inert_fields() == {}
 
 
+def test_compression_stays_active_for_a_remote_tier():
+    config = CacheConfig(hot_cache_only=True, remote_url="redis://127.0.0.1:6379",
+                         compression="lz4", ssd_dir="/tmp/x")
+    assert config.inert_fields() == {"ssd_dir": "constructor"}
+    assert "compression" not in config.inactive_fields()
+
+
 def test_hot_cache_only_accepts_the_no_op_ssd_values():
     config = CacheConfig(hot_cache_only=True, ssd_max_bytes=0, compression="none")
     assert config.hot_cache_only and config.ssd_max_bytes == 0

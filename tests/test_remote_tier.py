@@ -20,7 +20,7 @@ from paged_cache.config import REMOTE_PASSWORD_ENV, CacheConfig
 from paged_cache.hashing import chain_keys
 from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache
-from paged_cache.stats import render_prometheus
+from paged_cache.stats import nested_gauges, render_prometheus
 from paged_cache.testing import tiny_model
 from paged_cache.testing.server import ServerCluster, ValkeyServer, client, free_port
 from paged_cache.tiers import format as fmt
@@ -281,7 +281,8 @@ def test_stats_and_metrics_show_the_remote_tier(url: str) -> None:
         prefix = BlockAwarePrefixCache(manager, model)
         assert assert_exact(model, prefix, tokens) == len(tokens) - 1
         stats = manager.stats()
-        text = render_prometheus({"manager": stats})
+        text = render_prometheus({"manager": stats},
+                                 gauges=nested_gauges("manager", manager.STAT_GAUGES))
     assert stats["hits"]["remote"] == 3 and stats["remote"]["read_bytes"] > 0
     for metric in ("paged_cache_manager_remote_hits_total", "paged_cache_manager_remote_errors_total",
                    "paged_cache_manager_remote_read_bytes_total",
