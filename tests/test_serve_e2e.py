@@ -207,6 +207,11 @@ def test_serve_matches_plain_server_and_reuses_across_restart(model_dir, tmp_pat
     assert len(info) == len(MODES), info
     files = block_files(ssd)
     assert files
+    # The blocks carry the model as serve was given it; the CLI shows it beside the fingerprint.
+    shown = json.loads(subprocess.run(
+        [sys.executable, "-m", "paged_cache.cli.main", "inspect", str(ssd), "--json"],
+        capture_output=True, text=True, check=True, timeout=60).stdout)
+    assert [m["name"] for m in shown["models"]] == [str(model_dir)]
 
     # A new server process on the same directory serves the conversation's prefix from SSD.
     with server(paged_argv(model_dir, "--ssd-dir", str(ssd)), tmp_path / "restart.log") as (c, _, _):
