@@ -26,7 +26,7 @@ TOKENS = 4 * BLOCK + 5
 
 def main(ssd_dir: str, url: str) -> None:
     model = tiny_model("llama")
-    config = CacheConfig(block_size=BLOCK, ssd_dir=ssd_dir, remote_url=url, remote_timeout=0.5)
+    config = CacheConfig(block_size=BLOCK, ssd_dir=ssd_dir, remote_url=url, remote_timeout=5.0)
     with PagedSSDCacheManager(config) as manager:
         prefix = BlockAwarePrefixCache(manager, model)
         for line in sys.stdin:

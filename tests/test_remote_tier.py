@@ -46,7 +46,11 @@ def url(server: ValkeyServer) -> str:
     return server.url
 
 
+LOADED = 5.0  # remote_timeout of tests that do not test timeouts: a busy CI machine is slow
+
+
 def remote_config(url: str, **kw) -> CacheConfig:
+    kw.setdefault("remote_timeout", LOADED)
     return CacheConfig(block_size=BLOCK, hot_cache_only=True, remote_url=url, **kw)
 
 
@@ -312,7 +316,7 @@ def test_inspect_and_stats_cli_show_the_remote_tier(tmp_path: Path, url: str) ->
     from test_cli_inspect import cli_json, run_cli, serve_stats
 
     model = tiny_model("llama")
-    config = CacheConfig(block_size=BLOCK, ssd_dir=tmp_path, remote_url=url)
+    config = CacheConfig(block_size=BLOCK, ssd_dir=tmp_path, remote_url=url, remote_timeout=LOADED)
     with PagedSSDCacheManager(config) as manager:
         prefix = BlockAwarePrefixCache(manager, model)
         store_prompt(model, prefix, prompt(3 * BLOCK))
@@ -388,7 +392,8 @@ def test_two_servers_share_a_prompt_through_the_remote_tier(tmp_path: Path, url:
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello?"}]
     replies = []
     for name in ("a", "b"):  # two `paged-cache serve` hosts, own SSD directories, one server
-        argv = paged_argv(model, "--ssd-dir", str(tmp_path / name), "--remote-url", url)
+        argv = paged_argv(model, "--ssd-dir", str(tmp_path / name), "--remote-url", url,
+                          "--remote-timeout", str(LOADED))
         with server(argv, tmp_path / f"{name}.log") as (c, proc, base):
             replies.append(ask(c, messages, stream=False, seed=None))
             doc = live_stats(base)
@@ -405,7 +410,7 @@ def test_two_servers_share_a_prompt_through_the_remote_tier(tmp_path: Path, url:
 def test_a_remote_hit_is_promoted_into_the_local_tiers(tmp_path: Path, url: str) -> None:
     model = tiny_model("llama")
     keys = stored_chain(url, model, prompt(2 * BLOCK))
-    config = CacheConfig(block_size=BLOCK, ssd_dir=tmp_path, remote_url=url)
+    config = CacheConfig(block_size=BLOCK, ssd_dir=tmp_path, remote_url=url, remote_timeout=LOADED)
     with PagedSSDCacheManager(config) as manager:
         assert manager.tiers_of(keys, until_miss=True) == ["remote", "remote"]
         assert manager.get(keys[0]) is not None and manager.get(keys[1], take=True) is not None
