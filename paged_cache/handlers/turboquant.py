@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 from paged_cache import compat
-from paged_cache.handlers.base import Arrays, Part, Span, owned
+from paged_cache.handlers.base import Arrays, Part, Span, detached, owned
 from paged_cache.handlers.rows import RowsHandler
 
 tq = compat.turboquant()
@@ -117,7 +117,7 @@ class TurboQuantHandler(RowsHandler):
 
     def rebuild(self, layer: Any, parts: Sequence[Part], n: int, capacity: int) -> Any:
         desc = parts[0].desc
-        codec_arrays = {k: v for k, v in parts[0].arrays.items() if k.startswith("codec.")}
+        codec_arrays = {k: detached(v) for k, v in parts[0].arrays.items() if k.startswith("codec.")}
         for part in parts:
             for k in [k for k in part.arrays if k.startswith("codec.")]:
                 part.arrays.pop(k)
