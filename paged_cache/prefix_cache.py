@@ -170,7 +170,7 @@ class BlockAwarePrefixCache:
         self._layout = [h.layout(layer) for h, layer in zip(handlers, template)]
         self._signatures = [_signature(layer) for layer in self.make_cache()]
         self._full_history = not any(layer_needs_snapshots(layer) for layer in template)
-        self._fingerprint = model_fingerprint(self._identity, self._layout)
+        self._fingerprint = model_fingerprint(self._identity, self._layout, self.block_size)
         return True
 
     def _check_cache(self, cache: Any, n_tokens: int) -> None:
