@@ -7,6 +7,7 @@ each effective value came from (shown by ``paged-cache config``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -151,6 +152,8 @@ def _path(value: Any, name: str) -> Path:
         value = os.fspath(value)
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"{name}: expected a directory path, got {value!r}")
+    if "\0" in value:
+        raise ValueError(f"{name}: {value!r} contains a NUL byte, which no path can hold")
     return Path(os.path.expanduser(value))
 
 
@@ -338,6 +341,11 @@ class CacheConfig:
             _logged_inert.add(key)
             log.warning("hot_cache_only=True (from %s): ignoring %s", self.sources["hot_cache_only"],
                         ", ".join(f"{n} (from {src})" for n, src in inert.items()))
+
+    def without_ssd(self) -> "CacheConfig":
+        """This configuration with ``hot_cache_only=True``: what a manager runs on when its SSD
+        tier cannot be opened (the SSD settings stay, inert)."""
+        return dataclasses.replace(self, hot_cache_only=True)
 
     # ----------------------------------------------------------------------------- sources
 

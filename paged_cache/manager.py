@@ -14,6 +14,7 @@ from it is promoted into the local tiers.
 from __future__ import annotations
 
 import logging
+import sqlite3
 import threading
 from typing import Any, Iterable, Literal, Sequence
 
@@ -23,7 +24,9 @@ from paged_cache.block import Block, check_key, is_key
 from paged_cache.config import CacheConfig, filesystem_space, format_size
 from paged_cache.stats import nested_gauges
 from paged_cache.tiers.format import RawTensors, check_meta, raw_tensors
+from paged_cache.tiers.files import CacheDirError
 from paged_cache.tiers.hot import HotTier
+from paged_cache.tiers.manifest import ManifestError
 from paged_cache.tiers.remote import RemoteTier
 from paged_cache.tiers.ssd import SSDTier
 
@@ -48,20 +51,34 @@ class PagedSSDCacheManager:
                              evicted_dropped_bytes=0)
         self._hits = dict(hot=0, pending=0, ssd=0, remote=0)
         self.config.log_inert_fields()
+        self.ssd_error: str | None = None  # why the configured SSD tier could not be opened
         self._ssd = None if self.config.hot_cache_only else self._open_ssd()
         self._remote = self._open_remote() if self.config.remote_url else None
+        if self._ssd is None and not self.config.hot_cache_only:
+            self.config = self.config.without_ssd()  # callers see what the manager runs on
         self._hot = HotTier(self.config.hot_cache_max_bytes, on_evict=self._on_evict)
         log.debug("opened: %s", self.config)
 
     def _open_ssd(self) -> Any:
+        """The SSD tier; None (hot tier only, WARNING, ``stats()["ssd_error"]``) when the directory
+        cannot be opened for a reason other than a bad ``ssd_dir`` (out of space, I/O error, a
+        manifest locked by another process past the wait). A bad ``ssd_dir`` raises ValueError."""
         cfg = self.config
         auto = cfg.ssd_max_bytes == "auto"
-        # "auto" counts the cache's own files as free space, so it is sized after opening (with
-        # the filesystem size as the opening budget, nothing is evicted at startup for it).
-        opening = filesystem_space(cfg.ssd_dir)[0] if auto else cfg.ssd_budget_bytes()
-        ssd = SSDTier(cfg.ssd_dir, max_bytes=max(opening, 1), compression=cfg.compression,
-                      queue_max_bytes=cfg.write_queue_max_bytes,
-                      queue_full_policy=cfg.queue_full_policy)
+        try:
+            # "auto" counts the cache's own files as free space, so it is sized after opening (with
+            # the filesystem size as the opening budget, nothing is evicted at startup for it).
+            opening = filesystem_space(cfg.ssd_dir)[0] if auto else cfg.ssd_budget_bytes()
+            ssd = SSDTier(cfg.ssd_dir, max_bytes=max(opening, 1), compression=cfg.compression,
+                          queue_max_bytes=cfg.write_queue_max_bytes,
+                          queue_full_policy=cfg.queue_full_policy)
+        except CacheDirError as exc:
+            raise exc.naming("ssd_dir") from None
+        except (OSError, sqlite3.Error, ManifestError) as exc:
+            self.ssd_error = f"{type(exc).__name__}: {exc}"
+            log.warning("SSD tier at %s unavailable (%s): serving from the hot tier only",
+                        cfg.ssd_dir, self.ssd_error)
+            return None
         if auto:
             ssd.max_bytes = max(cfg.ssd_budget_bytes(cache_bytes=ssd.stats()["bytes"] or 0), 1)
         log.info("SSD tier at %s: budget %s", cfg.ssd_dir, format_size(ssd.max_bytes))
@@ -341,6 +358,8 @@ class PagedSSDCacheManager:
             out: dict[str, Any] = dict(self.counters)
             out["hits"] = dict(self._hits, total=sum(self._hits.values()))
             out["hot_cache_only"] = self.config.hot_cache_only
+            if self.ssd_error is not None:
+                out["ssd_error"] = self.ssd_error
             out["hot"] = self._hot.stats()
             if self._ssd is not None:
                 out["ssd"] = self._ssd.stats()
