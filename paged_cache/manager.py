@@ -69,13 +69,22 @@ class PagedSSDCacheManager:
             # "auto" counts the cache's own files as free space, so it is sized after opening (with
             # the filesystem size as the opening budget, nothing is evicted at startup for it).
             opening = filesystem_space(cfg.ssd_dir)[0] if auto else cfg.ssd_budget_bytes()
+        except OSError as exc:  # e.g. a parent directory this user may not search
+            where = "" if exc.filename in (None, str(cfg.ssd_dir)) else f" at {exc.filename!r}"
+            raise CacheDirError(cfg.ssd_dir, f"cannot be reached: {exc.strerror}{where}",
+                                "ssd_dir") from None
+        try:
             ssd = SSDTier(cfg.ssd_dir, max_bytes=max(opening, 1), compression=cfg.compression,
                           queue_max_bytes=cfg.write_queue_max_bytes,
                           queue_full_policy=cfg.queue_full_policy)
         except CacheDirError as exc:
             raise exc.naming("ssd_dir") from None
         except (OSError, sqlite3.Error, ManifestError) as exc:
-            self.ssd_error = f"{type(exc).__name__}: {exc}"
+            try:
+                free = f"{filesystem_space(cfg.ssd_dir)[1]} bytes free on its filesystem"
+            except OSError as space_exc:
+                free = f"free space unknown: {space_exc}"
+            self.ssd_error = f"{type(exc).__name__}: {exc} ({free})"
             log.warning("SSD tier at %s unavailable (%s): serving from the hot tier only",
                         cfg.ssd_dir, self.ssd_error)
             return None

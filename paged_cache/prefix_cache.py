@@ -31,6 +31,7 @@ from paged_cache.hashing import (ROOT_PARENT, block_key, chain_keys, encode_toke
 logger = logging.getLogger("paged_cache.prefix_cache")
 
 GROWTH_STEP = 256  # mlx-lm's KV growth step: rebuilt buffers are a multiple of it
+TOKEN_MIN, TOKEN_MAX = -(2**63), 2**63 - 1  # token ids are hashed as int64 (hashing.token_bytes)
 
 
 @dataclass
@@ -64,7 +65,12 @@ class FetchInfo:
 
 
 def as_tokens(tokens: Any, name: str = "tokens") -> list[int]:
-    """A list of Python ints from a sequence / 1-D numpy or mx array of integers; else TypeError."""
+    """A list of Python ints from a sequence / 1-D numpy or mx array of integers; else TypeError
+    (ValueError for an id outside int64)."""
+    return _in_int64(_as_list(tokens, name), name)
+
+
+def _as_list(tokens: Any, name: str) -> list[int]:
     if isinstance(tokens, mx.array):
         if tokens.ndim != 1 or not mx.issubdtype(tokens.dtype, mx.integer):
             raise TypeError(f"{name}: expected a 1-D integer array, got shape {tokens.shape} "
@@ -83,6 +89,15 @@ def as_tokens(tokens: Any, name: str = "tokens") -> list[int]:
             raise TypeError(f"{name}: expected ints, element {i} is {type(t).__name__} {t!r:.40}")
         out.append(int(t))
     return out
+
+
+def _in_int64(tokens: list[int], name: str) -> list[int]:
+    """``tokens`` when every id fits int64 (block keys hash them as int64); else ValueError."""
+    if tokens and not (TOKEN_MIN <= min(tokens) and max(tokens) <= TOKEN_MAX):
+        i, t = next((i, t) for i, t in enumerate(tokens) if not TOKEN_MIN <= t <= TOKEN_MAX)
+        raise ValueError(f"{name}: element {i} is {t}, outside the int64 range token ids are "
+                         f"hashed in ([{TOKEN_MIN}, {TOKEN_MAX}])")
+    return tokens
 
 
 def _signature(layer: Any) -> Any:
@@ -104,6 +119,9 @@ class BlockAwarePrefixCache:
             raise TypeError(f"make_cache: expected a callable returning a cache list, got {make_cache!r}")
         if isinstance(headroom, bool) or not isinstance(headroom, int) or headroom < 0:
             raise ValueError(f"headroom: expected an int >= 0, got {headroom!r}")
+        if not callable(model):
+            raise TypeError(f"model: expected an mlx-lm model (callable as model(tokens, "
+                            f"cache=...)), got {model!r:.60}")
         self.manager = manager
         self.model = model
         self.namespace = namespace or ""

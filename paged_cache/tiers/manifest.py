@@ -21,6 +21,7 @@ from paged_cache.tiers import format as fmt
 SCHEMA_VERSION = "1"
 RESERVED, COMPLETE = 0, 1
 BUSY_TIMEOUT_SECONDS = 10.0  # how long one statement waits for another process's write lock
+WAL_LIMIT_BYTES = 4 << 20    # the WAL is truncated back to this after a checkpoint
 EVICT_BATCH = 256            # rows per transaction when evicting at open
 
 _SCHEMA = """
@@ -171,6 +172,7 @@ class Manifest:
                                  check_same_thread=False)
             db.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_s * 1000)}")
             db.execute("PRAGMA synchronous = NORMAL")
+            db.execute(f"PRAGMA journal_size_limit = {WAL_LIMIT_BYTES}")
             self._local.db = db
             with self._connections_lock:
                 for thread in [t for t in self._connections if not t.is_alive()]:
