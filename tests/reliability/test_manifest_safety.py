@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sqlite3
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from typing import Iterator
 import numpy as np
 import pytest
 
+from paged_cache.block import Block
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.inventory import CacheDir
 from paged_cache.tiers.maintenance import verify
@@ -55,6 +55,15 @@ def _hold_lock(root: Path, seconds: float) -> subprocess.Popen:
     return child
 
 
+def _stored(root: Path, space: str, count: int) -> list[Block]:
+    """``count`` key-derived blocks stored through a manager at ``root`` (closed again)."""
+    blocks = [block_for(key_of(i, space)) for i in range(count)]
+    with manager_at(root) as manager:
+        for block in blocks:
+            manager.put(block)
+    return blocks
+
+
 def _raw(i: int) -> fmt.RawTensors:
     data = np.full(64, i % 30000, dtype=np.float16)
     return {"k": ("float16", (64,), memoryview(data))}
@@ -65,10 +74,7 @@ def _raw(i: int) -> fmt.RawTensors:
 def test_a_manifest_locked_past_the_busy_timeout_is_waited_for_never_rebuilt(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="paged_cache")
-    blocks = [block_for(key_of(i, "busy")) for i in range(8)]
-    with manager_at(tmp_path) as manager:
-        for block in blocks:
-            manager.put(block)
+    blocks = _stored(tmp_path, "busy", 8)
     inode = (tmp_path / MANIFEST_NAME).stat().st_ino
     running = SSDTier(tmp_path, max_bytes=64 << 20)     # a tier already open in this process
     running.touch(blocks[0].key)
@@ -236,10 +242,7 @@ def _zero_page(root: Path, name: str) -> int:
 def test_a_zeroed_manifest_page_is_reported_and_rebuilt(tmp_path: Path, page: str,
                                                         caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="paged_cache")
-    blocks = [block_for(key_of(i, "page")) for i in range(12)]
-    with manager_at(tmp_path) as manager:
-        for block in blocks:
-            manager.put(block)
+    blocks = _stored(tmp_path, "page", 12)
     _zero_page(tmp_path, page)
 
     report = verify(CacheDir(tmp_path), settle_seconds=0.0)      # read-only: found, not fixed
@@ -268,10 +271,7 @@ def test_a_zeroed_manifest_page_is_reported_and_rebuilt(tmp_path: Path, page: st
 def test_a_manifest_damaged_while_open_is_rebuilt_when_found(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="paged_cache")
-    blocks = [block_for(key_of(i, "live")) for i in range(12)]
-    with manager_at(tmp_path) as manager:
-        for block in blocks:
-            manager.put(block)
+    blocks = _stored(tmp_path, "live", 12)
     with manager_at(tmp_path, write_policy="write-through") as manager:
         db = sqlite3.connect(tmp_path / MANIFEST_NAME)           # damage it under the open tier:
         db.execute("PRAGMA writable_schema = ON")                # the schema names a table that
@@ -295,10 +295,7 @@ def test_a_manifest_damaged_while_open_is_rebuilt_when_found(
 def test_damage_to_the_directory_structure_is_repaired_at_open(
         tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="paged_cache")
-    blocks = [block_for(key_of(i, "tree")) for i in range(6)]
-    with manager_at(tmp_path) as manager:
-        for block in blocks:
-            manager.put(block)
+    blocks = _stored(tmp_path, "tree", 6)
     target = {"manifest is a directory": tmp_path / MANIFEST_NAME,
               "wal is a directory": tmp_path / (MANIFEST_NAME + "-wal"),
               "tmp is a file": tmp_path / "tmp", "blocks is a file": tmp_path / "blocks"}[damage]
