@@ -136,8 +136,9 @@ class Manifest:
         self._connections: dict[threading.Thread, sqlite3.Connection] = {}
         self._connections_lock = threading.Lock()
         try:
-            self.inode = os.stat(path).st_ino  # before connecting: what a rebuild may remove
+            self.inode = _inode(path)  # before connecting: what a rebuild may remove
             db = self._db
+            self.inode = self.inode or _inode(path)  # created by the connection
             if db.execute("PRAGMA journal_mode = WAL").fetchone()[0].lower() != "wal":
                 raise ManifestError(f"{path}: WAL mode unavailable")
             with self._txn():
@@ -149,9 +150,6 @@ class Manifest:
                 elif row[0] != SCHEMA_VERSION:
                     raise ManifestDamaged(f"{path}: manifest schema {row[0]!r}, expected "
                                           f"{SCHEMA_VERSION!r}", self.inode)
-            problem = damage(db)
-            if problem is not None:
-                raise ManifestDamaged(f"{path}: {problem}", self.inode)
         except ManifestError:
             self.close()
             raise
@@ -186,11 +184,7 @@ class Manifest:
     def check_current(self) -> None:
         """ManifestReplaced when the directory's manifest file is no longer the one opened (another
         process rebuilt it): writing on would split the directory between two manifests."""
-        try:
-            inode = os.stat(self.path, follow_symlinks=False).st_ino
-        except FileNotFoundError:
-            inode = None
-        if inode != self.inode:
+        if _inode(self.path) != self.inode:
             raise ManifestReplaced(f"{self.path}: rebuilt by another process")
 
     def close(self) -> None:
@@ -391,6 +385,13 @@ def eviction_order(rows: list[tuple[str, str | None, int, float]]) -> list[tuple
                 heapq.heappush(heap, (info[parent][2], parent))
     order += [(key, size) for key, (_, size, _) in sorted(info.items(), key=lambda kv: kv[1][2])]
     return order
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return os.stat(path, follow_symlinks=False).st_ino
+    except FileNotFoundError:
+        return None
 
 
 def damage(db: sqlite3.Connection) -> str | None:

@@ -95,15 +95,7 @@ class SSDTier:
         try:
             self._blocks_fd = self._open_subdir("blocks")
             self._tmp_fd = self._open_subdir("tmp")
-            self._manifest = self._open_manifest()
-            try:
-                reconcile(self._manifest, self._blocks_fd, self._tmp_fd,
-                          compressions=self._compression_order(), count=self._count)
-                self._count_evicted(self._manifest.evict_to(max_bytes, self._remove_file,
-                                                            self._file_exists))
-            except BaseException:
-                self._manifest.close()
-                raise
+            self._manifest = self._open_manifest(evict=True)
         except BaseException:
             for fd in (self._tmp_fd, self._blocks_fd, self._root_fd):
                 if fd >= 0:
@@ -584,12 +576,13 @@ class SSDTier:
         except CacheDirError as exc:
             raise CacheDirError(self.directory / name, exc.reason) from None
 
-    def _open_manifest(self, damaged: int | None = None) -> Manifest:
-        """Open the manifest, waiting up to OPEN_WAIT_SECONDS for another process's write lock.
+    def _open_manifest(self, damaged: int | None = None, *, evict: bool = False) -> Manifest:
+        """Open the manifest and reconcile it with the files (then evict down to ``max_bytes`` if
+        ``evict``), waiting up to OPEN_WAIT_SECONDS for another process's write lock.
 
-        Only damage (``damaged``: the inode of a manifest found damaged) leads to a rebuild from
-        the block files: a lock is waited for, then reported (ManifestBusy); other errors
-        (read-only, out of space) are raised as they are.
+        Only damage (found opening or reconciling; ``damaged``: the inode of a manifest found
+        damaged before) leads to a rebuild from the block files: a lock is waited for, then
+        reported (ManifestBusy); other errors (read-only, out of space) are raised as they are.
         """
         deadline = time.monotonic() + OPEN_WAIT_SECONDS
         waiting = rebuilt = False
@@ -614,6 +607,20 @@ class SSDTier:
                 self._count("manifest_rebuilds")
                 log.warning("manifest damaged (%s): rebuilding it from the block files", exc)
                 damaged = exc.inode
+                continue
+            try:
+                reconcile(manifest, self._blocks_fd, self._tmp_fd,
+                          compressions=self._compression_order(), count=self._count)
+                if evict:
+                    self._count_evicted(manifest.evict_to(self.max_bytes, self._remove_file,
+                                                          self._file_exists))
+            except BaseException as exc:
+                manifest.close()
+                if not is_damage(exc) or rebuilt:
+                    raise
+                self._count("manifest_rebuilds")
+                log.warning("manifest damaged (%s): rebuilding it from the block files", exc)
+                damaged = manifest.inode
                 continue
             if waiting:
                 log.info("manifest lock obtained")
@@ -649,8 +656,6 @@ class SSDTier:
             old.close()
             try:
                 self._manifest = self._open_manifest(old.inode if damaged else None)
-                reconcile(self._manifest, self._blocks_fd, self._tmp_fd,
-                          compressions=self._compression_order(), count=self._count)
             except (OSError, sqlite3.Error, ManifestError) as again:
                 log.warning("manifest could not be reopened (%s); SSD writes fail until it can", again)
                 return False
