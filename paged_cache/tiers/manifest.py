@@ -187,6 +187,15 @@ class Manifest:
         if _inode(self.path) != self.inode:
             raise ManifestReplaced(f"{self.path}: rebuilt by another process")
 
+    def find_damage(self) -> str | None:
+        """What SQLite's quick check (every page read) finds wrong with the manifest, or None."""
+        try:
+            return damage(self._db)
+        except sqlite3.DatabaseError as exc:
+            if is_damage(exc):
+                return str(exc)
+            raise
+
     def close(self) -> None:
         """Close every thread's connection (the last one out checkpoints the WAL)."""
         with self._connections_lock:

@@ -604,8 +604,7 @@ class SSDTier:
             except ManifestDamaged as exc:
                 if rebuilt:  # damaged again right after a rebuild: not a damage a rebuild fixes
                     raise
-                self._count("manifest_rebuilds")
-                log.warning("manifest damaged (%s): rebuilding it from the block files", exc)
+                self._rebuilding(exc)
                 damaged = exc.inode
                 continue
             try:
@@ -618,8 +617,7 @@ class SSDTier:
                 manifest.close()
                 if not is_damage(exc) or rebuilt:
                     raise
-                self._count("manifest_rebuilds")
-                log.warning("manifest damaged (%s): rebuilding it from the block files", exc)
+                self._rebuilding(exc)
                 damaged = manifest.inode
                 continue
             if waiting:
@@ -641,18 +639,32 @@ class SSDTier:
             else:
                 os.unlink(name, dir_fd=self._root_fd)
 
+    def _rebuilding(self, reason: object) -> None:
+        self._count("manifest_rebuilds")
+        log.warning("manifest damaged (%s): rebuilding it from the block files", reason)
+
     def _recover(self, exc: BaseException) -> bool:
         """After a manifest error: reopen the manifest if it is damaged (rebuilt from the block
-        files, WARNING, counted) or was rebuilt by another process; True once reopened. Anything
-        else is left alone (False)."""
+        files, WARNING, counted) or was rebuilt by another process; True when the manifest is
+        usable again (reopened now, or already by another thread). Anything else: False."""
         damaged = is_damage(exc)
         if not damaged and not isinstance(exc, ManifestReplaced):
             return False
         with self._manifest_lock:
             old = self._manifest
+            try:  # the error may be from a manifest another thread has replaced meanwhile
+                if damaged and old.find_damage() is None:
+                    return True
+                if not damaged:
+                    old.check_current()
+                    return True
+            except ManifestReplaced:
+                pass
+            except sqlite3.Error as again:
+                log.warning("manifest could not be checked (%s)", again)
+                return False
             if damaged:
-                self._count("manifest_rebuilds")
-                log.warning("manifest damaged (%s): rebuilding it from the block files", exc)
+                self._rebuilding(exc)
             old.close()
             try:
                 self._manifest = self._open_manifest(old.inode if damaged else None)
