@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sqlite3
 import subprocess
 import sys
@@ -240,8 +241,11 @@ def _zero_page(root: Path, name: str) -> int:
 
 @pytest.mark.parametrize("page", ["blocks_lru", "blocks"])
 def test_a_zeroed_manifest_page_is_reported_and_rebuilt(tmp_path: Path, page: str,
-                                                        caplog: pytest.LogCaptureFixture) -> None:
+                                                        caplog: pytest.LogCaptureFixture,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     caplog.set_level(logging.WARNING, logger="paged_cache")
+    for name in [n for n in os.environ if n.startswith("PAGED_CACHE_")]:
+        monkeypatch.delenv(name)  # the CLI reads them (and refuses the figures recorder's)
     blocks = _stored(tmp_path, "page", 12)
     _zero_page(tmp_path, page)
 
