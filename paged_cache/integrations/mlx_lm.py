@@ -651,7 +651,7 @@ def serve_main(config: CacheConfig, server_argv: Sequence[str]) -> int:
             def open_manager() -> PagedSSDCacheManager:
                 try:
                     manager = stack.enter_context(PagedSSDCacheManager(config))
-                except OSError as error:
+                except (OSError, ValueError) as error:  # ValueError: a bad ssd_dir, named
                     raise ServeError(f"cannot open the SSD tier at {config.ssd_dir}: {error}") \
                         from error
                 logger.info("serving with paged-cache: %s", _describe(config))
