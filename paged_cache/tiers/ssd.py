@@ -219,8 +219,8 @@ class SSDTier:
         self.close()
 
     # stats(): levels; the _COUNTERS accumulate since open (compression, a string, is not a number)
-    STAT_GAUGES = frozenset({"queue_bytes", "queue_blocks", "blocks", "bytes", "max_bytes",
-                             "queue_max_bytes", "open_seconds"})
+    STAT_GAUGES = frozenset({"queue_bytes", "queue_blocks", "blocks", "bytes", "manifest_bytes",
+                             "max_bytes", "queue_max_bytes", "open_seconds"})
 
     def stats(self) -> dict[str, Any]:
         """Counters and gauges: blocks, bytes, queue bytes, writes, drops, errors, damage, evictions."""
