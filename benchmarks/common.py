@@ -78,7 +78,7 @@ def repeat(fn: Callable[[], Any], repeats: int, setup: Callable[[], Any] | None 
 class Figure:
     """One reported figure: ``ratio`` = the figure's value against a same-run baseline.
 
-    ``goal_op`` is ">=" or "<=" (or None when the brief sets no goal); ``met`` follows from it.
+    ``goal_op`` is ">=" or "<=" (or None for a figure without a goal); ``met`` follows from it.
     The goal applies to ``ratio``, or to ``measured`` (in ``unit``) when ``goal_on="measured"``
     (the lookup and startup goals are absolute times). ``measured`` / ``baseline`` are the
     medians in ``unit`` the ratio was computed from.

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from benchmarks.common import RESULTS_DIR, Context, machine, markdown_table, write_json
 
-FAMILIES = ("restore", "ttft", "lookup", "startup", "peers", "memory")
+FAMILIES = ("restore", "ttft", "remote", "lookup", "startup", "peers", "memory")
 
 
 def main(argv: list[str] | None = None) -> int:

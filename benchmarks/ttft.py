@@ -22,10 +22,11 @@ FAMILY = "ttft"
 BLOCK = 256
 
 
-def _ttft(sched: Scheduler, prompt: list[int], tier: str | None, cached: int) -> float:
+def scheduler_ttft(sched: Scheduler, prompt: list[int], tier: str | None, cached: int) -> float:
+    """TTFT of one 1-token generation, checked to have reused ``cached`` tokens from ``tier``."""
     result = sched.generate(prompt, max_tokens=1)
     if result.cache_tier != tier or result.cached_tokens != cached:
-        raise AssertionError(f"ttft: expected {cached} tokens from {tier}, got "
+        raise AssertionError(f"expected {cached} tokens from {tier}, got "
                              f"{result.cached_tokens} from {result.cache_tier}")
     return result.ttft_s
 
@@ -33,7 +34,8 @@ def _ttft(sched: Scheduler, prompt: list[int], tier: str | None, cached: int) ->
 def _size(ctx: Context, model, size: int, repeats: int, cold_repeats: int) -> dict:
     rng = random.Random(size)
     prompt = [rng.randrange(256) for _ in range(size + 1)]   # size cached tokens + one to feed
-    cold = Timing.of([_ttft(Scheduler(model, None), prompt, None, 0) for _ in range(cold_repeats)])
+    cold = Timing.of([scheduler_ttft(Scheduler(model, None), prompt, None, 0)
+                      for _ in range(cold_repeats)])
     settle()
 
     ssd_dir = ctx.scratch / f"ttft-{size}"
@@ -45,20 +47,20 @@ def _size(ctx: Context, model, size: int, repeats: int, cold_repeats: int) -> di
     with PagedSSDCacheManager(ssd_cfg) as ssd, PagedSSDCacheManager(hot_cfg) as hot:
         on_ssd, in_ram = BlockAwarePrefixCache(ssd, model), BlockAwarePrefixCache(hot, model)
         before = on_ssd.stats()["store_seconds"]
-        miss = _ttft(Scheduler(model, on_ssd), prompt, None, 0)
+        miss = scheduler_ttft(Scheduler(model, on_ssd), prompt, None, 0)
         store_s = on_ssd.stats()["store_seconds"] - before
         ssd.flush()
         cache, n = on_ssd.fetch(prompt)          # fill the hot-only cache from the SSD one
         in_ram.store(prompt[:n], cache)
         del cache
         settle()
-        hot_hit = Timing.of([_ttft(Scheduler(model, in_ram), prompt, "hot", size)
+        hot_hit = Timing.of([scheduler_ttft(Scheduler(model, in_ram), prompt, "hot", size)
                              for _ in range(repeats)])
         ssd_runs = []
         for _ in range(repeats):
             settle()
             drop_page_cache(block_files(ssd_dir))
-            ssd_runs.append(_ttft(Scheduler(model, on_ssd), prompt, "ssd", size))
+            ssd_runs.append(scheduler_ttft(Scheduler(model, on_ssd), prompt, "ssd", size))
         ssd_hit = Timing.of(ssd_runs)
     shutil.rmtree(ssd_dir, ignore_errors=True)
     settle()

@@ -1,9 +1,9 @@
 """Bounded cache factory and a rotating KV cache that allocates its whole window once.
 
-Seed 000: without ``max_kv_size`` every layer is an unbounded ``KVCache``; ``make_bounded_cache``
-turns every KV layer into a rotating window. Seed 001: mlx-lm's ``RotatingKVCache`` grows in
-256-row steps by concatenation (old and new buffer alive at once); ``PreallocatedRotatingKVCache``
-allocates ``max_size`` rows on its first update and then only writes in place.
+Without ``max_kv_size`` every layer is an unbounded ``KVCache``; ``make_bounded_cache`` turns
+every KV layer into a rotating window. mlx-lm's ``RotatingKVCache`` grows in 256-row steps by
+concatenation (old and new buffer alive at once); ``PreallocatedRotatingKVCache`` allocates
+``max_size`` rows on its first update and then only writes in place.
 """
 
 from __future__ import annotations
@@ -14,9 +14,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
+from paged_cache import compat
+
 __all__ = ["PreallocatedRotatingKVCache", "cache_layout", "make_bounded_cache"]
 
 
+@compat.rotating_updates
 class PreallocatedRotatingKVCache(RotatingKVCache):
     """A ``RotatingKVCache`` whose buffer is ``max_size`` rows from the first update on.
 
@@ -34,7 +37,7 @@ class PreallocatedRotatingKVCache(RotatingKVCache):
 
     def _window(self, v: mx.array) -> mx.array:
         """The rows a new chunk attends to before its own: temporal order, at most max_size - 1."""
-        v = self._temporal_order(v)
+        v = compat.temporal_order(self, v)
         trim = v.shape[2] - self.max_size + 1
         if trim <= 0:
             return v
@@ -46,16 +49,16 @@ class PreallocatedRotatingKVCache(RotatingKVCache):
         if n <= self.max_size:
             self.keys[..., :n, :] = context_k
             self.values[..., :n, :] = context_v
-            self._idx = n
+            compat.set_ring_slot(self, n)
             return
         newest = n - (self.max_size - self.keep)
         self.keys[..., : self.keep, :] = context_k[..., : self.keep, :]
         self.values[..., : self.keep, :] = context_v[..., : self.keep, :]
         self.keys[..., self.keep :, :] = context_k[..., newest:, :]
         self.values[..., self.keep :, :] = context_v[..., newest:, :]
-        self._idx = self.max_size
+        compat.set_ring_slot(self, self.max_size)
 
-    def _update_concat(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def update_chunk(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if self.keys is None:
             self._allocate(keys, values)
             context_k, context_v = keys, values
@@ -66,18 +69,19 @@ class PreallocatedRotatingKVCache(RotatingKVCache):
         self._keep_rows(context_k, context_v)
         return context_k, context_v
 
-    def _update_in_place(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def update_token(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if self.keys is None:
             self._allocate(keys, values)
-            self._idx = 0
-        if self._idx == self.max_size:
-            self._idx = self.keep
+            compat.set_ring_slot(self, 0)
+        slot = compat.ring_slot(self)
+        if slot == self.max_size:
+            slot = self.keep
         size = keys.shape[2]
-        self.keys[..., self._idx : self._idx + size, :] = keys
-        self.values[..., self._idx : self._idx + size, :] = values
+        self.keys[..., slot : slot + size, :] = keys
+        self.values[..., slot : slot + size, :] = values
         self.offset += size
-        self._idx += size
-        return self.keys_and_values()
+        compat.set_ring_slot(self, slot + size)
+        return compat.live_rows(self)
 
 
 def _check_window(max_kv_size: Any, keep: Any) -> None:

@@ -7,12 +7,14 @@ each effective value came from (shown by ``paged-cache config``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
 import shutil
 import sys
-from dataclasses import dataclass, field
+import urllib.parse
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from decimal import Decimal
 from typing import Any, Mapping
@@ -46,6 +48,11 @@ HOT_DEFAULT_CAP = 8 * 2**30   # ... capped at 8 GiB
 HOT_FALLBACK = 2 * 2**30      # when physical RAM cannot be read
 SSD_AUTO_SHARE = 0.5          # ssd_max_bytes="auto": half of (free space + the cache's own bytes)
 QUEUE_DEFAULT = 256 * 2**20   # write queue: 256 MiB of raw block buffers
+REMOTE_QUEUE_DEFAULT = 64 * 2**20   # remote write queue: 64 MiB of raw block buffers
+REMOTE_TIMEOUT_DEFAULT = 0.5        # seconds a remote read or write may wait on one socket operation
+REMOTE_SCHEMES = ("redis", "rediss", "valkey", "valkeys")  # "...s": TLS
+# Read by the remote tier at connect time, never stored in a CacheConfig (nor shown by `config`).
+REMOTE_PASSWORD_ENV = "PAGED_CACHE_REMOTE_PASSWORD"
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
@@ -145,7 +152,62 @@ def _path(value: Any, name: str) -> Path:
         value = os.fspath(value)
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"{name}: expected a directory path, got {value!r}")
+    if "\0" in value:
+        raise ValueError(f"{name}: {value!r} contains a NUL byte, which no path can hold")
     return Path(os.path.expanduser(value))
+
+
+class RemoteURL(str):
+    """A remote tier URL whose repr hides the password (configs are logged and printed)."""
+
+    def redacted(self) -> str:
+        """The URL with its password replaced by ***."""
+        parts = urllib.parse.urlsplit(self)
+        if parts.password is None:
+            return str(self)
+        user = parts.username or ""
+        netloc = f"{user}:***@{parts.netloc.rpartition('@')[2]}"
+        return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+    def __repr__(self) -> str:
+        return repr(self.redacted())
+
+
+def _remote_url(value: Any, name: str) -> RemoteURL | None:
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    form = f"a URL like redis://[user:password@]host:6379/0 (schemes: {', '.join(REMOTE_SCHEMES)})"
+    if not isinstance(value, str):
+        raise ValueError(f"{name}: expected {form}, got {value!r}")
+    try:
+        parts = urllib.parse.urlsplit(value.strip())
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError as exc:
+        raise ValueError(f"{name}: expected {form}; the URL does not parse ({exc})") from None
+    if parts.scheme.lower() not in REMOTE_SCHEMES or not parts.hostname:
+        raise ValueError(f"{name}: expected {form}, got {RemoteURL(value).redacted()!r}")
+    db = parts.path.strip("/")
+    if db and not db.isdigit():
+        raise ValueError(f"{name}: database {db!r} in the URL path must be a number, e.g. /0")
+    return RemoteURL(value.strip())
+
+
+def _seconds(value: Any, name: str) -> float:
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise ValueError(f"{name}: expected seconds (a number >= 0), got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise ValueError(f"{name}: expected seconds (a number >= 0), got {value!r}")
+    return float(value)
+
+
+def _positive_seconds(value: Any, name: str) -> float:
+    seconds = _seconds(value, name)
+    if seconds <= 0:
+        raise ValueError(f"{name}: expected seconds > 0, got {value!r}")
+    return seconds
 
 
 def _size_or_auto(value: Any, name: str) -> int | str:
@@ -170,6 +232,16 @@ _FIELD_SPECS: dict[str, tuple[Any, str]] = {
     "queue_full_policy": (lambda v, n: _choice(v, n, QUEUE_FULL_POLICIES),
                           "when the write queue is full: skip (drop the write, count it; default) | "
                           "write-on-caller (write synchronously)"),
+    "remote_url": (_remote_url, "shared remote tier below SSD on a Valkey / Redis server, e.g. "
+                                "redis://host:6379/0 (rediss:// for TLS; password in the URL or "
+                                f"{REMOTE_PASSWORD_ENV}); default none"),
+    "remote_cluster": (parse_bool, "remote_url names a node of a Valkey / Redis Cluster: keys "
+                                   "go to their shards by hash slot (default false)"),
+    "remote_ttl": (_seconds, "seconds a block lives on the remote server after its last write "
+                             "(0 = no TTL: the server's maxmemory policy evicts; default 0)"),
+    "remote_timeout": (_positive_seconds, "seconds one remote socket operation may wait before the "
+                                          "tier counts an error and serves locally (default 0.5)"),
+    "remote_queue_max_bytes": (parse_size, "byte bound of the remote write queue (default 64 MiB)"),
 }
 
 _DEFAULTS: dict[str, Any] = {
@@ -182,11 +254,18 @@ _DEFAULTS: dict[str, Any] = {
     "write_policy": "write-through",
     "write_queue_max_bytes": QUEUE_DEFAULT,
     "queue_full_policy": "skip",
+    "remote_url": None,
+    "remote_cluster": False,
+    "remote_ttl": 0.0,
+    "remote_timeout": REMOTE_TIMEOUT_DEFAULT,
+    "remote_queue_max_bytes": REMOTE_QUEUE_DEFAULT,
 }
 
-# Settings that only mean something with an SSD tier: giving one explicitly with hot_cache_only
-# is a contradiction (the value that would be a no-op is allowed).
-_SSD_ONLY_NOOP: dict[str, Any] = {"ssd_dir": UNSET, "ssd_max_bytes": 0, "compression": "none"}
+# Settings that only mean something with an SSD tier: hot_cache_only makes them inert, whatever
+# their source (they are kept, logged once and shown as inactive by `paged-cache config`).
+SSD_FIELDS = ("ssd_dir", "ssd_max_bytes", "compression", "write_policy", "write_queue_max_bytes",
+              "queue_full_policy")
+_logged_inert: set[tuple] = set()
 
 
 @dataclass(frozen=True)
@@ -194,7 +273,8 @@ class CacheConfig:
     """Storage settings of a PagedSSDCacheManager; normalized and validated on construction.
 
     Omitted fields take their defaults (see docs/configuration.md). Sizes accept ints or strings
-    such as "512MB" / "1.5GiB"; ``ssd_max_bytes`` also accepts "auto".
+    such as "512MB" / "1.5GiB"; ``ssd_max_bytes`` also accepts "auto". ``hot_cache_only`` is a
+    master switch: with it the SSD fields (``SSD_FIELDS``) are inert, not errors.
     """
 
     block_size: int = UNSET
@@ -206,36 +286,66 @@ class CacheConfig:
     write_policy: str = UNSET
     write_queue_max_bytes: int = UNSET
     queue_full_policy: str = UNSET
+    remote_url: RemoteURL | None = UNSET
+    remote_cluster: bool = UNSET
+    remote_ttl: float = UNSET
+    remote_timeout: float = UNSET
+    remote_queue_max_bytes: int = UNSET
+    origin: InitVar[Mapping[str, str] | None] = None
     explicit: frozenset = field(init=False, repr=False, compare=False)
     sources: dict = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, origin: Mapping[str, str] | None) -> None:
         explicit = set()
+        sources = {}
         for name, (parse, _) in _FIELD_SPECS.items():
             value = getattr(self, name)
             if value is UNSET:
                 default = _DEFAULTS[name]
                 value = default() if callable(default) else default
+                sources[name] = "default"
             else:
                 explicit.add(name)
-            object.__setattr__(self, name, parse(value, name))
+                sources[name] = (origin or {}).get(name, "constructor")
+            try:
+                object.__setattr__(self, name, parse(value, name))
+            except ValueError as exc:
+                raise ValueError(f"{exc} (from {sources[name]})") from None
         object.__setattr__(self, "explicit", frozenset(explicit))
-        object.__setattr__(self, "sources", {n: "constructor" if n in explicit else "default"
-                                             for n in _FIELD_SPECS})
+        object.__setattr__(self, "sources", sources)
         self._check_consistency()
 
     def _check_consistency(self) -> None:
-        if self.hot_cache_only:
-            for name, noop in _SSD_ONLY_NOOP.items():
-                value = getattr(self, name)
-                if name in self.explicit and value != noop:
-                    shown = str(value) if isinstance(value, Path) else value
-                    raise ValueError(
-                        f"{name}: {shown!r} contradicts hot_cache_only=True (nothing "
-                        f"is written to SSD); drop {name} or set hot_cache_only=False")
-        elif self.ssd_max_bytes == 0:
-            raise ValueError("ssd_max_bytes: 0 leaves no SSD space; give a size or 'auto', "
-                             "or set hot_cache_only=True")
+        if not self.hot_cache_only and self.ssd_max_bytes == 0:
+            raise ValueError(
+                f"ssd_max_bytes: 0 (from {self.sources['ssd_max_bytes']}) leaves no SSD space with "
+                f"hot_cache_only=False (from {self.sources['hot_cache_only']}); give a size or "
+                "'auto', or set hot_cache_only=True")
+
+    def inactive_fields(self) -> tuple[str, ...]:
+        """The SSD fields hot_cache_only makes inert (compression still applies to a remote tier)."""
+        if not self.hot_cache_only:
+            return ()
+        return tuple(n for n in SSD_FIELDS if not (n == "compression" and self.remote_url))
+
+    def inert_fields(self) -> dict[str, str]:
+        """{field: source} of the inactive fields that were given explicitly."""
+        return {n: self.sources[n] for n in self.inactive_fields() if n in self.explicit}
+
+    def log_inert_fields(self) -> None:
+        """Log (once per process for the same fields and sources) which settings hot_cache_only
+        overrides."""
+        inert = self.inert_fields()
+        key = tuple(sorted(inert.items()))
+        if inert and key not in _logged_inert:
+            _logged_inert.add(key)
+            log.warning("hot_cache_only=True (from %s): ignoring %s", self.sources["hot_cache_only"],
+                        ", ".join(f"{n} (from {src})" for n, src in inert.items()))
+
+    def without_ssd(self) -> "CacheConfig":
+        """This configuration with ``hot_cache_only=True``: what a manager runs on when its SSD
+        tier cannot be opened (the SSD settings stay, inert)."""
+        return dataclasses.replace(self, hot_cache_only=True)
 
     # ----------------------------------------------------------------------------- sources
 
@@ -263,8 +373,9 @@ class CacheConfig:
     def layered(cls, *, toml_path: str | os.PathLike | None = None,
                 environ: Mapping[str, str] | None = None,
                 overrides: Mapping[str, Any] | None = None,
-                override_source: str = "constructor") -> "CacheConfig":
-        """Merge default < TOML < env < overrides, and record each value's source in ``sources``."""
+                override_source: str | Mapping[str, str] = "constructor") -> "CacheConfig":
+        """Merge default < TOML < env < overrides, and record each value's source in ``sources``
+        (``override_source``: one source for every override, or one per field)."""
         values: dict[str, Any] = {}
         sources: dict[str, str] = {}
         layers = []
@@ -277,20 +388,18 @@ class CacheConfig:
             if unknown:
                 raise ValueError(f"{unknown[0]}: unknown setting; expected one of "
                                  f"{', '.join(_FIELD_SPECS)}")
-            layers.append({k: (v, override_source) for k, v in overrides.items()})
+            layers.append({k: (v, override_source if isinstance(override_source, str)
+                                   else override_source[k]) for k, v in overrides.items()})
         for layer in layers:
             for name, (value, source) in layer.items():
                 values[name], sources[name] = value, source
-        config = cls(**values)
-        object.__setattr__(config, "sources",
-                           {n: sources.get(n, "default") for n in _FIELD_SPECS})
-        return config
+        return cls(**values, origin=sources)
 
     # ----------------------------------------------------------------------------- views
 
     def to_dict(self) -> dict[str, Any]:
-        """Field values as JSON-friendly types (paths as strings)."""
-        return {n: str(v) if isinstance(v, Path) else v
+        """Field values as JSON-friendly types (paths as strings, the remote URL without password)."""
+        return {n: str(v) if isinstance(v, Path) else v.redacted() if isinstance(v, RemoteURL) else v
                 for n in _FIELD_SPECS for v in [getattr(self, n)]}
 
     def ssd_budget_bytes(self, cache_bytes: int = 0) -> int:
@@ -307,10 +416,11 @@ class CacheConfig:
 
 
 def read_env(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
-    """PAGED_CACHE_<FIELD> variables as {field: (raw string, "env:NAME")}; unknown ones raise."""
+    """PAGED_CACHE_<FIELD> variables as {field: (raw string, "env:NAME")}; unknown ones raise
+    (REMOTE_PASSWORD_ENV is no field: the remote tier reads it when it connects)."""
     out = {}
     for key, value in environ.items():
-        if not key.startswith(ENV_PREFIX):
+        if not key.startswith(ENV_PREFIX) or key == REMOTE_PASSWORD_ENV:
             continue
         name = key[len(ENV_PREFIX):].lower()
         if name not in _FIELD_SPECS:

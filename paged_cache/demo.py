@@ -12,7 +12,6 @@ import dataclasses
 import json
 import random
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,8 +135,8 @@ def _encode(tokenizer: Any, messages: list[dict]) -> list[int]:
 class _Tiered:
     """The cached side: manager + prefix cache + scheduler, reopened on restart()."""
 
-    def __init__(self, model: Any, config: CacheConfig, model_id: str | None) -> None:
-        self.model, self.config, self.model_id = model, config, model_id
+    def __init__(self, model: Any, config: CacheConfig, model_dir: str) -> None:
+        self.model, self.config, self.model_dir = model, config, model_dir
         self.manager: PagedSSDCacheManager | None = None
         self.open()
 
@@ -145,7 +144,9 @@ class _Tiered:
         from scheduler import Scheduler
 
         self.manager = PagedSSDCacheManager(self.config)
-        self.prefix = BlockAwarePrefixCache(self.manager, self.model, model_id=self.model_id)
+        self.prefix = BlockAwarePrefixCache(self.manager, self.model,
+                                            model_id=model_id_for(self.model_dir),
+                                            model_name=self.model_dir)
         self.scheduler = Scheduler(self.model, self.prefix)
 
     def restart(self) -> None:
@@ -171,7 +172,7 @@ def _measure(run: Callable[[], Any]) -> tuple[Any, int]:
     return result, int(mx.get_peak_memory())
 
 
-def run_workload(model: Any, tokenizer: Any, config: CacheConfig, model_id: str | None,
+def run_workload(model: Any, tokenizer: Any, config: CacheConfig, model_dir: str,
                  workload: Workload, on_turn: Callable[[TurnRow], None]) -> list[TurnRow]:
     """Run both phases; call ``on_turn`` after every measured turn."""
     from scheduler import Scheduler
@@ -182,7 +183,7 @@ def run_workload(model: Any, tokenizer: Any, config: CacheConfig, model_id: str 
     histories = {name: [{"role": "system", "content": system}] for name in names}
     cold = Scheduler(model, None, block_size=config.block_size)
     cold.generate(_encode(tokenizer, [{"role": "user", "content": "warm up"}]), max_tokens=1)
-    tiered = _Tiered(model, config, model_id)
+    tiered = _Tiered(model, config, model_dir)
     rows: list[TurnRow] = []
     turn_no = dict.fromkeys(names, 0)
     try:
@@ -216,35 +217,27 @@ def run_workload(model: Any, tokenizer: Any, config: CacheConfig, model_id: str 
 # ------------------------------------------------------------------------------ output
 
 
-def turn_table(rows: list[TurnRow]) -> Any:
-    """A rich Table with one row per turn."""
-    from rich.table import Table
+def turn_table(rows: list[TurnRow], width: int | None = None) -> Any:
+    """A rich Table with one row per turn, fitted to ``width`` (the console's)."""
+    from paged_cache.cli.render import table
 
-    table = Table(title="paged-cache demo: one row per chat turn (a line marks the restart)",
-                  title_style="bold", caption="TTFT with the cache vs a cold prefill of the same "
-                  "prompt; same = first token equals the cold run's; peak = MLX peak memory")
-    for header, justify in (("turn", "left"), ("prompt", "right"), ("cached", "right"),
-                            ("tier", "left"), ("TTFT", "right"), ("cold", "right"),
-                            ("speedup", "right"), ("same", "center"), ("RAM tier", "right"),
-                            ("SSD", "right"), ("peak / cold", "right")):
-        table.add_column(header, justify=justify, no_wrap=True)
     tier_style = {"hot": "green", "ssd": "cyan", "mixed": "cyan", "miss": "red"}
-    previous_phase = None
-    for r in rows:
-        if previous_phase is not None and r.phase != previous_phase:
-            table.add_section()
-        previous_phase = r.phase
-        table.add_row(r.label, str(r.prompt_tokens), str(r.cached_tokens),
-                      f"[{tier_style.get(r.tier, 'white')}]{r.tier}[/]",
-                      f"{r.ttft_cached_s * 1e3:.0f} ms", f"{r.ttft_cold_s * 1e3:.0f} ms",
-                      f"{r.speedup:.1f}x", "✓" if r.same_first_token else "[red]✗[/]",
-                      _mib(r.hot_bytes), _mib(r.ssd_bytes),
-                      f"{_mib(r.peak_cached_bytes)} / {_mib(r.peak_cold_bytes)}")
-    return table
-
-
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.1f} MiB"
+    cells = [[r.label, r.prompt_tokens, r.cached_tokens,
+              f"[{tier_style.get(r.tier, 'white')}]{r.tier}[/]",
+              f"{r.ttft_cached_s * 1e3:.0f} ms", f"{r.ttft_cold_s * 1e3:.0f} ms",
+              f"{r.speedup:.1f}x", "✓" if r.same_first_token else "[red]✗[/]",
+              format_size(r.hot_bytes), format_size(r.ssd_bytes),
+              f"{format_size(r.peak_cached_bytes)} / {format_size(r.peak_cold_bytes)}"]
+             for r in rows]
+    restart = frozenset(i for i in range(len(rows) - 1) if rows[i].phase != rows[i + 1].phase)
+    return table("paged-cache demo: one row per chat turn (a line marks the restart)",
+                 ["turn", "prompt", "cached", "tier", "TTFT", "cold", "speedup", "same",
+                  "RAM tier", "SSD", "peak / cold"], cells, width=width,
+                 right=("prompt", "cached", "TTFT", "cold", "speedup", "RAM tier", "SSD",
+                        "peak / cold"),
+                 optional=("peak / cold", "same", "cold", "SSD"), section_ends=restart,
+                 caption="TTFT with the cache vs a cold prefill of the same prompt; same = first "
+                         "token equals the cold run's; peak = MLX peak memory")
 
 
 def summary_lines(result: DemoResult) -> list[str]:
@@ -348,11 +341,13 @@ def run_demo(config: CacheConfig, *, output: Path, model_dir: Path | None = None
     """Build/reuse the model, run the workload with a live table and progress bar, write the
     PNG plot and a JSON of the rows under ``output``, print the summary; return the result."""
     import mlx_lm
-    from rich.console import Console, Group
+    from rich.console import Group
+
+    from paged_cache.cli.render import console as render_console
     from rich.live import Live
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    console = console or Console(width=None if sys.stdout.isatty() else 120)
+    console = console or render_console()
     output.mkdir(parents=True, exist_ok=True)
     workload = SHORT if short else FULL
     start = time.perf_counter()
@@ -370,12 +365,12 @@ def run_demo(config: CacheConfig, *, output: Path, model_dir: Path | None = None
     def on_turn(row: TurnRow) -> None:
         shown.append(row)
         progress.advance(task)
-        live.update(Group(turn_table(shown), progress))
+        live.update(Group(turn_table(shown, console.width), progress))
 
-    with Live(Group(turn_table(shown), progress), console=console, refresh_per_second=4) as live:
-        rows = run_workload(model, tokenizer, config, model_id_for(str(model_dir)), workload,
+    with Live(Group(turn_table(shown, console.width), progress), console=console, refresh_per_second=4) as live:
+        rows = run_workload(model, tokenizer, config, str(model_dir), workload,
                             on_turn)
-        live.update(turn_table(shown))  # the last frame is the table alone, not the bar
+        live.update(turn_table(shown, console.width))  # the last frame is the table alone, not the bar
     result = DemoResult(rows, time.perf_counter() - start, config, str(model_dir), None)
     result.plot = write_plot(rows, output / "demo.png")
     result.wall_s = time.perf_counter() - start

@@ -206,7 +206,7 @@ def _try(search: _Search, n: int) -> Found | None:
     logger.debug("rebuilt at %d from %s", n, ", ".join(
         f"{'checkpoint' if node.checkpoint else 'block'} [{node.start}, {node.start + used})"
         f" {node.tier}" for node, used in chosen))
-    tier_set = {"ssd" if node.tier == "ssd" else "hot" for node, _ in chosen}
+    tier_set = {node.tier if node.tier in ("ssd", "remote") else "hot" for node, _ in chosen}
     tier = tier_set.pop() if len(tier_set) == 1 else "mixed"
     return Found(template, n, tier, len(chosen), n, taken=sorted(taken))
 
@@ -214,13 +214,14 @@ def _try(search: _Search, n: int) -> Found | None:
 def _handover(search: _Search, chosen: list[tuple[ChainNode, int]]) -> set[str]:
     """Keys of the chosen nodes the request may take (the live cache becomes their only copy).
 
-    Only this conversation's own full blocks past the last block another conversation continues
+    Only this conversation's own blocks past the last block another conversation continues
     through: path blocks none of whose later path blocks has a child that is not this request's
-    (a child holding tokens other than the request's). Partial tails and checkpoints (at most a
-    block's rows, or a state) stay, and are promoted when read from disk: the request's stores
-    need not write them again. In hot_cache_only mode only full-history layouts hand over: the
-    live cache cannot give back the state that windowed / recurrent layers held at earlier
-    positions.
+    (a child holding tokens other than the request's), and, for full-history layouts, a whole
+    partial tail after them (the request's store supersedes it). Checkpoints and the partial
+    tails of other layouts stay, promoted when read from disk: the request's stores turn such
+    tails into checkpoints and need them where they are. In hot_cache_only mode only
+    full-history layouts hand over: the live cache cannot give back the state that windowed /
+    recurrent layers held at earlier positions.
     """
     pc = search.pc
     if pc.manager.config.hot_cache_only and not pc.layout.full_history:
@@ -235,7 +236,12 @@ def _handover(search: _Search, chosen: list[tuple[ChainNode, int]]) -> set[str]:
         if _shared(search, search.path[j], nxt):
             break
         first = j
-    return {node.key for node in search.path[first:k]}
+    out = {node.key for node in search.path[first:k]}
+    if pc.layout.full_history and first <= k:
+        # a whole partial tail after them: the request's store writes the block that supersedes it
+        out |= {node.key for node, used in chosen[k:]
+                if not node.checkpoint and used == node.end - node.start}
+    return out
 
 
 def _shared(search: _Search, node: ChainNode, nxt: str | None) -> bool:

@@ -166,7 +166,10 @@ def model_identity(model: Any, model_id: str | None = None) -> str:
     return "model:" + hashlib.blake2b(payload.encode(), digest_size=32).hexdigest()
 
 
-def model_fingerprint(identity: str, layout: Iterable[dict]) -> str:
-    """Fingerprint of model identity + per-entry cache layout (class, dtype, heads, dims, ...)."""
-    payload = json.dumps({"model": identity, "layout": list(layout)}, sort_keys=True)
+def model_fingerprint(identity: str, layout: Iterable[dict], block_size: int) -> str:
+    """Fingerprint of model identity + per-entry cache layout (class, dtype, heads, dims, ...) +
+    block size: chains of different block sizes on one directory never meet (a cache would take
+    the other's full blocks for partial tails of its own and discard them)."""
+    payload = json.dumps({"model": identity, "layout": list(layout), "block_size": block_size},
+                         sort_keys=True)
     return _digest(b"paged-cache/fingerprint/v1", payload.encode())

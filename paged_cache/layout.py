@@ -1,8 +1,8 @@
 """CacheLayout: what a model's cache list looks like, learned once by a 1-token dry run.
 
 It holds one handler per entry, each entry's layout (class, dtype, heads, window: what makes two
-caches incompatible) and the fingerprint of model identity + layout that every chain key commits
-to. It checks a live cache list against that layout before it is stored.
+caches incompatible) and the fingerprint of model identity + layout + block size that every chain
+key commits to. It checks a live cache list against that layout before it is stored.
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ logger = logging.getLogger("paged_cache.layout")
 class CacheLayout:
     """The handlers, layouts and fingerprint of one model's cache list (``make_cache()``)."""
 
-    def __init__(self, model: Any, identity: str, make_cache: Callable[[], list]) -> None:
+    def __init__(self, model: Any, identity: str, make_cache: Callable[[], list],
+                 block_size: int) -> None:
         self.model = model
+        self.block_size = block_size
         self.identity = identity
         self.make_cache = make_cache
         self.fingerprint: str | None = None
@@ -60,7 +62,7 @@ class CacheLayout:
         self.snapshot_layers = snapshot_layers
         self.full_history = not any(snapshot_layers)
         self.exact_end = any(layer_needs_exact_end(layer) for layer in template)
-        self.fingerprint = model_fingerprint(self.identity, self.layouts)
+        self.fingerprint = model_fingerprint(self.identity, self.layouts, self.block_size)
         return True
 
     def check(self, cache: Any, n_tokens: int) -> None:

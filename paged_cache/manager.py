@@ -1,14 +1,20 @@
 """PagedSSDCacheManager: the block store (hot RAM tier + optional SSD tier) behind the prefix cache.
 
 Reads look in the hot tier, then the SSD writer's queue, then the SSD files (checksum verified) and
-promote what they find into the hot tier. Writes never wait on disk: with write-through every put
-is queued for the SSD writer; with write-back a block is queued when it leaves the hot tier
-(evicted, demoted, taken). With ``hot_cache_only`` there is no SSD tier at all: no directory, no files, no thread, no queue.
+promote what they find into the hot tier. With write-through every put is queued for the SSD
+writer; with write-back a block is queued when it leaves the hot tier (evicted, demoted, taken).
+Writes wait on disk only when the queue is full and queue_full_policy is write-on-caller (the
+caller writes the block itself) and on flush / close. With ``hot_cache_only`` there is no SSD
+tier at all: no directory, no files, no thread, no queue.
+With ``remote_url`` a shared remote tier (tiers/remote.py) sits below SSD: every new put is queued
+for it, a chain walk (``tiers_of(until_miss=True)``) and ``get`` ask it last, and a block read
+from it is promoted into the local tiers.
 """
 
 from __future__ import annotations
 
 import logging
+import sqlite3
 import threading
 from typing import Any, Iterable, Literal, Sequence
 
@@ -16,14 +22,19 @@ import mlx.core as mx
 
 from paged_cache.block import Block, check_key, is_key
 from paged_cache.chain_index import ChainIndex, ChainNode, merge_children
-from paged_cache.config import CacheConfig, filesystem_space
+from paged_cache.config import CacheConfig, filesystem_space, format_size
 from paged_cache.hashing import ROOT_PARENT
+from paged_cache.stats import nested_gauges
 from paged_cache.tiers.format import RawTensors, check_meta, raw_tensors
+from paged_cache.tiers.files import CacheDirError
 from paged_cache.tiers.hot import HotTier
+from paged_cache.tiers.manifest import ManifestError
+from paged_cache.tiers.remote import RemoteTier
+from paged_cache.tiers.ssd import SSDTier
 
 log = logging.getLogger("paged_cache.manager")
 
-Tier = Literal["hot", "pending", "ssd"]
+Tier = Literal["hot", "pending", "ssd", "remote"]
 
 
 class PagedSSDCacheManager:
@@ -40,27 +51,57 @@ class PagedSSDCacheManager:
         self.counters = dict(puts=0, puts_existing=0, puts_dropped=0, gets=0, misses=0,
                              promotions=0, takes=0, discards=0, spills=0, evicted_dropped=0,
                              evicted_dropped_bytes=0)
-        self._hits = dict(hot=0, pending=0, ssd=0)
+        self._hits = dict(hot=0, pending=0, ssd=0, remote=0)
         self._index = ChainIndex()  # nodes in RAM or queued; the manifest indexes the SSD files
+        self.config.log_inert_fields()
+        self.ssd_error: str | None = None  # why the configured SSD tier could not be opened
         self._ssd = None if self.config.hot_cache_only else self._open_ssd()
+        self._remote = self._open_remote() if self.config.remote_url else None
+        if self._ssd is None and not self.config.hot_cache_only:
+            self.config = self.config.without_ssd()  # callers see what the manager runs on
         self._hot = HotTier(self.config.hot_cache_max_bytes, on_evict=self._on_evict)
         log.debug("opened: %s", self.config)
 
     def _open_ssd(self) -> Any:
-        from paged_cache.tiers.ssd import SSDTier
-
+        """The SSD tier; None (hot tier only, WARNING, ``stats()["ssd_error"]``) when the directory
+        cannot be opened for a reason other than a bad ``ssd_dir`` (out of space, I/O error, a
+        manifest locked by another process past the wait). A bad ``ssd_dir`` raises ValueError."""
         cfg = self.config
         auto = cfg.ssd_max_bytes == "auto"
-        # "auto" counts the cache's own files as free space, so it is sized after opening (with
-        # the filesystem size as the opening budget, nothing is evicted at startup for it).
-        opening = filesystem_space(cfg.ssd_dir)[0] if auto else cfg.ssd_budget_bytes()
-        ssd = SSDTier(cfg.ssd_dir, max_bytes=max(opening, 1), compression=cfg.compression,
-                      queue_max_bytes=cfg.write_queue_max_bytes,
-                      queue_full_policy=cfg.queue_full_policy)
+        try:
+            # "auto" counts the cache's own files as free space, so it is sized after opening (with
+            # the filesystem size as the opening budget, nothing is evicted at startup for it).
+            opening = filesystem_space(cfg.ssd_dir)[0] if auto else cfg.ssd_budget_bytes()
+        except OSError as exc:  # e.g. a parent directory this user may not search
+            where = "" if exc.filename in (None, str(cfg.ssd_dir)) else f" at {exc.filename!r}"
+            raise CacheDirError(cfg.ssd_dir, f"cannot be reached: {exc.strerror}{where}",
+                                "ssd_dir") from None
+        try:
+            ssd = SSDTier(cfg.ssd_dir, max_bytes=max(opening, 1), compression=cfg.compression,
+                          queue_max_bytes=cfg.write_queue_max_bytes,
+                          queue_full_policy=cfg.queue_full_policy)
+        except CacheDirError as exc:
+            raise exc.naming("ssd_dir") from None
+        except (OSError, sqlite3.Error, ManifestError) as exc:
+            try:
+                free = f"{filesystem_space(cfg.ssd_dir)[1]} bytes free on its filesystem"
+            except OSError as space_exc:
+                free = f"free space unknown: {space_exc}"
+            self.ssd_error = f"{type(exc).__name__}: {exc} ({free})"
+            log.warning("SSD tier at %s unavailable (%s): serving from the hot tier only",
+                        cfg.ssd_dir, self.ssd_error)
+            return None
         if auto:
             ssd.max_bytes = max(cfg.ssd_budget_bytes(cache_bytes=ssd.stats()["bytes"] or 0), 1)
-        log.info("SSD tier at %s: budget %d bytes", cfg.ssd_dir, ssd.max_bytes)
+        log.info("SSD tier at %s: budget %s", cfg.ssd_dir, format_size(ssd.max_bytes))
         return ssd
+
+    def _open_remote(self) -> Any:
+        cfg = self.config
+        log.info("remote tier at %r", cfg.remote_url)
+        return RemoteTier(cfg.remote_url, timeout=cfg.remote_timeout, ttl=cfg.remote_ttl,
+                          queue_max_bytes=cfg.remote_queue_max_bytes, compression=cfg.compression,
+                          cluster=cfg.remote_cluster)
 
     # ------------------------------------------------------------------------------ writes
 
@@ -84,6 +125,8 @@ class PagedSSDCacheManager:
                 return False
             self.counters["puts"] += 1
             self._index_block(block)
+            if self._remote is not None:
+                self._remote.enqueue(block.key, raw, dict(block.meta))
             persisted = (self._ssd is not None and self.config.write_policy == "write-through"
                          and self._persist(block, raw))
             if self._hot.insert(block, persisted=persisted):
@@ -139,22 +182,26 @@ class PagedSSDCacheManager:
                 self._hits["hot"] += 1
                 return block
             discards = self._discards
-        if self._ssd is None:
-            return self._miss()
-        tier: Tier = "pending"
-        block = self._ssd.read_pending(key)
-        if block is None:
+        tier: Tier | None = None
+        block = None if self._ssd is None else self._ssd.read_pending(key)
+        if block is not None:
+            tier = "pending"
+        elif self._ssd is not None:
             tier, block = "ssd", self._ssd.read(key)
+        if block is None and self._remote is not None:
+            tier, block = "remote", self._remote.read(key)
         if block is None:
             return self._miss()
         with self._lock:
             self._hits[tier] += 1
+            fresh = discards == self._discards and not self._closed
+            # A remote block is copied to SSD (promotion); without an SSD tier the server holds it.
+            persisted = tier != "remote" or self._ssd is None or (fresh and self._persist(block))
             if take:
                 self.counters["takes"] += 1
-            elif discards == self._discards and not self._closed:
-                if self._hot.insert(block, persisted=True):
-                    self._index_block(block)
-                    self.counters["promotions"] += 1
+            elif fresh and self._hot.insert(block, persisted=persisted):
+                self._index_block(block)
+                self.counters["promotions"] += 1
         return block
 
     def _get_hot(self, key: str, take: bool) -> Block | None:
@@ -177,22 +224,26 @@ class PagedSSDCacheManager:
         return None
 
     def tier_of(self, key: str) -> Tier | None:
-        """Where `key` is held now ("hot", "pending" write, "ssd"), or None; no payload I/O."""
+        """Where `key` is held now ("hot", "pending" write, "ssd", "remote"), or None; no payload
+        I/O (the remote tier is asked last, in one round trip)."""
         check_key(key)
         with self._lock:
             self._check_open()
             if key in self._hot:
                 return "hot"
-            if self._ssd is None:
-                return None
-            if self._ssd.has_pending(key):
+            if self._ssd is not None and self._ssd.has_pending(key):
                 return "pending"
-            return "ssd" if self._ssd.contains(key) else None
+            if self._ssd is not None and self._ssd.contains(key):
+                return "ssd"
+            remote = self._remote
+        return "remote" if remote is not None and remote.held([key])[0] else None
 
     def tiers_of(self, keys: Sequence[str], *, until_miss: bool = False) -> list[Tier | None]:
         """``tier_of`` of every key under one lock acquisition (hot dict lookups first, then the
         write queue and the block files for the rest). ``until_miss``: stop at the first key held
-        nowhere (what a chain walk needs); the entries after it are None without a lookup."""
+        nowhere (what a chain walk needs); the entries after it are None without a lookup. A chain
+        walk also asks the remote tier, in one round trip, for the keys held nowhere locally, and
+        plans their reads; without ``until_miss`` (a store deciding what to put) it is not asked."""
         if isinstance(keys, str):
             raise TypeError("keys: expected a sequence of keys, got a single str")
         keys = list(keys)
@@ -210,9 +261,24 @@ class PagedSSDCacheManager:
                     out[i] = "pending"
                 elif ssd is not None and ssd.contains(key):
                     out[i] = "ssd"
-                elif until_miss:
+                elif until_miss and self._remote is None:
                     break
+        if until_miss and self._remote is not None:
+            self._remote_chain(keys, out)
         return out
+
+    def _remote_chain(self, keys: list[str], out: list[Tier | None]) -> None:
+        """Mark the keys held only by the remote tier, cut ``out`` at the first key held nowhere,
+        and plan the remote reads of the chain (read ahead in pipelined batches)."""
+        first = out.index(None) if None in out else len(out)
+        ask = [i for i in range(first, len(out)) if out[i] is None]
+        for i, held in zip(ask, self._remote.held([keys[i] for i in ask]) if ask else []):
+            if held:
+                out[i] = "remote"
+        if None in out:
+            out[out.index(None):] = [None] * (len(out) - out.index(None))
+        held = [k for k, t in zip(keys, out) if t is not None]
+        self._remote.plan(held, [k for k, t in zip(keys, out) if t == "remote"])
 
     def contains(self, key: str) -> bool:
         """True when some tier holds `key`."""
@@ -259,11 +325,16 @@ class PagedSSDCacheManager:
                 held = True
             if held:
                 self.counters["discards"] += 1
+            if self._remote is not None:
+                self._remote.discard(key)
 
     # ------------------------------------------------------------------------------ lifecycle
 
     def flush(self) -> None:
-        """Give every hot block without an SSD copy to the writer, then wait until all are written."""
+        """Give every hot block without an SSD copy to the writer, then wait until all are written
+        (and, without holding the manager's lock, until the remote tier's queue is sent)."""
+        if self._remote is not None and not self._closed:
+            self._remote.flush()
         with self._lock:
             if self._closed or self._ssd is None:
                 return
@@ -280,6 +351,8 @@ class PagedSSDCacheManager:
             self.flush()
             if self._ssd is not None:
                 self._ssd.close()
+            if self._remote is not None:
+                self._remote.close()
             self._hot.clear()
             self._closed = True
             log.debug("closed")
@@ -296,16 +369,25 @@ class PagedSSDCacheManager:
 
     # ------------------------------------------------------------------------------ stats
 
+    # stats(): the levels (the tiers' own, nested); the rest are counters since open
+    STAT_GAUGES = (frozenset({"hot_cache_only"}) | nested_gauges("hot", HotTier.STAT_GAUGES)
+                   | nested_gauges("ssd", SSDTier.STAT_GAUGES)
+                   | nested_gauges("remote", RemoteTier.STAT_GAUGES))
+
     def stats(self) -> dict[str, Any]:
         """Counters and gauges: totals, "hits" by tier, the "hot" tier's and (with SSD) the "ssd"
-        tier's own stats (see docs/storage.md for every key)."""
+        tier's own stats, and with a remote tier its "remote" stats (see docs/storage.md)."""
         with self._lock:
             out: dict[str, Any] = dict(self.counters)
             out["hits"] = dict(self._hits, total=sum(self._hits.values()))
             out["hot_cache_only"] = self.config.hot_cache_only
+            if self.ssd_error is not None:
+                out["ssd_error"] = self.ssd_error
             out["hot"] = self._hot.stats()
             if self._ssd is not None:
                 out["ssd"] = self._ssd.stats()
+            if self._remote is not None:
+                out["remote"] = self._remote.stats()
             return out
 
     # ------------------------------------------------------------------------------ chain lookup
@@ -319,35 +401,48 @@ class PagedSSDCacheManager:
               ) -> tuple[list[Tier | None], dict[str, list[ChainNode]]]:
         """One batched chain lookup: the tiers of ``keys`` (a chain of block keys, up to the first
         held nowhere) and, for the root and every held key, its held child nodes of
-        ``fingerprint`` (RAM, write queue and SSD files of any process: one manifest query).
-        Every namespace's chains start at the same root: a root child is listed only when its
-        key is the one ``namespace`` gives its tokens."""
+        ``fingerprint``: RAM and write queue (the index), SSD files of any process (one manifest
+        query) and the remote tier's listings (pipelined, cached briefly). Every namespace's
+        chains start at the same root: a root child is listed only when its key is the one
+        ``namespace`` gives its tokens."""
         tiers = self.tiers_of(keys, until_miss=True)
         held = [k for k, t in zip(keys, tiers) if t is not None]
         parents = [ROOT_PARENT, *held]
         with self._lock:
             self._check_open()
-            ssd = self._ssd
+            ssd, remote = self._ssd, self._remote
         local = self._index.children(parents, fingerprint)
         on_disk: dict[str, list[ChainNode]] = {}
-        if ssd is not None:
-            for meta in ssd.child_nodes(parents, fingerprint):
-                node = ChainNode.from_meta(meta["key"], meta, tier="ssd")
-                if node is not None:
-                    on_disk.setdefault(node.parent, []).append(node)
-        merged = merge_children(local, on_disk)
-        flat = [n for nodes in merged.values() for n in nodes]
+        for meta, tier in self._listed(ssd, remote, parents, fingerprint):
+            node = ChainNode.from_meta(meta["key"], meta, tier=tier)
+            if node is not None:
+                on_disk.setdefault(node.parent, []).append(node)
+        flat = [n for nodes in merge_children(local, on_disk).values() for n in nodes]
         where = self.tiers_of([n.key for n in flat])
         out: dict[str, list[ChainNode]] = {}
         for node, tier in zip(flat, where):
             if node.parent == ROOT_PARENT and not node.keyed_by(namespace):
                 continue
+            tier = tier or ("remote" if node.tier == "remote" else None)  # not asked again
             if tier is None:
                 if node.tier is None:
                     self._index.remove(node.key)  # left every tier meanwhile
                 continue
             out.setdefault(node.parent, []).append(node.with_tier(tier))
         return tiers, out
+
+    @staticmethod
+    def _listed(ssd: Any, remote: Any, parents: list[str],
+                fingerprint: str) -> list[tuple[dict[str, str], str]]:
+        """(meta with "key", tier) of the children of ``parents`` the SSD and remote tiers list."""
+        out = [] if ssd is None else [(m, "ssd") for m in ssd.child_nodes(parents, fingerprint)]
+        if remote is not None:
+            for parent in parents:
+                for key in remote.children(parent, fingerprint):
+                    meta = remote.meta(key)
+                    if meta is not None:
+                        out.append(({**meta, "key": key}, "remote"))
+        return out
 
     def parent_of(self, key: str) -> str | None:
         """The parent of a block held in RAM or queued (None for a root or an unknown key)."""

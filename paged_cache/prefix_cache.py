@@ -26,6 +26,8 @@ from paged_cache.store import store_chain
 
 logger = logging.getLogger("paged_cache.prefix_cache")
 
+TOKEN_MIN, TOKEN_MAX = -(2**63), 2**63 - 1  # token ids are hashed as int64 (hashing.token_bytes)
+
 
 @dataclass
 class BoundarySnapshot:
@@ -52,14 +54,19 @@ class FetchInfo:
 
     tokens_requested: int
     tokens_matched: int
-    tier: str  # "hot" | "ssd" | "mixed" | "miss"
+    tier: str  # "hot" | "ssd" | "remote" | "mixed" | "miss"
     seconds: float
     blocks: int
     tokens_shared: int = 0  # longest run of the request's tokens some stored node holds
 
 
 def as_tokens(tokens: Any, name: str = "tokens") -> list[int]:
-    """A list of Python ints from a sequence / 1-D numpy or mx array of integers; else TypeError."""
+    """A list of Python ints from a sequence / 1-D numpy or mx array of integers; else TypeError
+    (ValueError for an id outside int64)."""
+    return _in_int64(_as_list(tokens, name), name)
+
+
+def _as_list(tokens: Any, name: str) -> list[int]:
     if isinstance(tokens, mx.array):
         if tokens.ndim != 1 or not mx.issubdtype(tokens.dtype, mx.integer):
             raise TypeError(f"{name}: expected a 1-D integer array, got shape {tokens.shape} "
@@ -80,26 +87,40 @@ def as_tokens(tokens: Any, name: str = "tokens") -> list[int]:
     return out
 
 
+def _in_int64(tokens: list[int], name: str) -> list[int]:
+    """``tokens`` when every id fits int64 (block keys hash them as int64); else ValueError."""
+    if tokens and not (TOKEN_MIN <= min(tokens) and max(tokens) <= TOKEN_MAX):
+        i, t = next((i, t) for i, t in enumerate(tokens) if not TOKEN_MIN <= t <= TOKEN_MAX)
+        raise ValueError(f"{name}: element {i} is {t}, outside the int64 range token ids are "
+                         f"hashed in ([{TOKEN_MIN}, {TOKEN_MAX}])")
+    return tokens
+
+
 class BlockAwarePrefixCache:
     """Exact block-level prefix reuse for mlx-lm cache lists, over a PagedSSDCacheManager."""
 
     def __init__(self, manager: Any, model: Any, *, model_id: str | None = None,
                  namespace: str | None = None, make_cache: Callable[[], list] | None = None,
-                 headroom: int = 64) -> None:
+                 headroom: int = 64, model_name: str | None = None) -> None:
         if namespace is not None and not isinstance(namespace, str):
             raise TypeError(f"namespace: expected a str or None, got {type(namespace).__name__}")
         if make_cache is not None and not callable(make_cache):
             raise TypeError(f"make_cache: expected a callable returning a cache list, got {make_cache!r}")
         if isinstance(headroom, bool) or not isinstance(headroom, int) or headroom < 0:
             raise ValueError(f"headroom: expected an int >= 0, got {headroom!r}")
+        if not callable(model):
+            raise TypeError(f"model: expected an mlx-lm model (callable as model(tokens, "
+                            f"cache=...)), got {model!r:.60}")
         self.manager = manager
         self.model = model
         self.namespace = namespace or ""
+        self.model_name = model_name or model_id or ""  # shown by the CLI beside the fingerprint
         self.headroom = headroom
         if make_cache is None:
             from mlx_lm.models.cache import make_prompt_cache
             make_cache = lambda: make_prompt_cache(model)  # noqa: E731
-        self.layout = CacheLayout(model, model_identity(model, model_id), make_cache)
+        self.layout = CacheLayout(model, model_identity(model, model_id), make_cache,
+                                  manager.config.block_size)
         self._stats = dict.fromkeys(
             ("hits", "misses", "tokens_requested", "tokens_matched", "tokens_saved",
              "partial_block_tokens_lost", "walkbacks", "walkback_tokens_lost", "stores",

@@ -6,7 +6,10 @@ a chunked window), every store also leaves the state at its end position and at 
 position: in the block ending there when that block is new, else in a checkpoint node (that
 state over the block's tokens, no rows of layers a block already holds). A held partial tail
 whose tokens a new block extends is dropped when every layer trims to any length, else turned
-into a checkpoint of the same tokens (its state stays, the rows the new block holds go).
+into a checkpoint of the same tokens (its state stays, the rows the new block holds go). Blocks
+of the chain and checkpoints at its positions held only on disk are brought into RAM (the next
+turn is a RAM hit): cut again from the live cache when every layer is full history (the same
+rows), read back otherwise (a cut may hold less state or window rows than the stored node).
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from paged_cache.block import Block
 from paged_cache.chain_index import ChainNode
 from paged_cache.handlers import restorable_at_end
 from paged_cache.hashing import ROOT_PARENT, chain_keys, checkpoint_key
-from paged_cache.tiers.format import META_LAYERS
+from paged_cache.tiers.format import META_LAYERS, META_MODEL_NAME, META_NAMESPACE
 
-ON_DISK = ("ssd", "remote")  # tiers a block is read from with I/O (a store offers it to RAM)
+ON_DISK = ("ssd", "remote")  # tiers a block is read from with I/O (a store brings it to RAM)
 
 
 @dataclass(frozen=True)
@@ -46,8 +49,10 @@ def store_chain(pc: Any, tokens: list[int], cache: list, snaps: dict, consume: b
     parents = [keys[j - 1] if j else ROOT_PARENT for j in range(len(keys))]
     tiers, kids = manager.chain(keys, fp, pc.namespace)
     new = [j for j, tier in enumerate(tiers) if tier is None]
-    # blocks held only on disk are cut too: the live arrays go to the RAM tier (next turn: a RAM hit)
-    offered = [j for j, tier in enumerate(tiers) if tier is None or tier in ON_DISK]
+    # Blocks held only on disk go to RAM too (the next turn is a RAM hit): cut again from the live
+    # cache when every layer's rows are all a block holds (the same content), else read back.
+    on_disk = [j for j, tier in enumerate(tiers) if tier in ON_DISK]
+    offered = sorted(new + on_disk) if layout.full_history else list(new)
     last = len(keys) - 1
     ckpts: list[tuple[int, int]] = []  # (position, block index)
     if last in new and _covered_by_sibling(kids.get(parents[last], ()), ids, spans[last]):
@@ -62,7 +67,11 @@ def store_chain(pc: Any, tokens: list[int], cache: list, snaps: dict, consume: b
     else:
         for kid in dominated:
             _tail_to_checkpoint(pc, kid)
-        ckpts += _checkpoint_positions(kids, parents, ids, spans, new, offered, snaps, n,
+        promote = [keys[j] for j in on_disk]
+        promote += _disk_checkpoints(kids, parents, ids, spans, snaps, n)
+        for key in promote:
+            manager.get(key)  # read and promoted into RAM
+        ckpts += _checkpoint_positions(kids, parents, ids, spans, new, snaps, n,
                                        exclude={p for p, _ in ckpts})
     types = [type(layer).__name__ for layer in cache]
     block_cuts, ckpt_cuts = [], []
@@ -81,9 +90,8 @@ def store_chain(pc: Any, tokens: list[int], cache: list, snaps: dict, consume: b
     written = 0
     for pos, j in enumerate(offered):
         s, e = spans[j]
-        held = next((k for k in kids.get(parents[j], ()) if k.key == keys[j]), None)
         written += _put(pc, keys[j], ChainNode(keys[j], parents[j], fp, s, ids[s:e]),
-                        block_cuts, pos, types, floor=held is not None and held.restorable)
+                        block_cuts, pos, types)
     done = 0
     for pos, (p, j) in enumerate(ckpts):
         s = spans[j][0]
@@ -93,10 +101,8 @@ def store_chain(pc: Any, tokens: list[int], cache: list, snaps: dict, consume: b
     return StoreResult(written, done, len(keys) - len(new))
 
 
-def _put(pc: Any, key: str, node: ChainNode, cuts: list[list], pos: int, types: list[str],
-         floor: bool = False) -> int:
-    """Assemble one node's arrays from every layer's cut ``pos`` and put it; 1 if new.
-    ``floor``: the block is held on disk restorable at its end; offer it only if this cut is too."""
+def _put(pc: Any, key: str, node: ChainNode, cuts: list[list], pos: int, types: list[str]) -> int:
+    """Assemble one node's arrays from every layer's cut ``pos`` and put it; 1 if new."""
     arrays: dict[str, mx.array] = {}
     descs = []
     restorable = True
@@ -107,13 +113,10 @@ def _put(pc: Any, key: str, node: ChainNode, cuts: list[list], pos: int, types: 
         restorable = restorable and (not pc.layout.snapshot_layers[i]
                                      or restorable_at_end(pc.layout.template[i], desc))
         layer_cuts[pos] = None
-    if floor and not restorable:
-        return 0  # the copy on disk holds more than this cut: leave it there
     mx.eval(list(arrays.values()))
     node = ChainNode(node.key, node.parent, node.fingerprint, node.start, node.token_ids,
                      node.checkpoint, restorable)
-    meta = {**node.to_meta(), META_LAYERS: json.dumps(descs)}
-    return int(bool(pc.manager.put(Block(key, arrays, meta))))
+    return int(bool(pc.manager.put(Block(key, arrays, _meta(pc, node, descs)))))
 
 
 def _covered_by_sibling(siblings: Any, ids: np.ndarray, span: tuple[int, int]) -> bool:
@@ -159,30 +162,52 @@ def _tail_to_checkpoint(pc: Any, tail: ChainNode) -> None:
     key = checkpoint_key(layout.fingerprint, pc.namespace, tail.parent, tail.token_ids)
     node = ChainNode(key, tail.parent, tail.fingerprint, tail.start, tail.token_ids,
                      checkpoint=True, restorable=tail.restorable)
-    pc.manager.put(Block(key, arrays, {**node.to_meta(), META_LAYERS: json.dumps(descs)}))
+    pc.manager.put(Block(key, arrays, _meta(pc, node, descs)))
+
+
+def _meta(pc: Any, node: ChainNode, descs: list[dict]) -> dict[str, str]:
+    """A node's block meta: its chain fields, layer descriptors, namespace and model name."""
+    return {**node.to_meta(), META_LAYERS: json.dumps(descs), META_NAMESPACE: pc.namespace,
+            META_MODEL_NAME: pc.model_name}
+
+
+def _positions(snaps: dict, n: int) -> list[int]:
+    """The store's end and its snapshot positions, ascending."""
+    return sorted({b for b in snaps if 0 < b <= n} | {n})
+
+
+def _restoring(kids: dict, parents: list[str], ids: np.ndarray, spans: list[tuple[int, int]],
+               p: int) -> tuple[int, list[ChainNode]]:
+    """(index of the block holding position ``p - 1``, held nodes restorable exactly at ``p``)."""
+    bs = spans[0][1] - spans[0][0]
+    j = (p - 1) // bs
+    s = spans[j][0]
+    return j, [k for k in kids.get(parents[j], ()) if k.restorable and k.end == p
+               and k.start == s and np.array_equal(k.token_ids, ids[s:p])]
+
+
+def _disk_checkpoints(kids: dict, parents: list[str], ids: np.ndarray,
+                      spans: list[tuple[int, int]], snaps: dict, n: int) -> list[str]:
+    """Checkpoints held only on disk at this store's positions (to read back into RAM)."""
+    out = []
+    for p in _positions(snaps, n):
+        _, held = _restoring(kids, parents, ids, spans, p)
+        if held and all(k.tier in ON_DISK for k in held):
+            out += [k.key for k in held if k.checkpoint][:1]
+    return out
 
 
 def _checkpoint_positions(kids: dict, parents: list[str], ids: np.ndarray,
-                          spans: list[tuple[int, int]], new: list[int], offered: list[int],
-                          snaps: dict, n: int,
+                          spans: list[tuple[int, int]], new: list[int], snaps: dict, n: int,
                           exclude: set[int]) -> list[tuple[int, int]]:
     """Positions (the store's end and every snapshot) where no held or new node already
     restores every layer: (position, index of the block holding the position's last token)."""
-    bs = spans[0][1] - spans[0][0] if spans else 1
     out = []
-    for p in sorted({b for b in snaps if 0 < b <= n} | {n}):
+    for p in _positions(snaps, n):
         if p in exclude:
             continue
-        j = (p - 1) // bs
-        s, e = spans[j]
-        if e == p and j in new:
-            continue  # the new block ending here carries the state
-        held = [k for k in kids.get(parents[j], ()) if k.restorable and k.end == p
-                and k.start == s and np.array_equal(k.token_ids, ids[s:p])]
-        if any(k.tier not in ON_DISK for k in held):
-            continue  # restored from RAM already
-        if held and e == p and j in offered and not all(k.checkpoint for k in held):
-            continue  # the block ending here is offered again (to RAM) with this store
-        # (a checkpoint held only on disk is written again: the put puts it in RAM)
+        j, held = _restoring(kids, parents, ids, spans, p)
+        if (spans[j][1] == p and j in new) or held:
+            continue  # the new block ending here carries the state, or a held node does
         out.append((p, j))
     return out

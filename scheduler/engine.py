@@ -221,6 +221,10 @@ class Scheduler:
                 self._fail(req, exc)
         return self._decode_step()
 
+    # stats(): the levels right now; the rest are counters since construction
+    STAT_GAUGES = frozenset({"queued", "prefilling", "decoding", "batch_decode", "snapshots",
+                             "snapshot_bytes"})
+
     def stats(self) -> dict[str, Any]:
         """Counters, and snapshots held right now (0 once every request has ended)."""
         live = list(self._live.values())

@@ -23,7 +23,7 @@ from paged_cache.block import Block
 from paged_cache.cli.main import main
 from paged_cache.integrations.stats_http import answer
 from paged_cache.hashing import ROOT_PARENT
-from paged_cache.stats import render_prometheus
+from paged_cache.stats import nested_gauges, render_prometheus
 from paged_cache.testing import tiny_model
 
 FP_A, FP_B = "a" * 64, "b" * 64
@@ -244,6 +244,9 @@ def test_not_a_cache_directory(tmp_path, kind):
                     ["prune", "--max-bytes", "0"], ["purge", "--yes"]):
         argv = command if command[0] == "show" else command[:1] + [str(target)] + command[1:]
         status, out, err = run_cli(*argv)
+        if kind == "bad-manifest" and command == ["verify"]:   # verify reports the damage
+            assert status == 1 and "damaged" in out and "manifest" in out, (out, err)
+            continue
         assert status == 2, (command, out, err)
         assert f"paged-cache {command[0]}: error:" in err and str(target) in err
         if kind in ("empty", "other", "missing"):
@@ -307,11 +310,11 @@ class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
 
 
-def serve_stats(source) -> tuple[_Server, str]:
+def serve_stats(source, gauges=frozenset()) -> tuple[_Server, str]:
     """A real HTTP server answering the stats endpoint exactly as `paged-cache serve` must."""
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            if not answer(self, source):
+            if not answer(self, source, gauges):
                 self.send_error(404)
 
         def log_message(self, *args):
@@ -344,7 +347,8 @@ def test_stats_of_a_running_server(tmp_path):
         prefix.fetch(tokens + [7, 8])
         prefix.fetch([999, 998, 997])
         sections = lambda: {"manager": manager.stats(), "prefix": prefix.stats()}  # noqa: E731
-        server, url = serve_stats(sections)
+        gauges = nested_gauges("manager", PagedSSDCacheManager.STAT_GAUGES)
+        server, url = serve_stats(sections, gauges)
         try:
             doc = cli_json("stats", "--url", url)
             expected = sections()
@@ -361,7 +365,8 @@ def test_stats_of_a_running_server(tmp_path):
                 assert not missing, (section, missing)
 
             status, out, _ = run_cli("stats", "--url", url, "--prometheus")
-            assert status == 0 and out == render_prometheus(sections())
+            assert status == 0 and out == render_prometheus(sections(), gauges=gauges)
+            assert "# TYPE paged_cache_manager_ssd_open_seconds gauge" in out
             assert "paged_cache_prefix_tokens_matched_total 50" in out
             status, out, _ = run_cli("stats", "--url", url)
             assert status == 0 and "token hit ratio" in out and "tokens_matched" in out

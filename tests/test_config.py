@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -94,15 +95,32 @@ def test_invalid_values_raise_naming_the_field(kwargs, field):
 @pytest.mark.parametrize("kwargs, field", [
     (dict(ssd_dir="/tmp/x"), "ssd_dir"), (dict(ssd_max_bytes="1GB"), "ssd_max_bytes"),
     (dict(ssd_max_bytes="auto"), "ssd_max_bytes"), (dict(compression="lz4"), "compression"),
+    (dict(write_policy="write-back"), "write_policy"),
 ])
-def test_hot_cache_only_contradicted_by_explicit_ssd_settings(kwargs, field):
-    with pytest.raises(ValueError, match=rf"^{field}: .*contradicts hot_cache_only=True"):
-        CacheConfig(hot_cache_only=True, **kwargs)
+def test_hot_cache_only_makes_explicit_ssd_settings_inert(kwargs, field):
+    config = CacheConfig(hot_cache_only=True, **kwargs)
+    assert config.hot_cache_only and config.inert_fields() == {field: "constructor"}
+    assert CacheConfig(**kwargs).inert_fields() == {}
+
+
+def test_compression_stays_active_for_a_remote_tier():
+    config = CacheConfig(hot_cache_only=True, remote_url="redis://127.0.0.1:6379",
+                         compression="lz4", ssd_dir="/tmp/x")
+    assert config.inert_fields() == {"ssd_dir": "constructor"}
+    assert "compression" not in config.inactive_fields()
 
 
 def test_hot_cache_only_accepts_the_no_op_ssd_values():
     config = CacheConfig(hot_cache_only=True, ssd_max_bytes=0, compression="none")
     assert config.hot_cache_only and config.ssd_max_bytes == 0
+
+
+def test_no_ssd_space_names_the_source_of_each_value():
+    with pytest.raises(ValueError, match=r"^ssd_max_bytes: 0 \(from env:PAGED_CACHE_SSD_MAX_BYTES\)"
+                                         r" .*hot_cache_only=False \(from default\)"):
+        CacheConfig.from_env({"PAGED_CACHE_SSD_MAX_BYTES": "0"})
+    with pytest.raises(ValueError, match=r"^block_size: .* \(from env:PAGED_CACHE_BLOCK_SIZE\)$"):
+        CacheConfig.from_env({"PAGED_CACHE_BLOCK_SIZE": "many"})
 
 
 def test_ssd_budget_never_exceeds_the_filesystem(tmp_path, caplog):
@@ -149,7 +167,6 @@ def test_env_bool_words(word, value):
     ({"PAGED_CACHE_BLOCK_SIZE": "0"}, "block_size"),
     ({"PAGED_CACHE_HOT_CACHE_MAX_BYTES": "8 parsecs"}, "hot_cache_max_bytes"),
     ({"PAGED_CACHE_BLOKC_SIZE": "64"}, "PAGED_CACHE_BLOKC_SIZE"),
-    ({"PAGED_CACHE_HOT_CACHE_ONLY": "1", "PAGED_CACHE_SSD_DIR": "/tmp/x"}, "ssd_dir"),
 ])
 def test_from_env_invalid(env, field):
     with pytest.raises(ValueError, match=rf"^{field}: "):
@@ -185,7 +202,6 @@ def test_from_toml_table_and_top_level(tmp_path):
     ("[paged_cache]\nhot_cache_max_bytes = -3\n", "hot_cache_max_bytes"),
     ("[paged_cache]\nblocksize = 64\n", "blocksize"),
     ("colour = 'blue'\n", "colour"),
-    ("hot_cache_only = true\ncompression = 'lz4'\n", "compression"),
     ("block_size = \n", "config file"),
 ])
 def test_from_toml_invalid(tmp_path, text, field):
@@ -206,12 +222,17 @@ def test_cli_flags_for_every_field(tmp_path):
     config = parse_cli(["--block-size", "128", "--hot-cache-max-bytes", "2GB", "--ssd-dir",
                         str(tmp_path), "--ssd-max-bytes", "3GiB", "--compression", "lz4",
                         "--write-policy", "write-back", "--write-queue-max-bytes", "8MB",
-                        "--queue-full-policy", "write-on-caller"])
+                        "--queue-full-policy", "write-on-caller", "--remote-url",
+                        "rediss://u:pw@cache.lan:6380/2", "--remote-ttl", "3600",
+                        "--remote-timeout", "0.2", "--remote-queue-max-bytes", "16MiB"])
     assert config.to_dict() == dict(
         block_size=128, hot_cache_max_bytes=2 * 10**9, ssd_dir=str(tmp_path),
         ssd_max_bytes=3 * 2**30, hot_cache_only=False, compression="lz4",
         write_policy="write-back", write_queue_max_bytes=8 * 10**6,
-        queue_full_policy="write-on-caller")
+        queue_full_policy="write-on-caller", remote_url="rediss://u:***@cache.lan:6380/2",
+        remote_cluster=False, remote_ttl=3600.0, remote_timeout=0.2,
+        remote_queue_max_bytes=16 * 2**20)
+    assert config.remote_url == "rediss://u:pw@cache.lan:6380/2"
     assert config.sources["ssd_dir"] == "flag:--ssd-dir"
     assert parse_cli(["--hot-cache-only"]).hot_cache_only is True
 
@@ -231,11 +252,44 @@ def test_precedence_default_toml_env_flag(tmp_path):
     assert not parse_cli(["--no-hot-cache-only"], {"PAGED_CACHE_HOT_CACHE_ONLY": "1"}).hot_cache_only
 
 
-def test_layers_combine_into_a_contradiction(tmp_path):
+def test_hot_cache_only_flag_wins_over_a_toml_ssd_dir(tmp_path):
     toml = tmp_path / "c.toml"
-    toml.write_text(f"ssd_dir = '{tmp_path}'\n")
-    with pytest.raises(ValueError, match=r"^ssd_dir: .*contradicts hot_cache_only"):
-        parse_cli(["--config", str(toml), "--hot-cache-only"])
+    toml.write_text(f"ssd_dir = '{tmp_path / 'ssd'}'\ncompression = 'lz4'\n")
+    config = parse_cli(["--config", str(toml), "--hot-cache-only"])
+    assert config.inert_fields() == {"ssd_dir": f"toml:{toml}", "compression": f"toml:{toml}"}
+
+
+def test_env_hot_cache_only_over_a_toml_ssd_dir(tmp_path, caplog):
+    """The master switch from the environment: no error, no directory, the manager logs the
+    inert fields once, and `paged-cache config` shows them inactive with their sources."""
+    from paged_cache.manager import PagedSSDCacheManager
+
+    ssd = tmp_path / "ssd"
+    toml = tmp_path / "c.toml"
+    toml.write_text(f"[paged_cache]\nssd_dir = '{ssd}'\nssd_max_bytes = '1GB'\n")
+    env = dict(os.environ, PAGED_CACHE_HOT_CACHE_ONLY="1")
+    config = parse_cli(["--config", str(toml)], env)
+    with caplog.at_level(logging.WARNING, logger="paged_cache.config"):
+        for _ in range(2):
+            with PagedSSDCacheManager(config) as manager:
+                assert manager.stats()["hot_cache_only"] is True
+    assert not ssd.exists()
+    logged = [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()]
+    assert logged == [f"hot_cache_only=True (from env:PAGED_CACHE_HOT_CACHE_ONLY): ignoring "
+                      f"ssd_dir (from toml:{toml}), ssd_max_bytes (from toml:{toml})"]
+    run = subprocess.run([sys.executable, "-m", "paged_cache.cli.main", "config", "--config",
+                          str(toml)], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    lines = {line.split()[0]: line for line in run.stdout.splitlines()}
+    assert f"[toml:{toml}]" in lines["ssd_dir"] and "inactive: hot_cache_only" in lines["ssd_dir"]
+    assert "[default]" in lines["compression"] and "inactive" in lines["compression"]
+    assert "[env:PAGED_CACHE_HOT_CACHE_ONLY]" in lines["hot_cache_only"]
+    assert "inactive" not in lines["block_size"] + lines["hot_cache_only"]
+    shown = json.loads(subprocess.run(
+        [sys.executable, "-m", "paged_cache.cli.main", "config", "--json", "--config", str(toml)],
+        env=env, capture_output=True, text=True, check=True).stdout)
+    assert shown["ssd_dir"] == {"value": str(ssd), "source": f"toml:{toml}", "active": False}
+    assert not ssd.exists()
 
 
 def test_cli_bad_size_raises_value_error():
@@ -246,7 +300,7 @@ def test_cli_bad_size_raises_value_error():
 def test_config_subcommand_prints_values_and_sources(tmp_path, capsys):
     assert cli_main(["config", "--json", "--block-size", "64", "--ssd-dir", str(tmp_path)]) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert shown["block_size"] == {"value": 64, "source": "flag:--block-size"}
+    assert shown["block_size"] == {"value": 64, "source": "flag:--block-size", "active": True}
     assert shown["ssd_dir"]["value"] == str(tmp_path)
     assert shown["ssd_max_bytes"]["effective_bytes"] > 0
     assert cli_main(["config", "--hot-cache-only"]) == 0
@@ -261,5 +315,7 @@ def test_config_subcommand_reads_the_environment(tmp_path):
     out = subprocess.run([sys.executable, "-m", "paged_cache.cli.main", "config", "--json"],
                          env=env, capture_output=True, text=True, check=True).stdout
     shown = json.loads(out)
-    assert shown["compression"] == {"value": "lz4", "source": "env:PAGED_CACHE_COMPRESSION"}
-    assert shown["ssd_dir"] == {"value": str(tmp_path / "paged-cache"), "source": "default"}
+    assert shown["compression"] == {"value": "lz4", "source": "env:PAGED_CACHE_COMPRESSION",
+                                    "active": True}
+    assert shown["ssd_dir"] == {"value": str(tmp_path / "paged-cache"), "source": "default",
+                                "active": True}

@@ -30,7 +30,7 @@ def _stored(model, prefix: BlockAwarePrefixCache, tokens: list[int]) -> None:
 def test_concurrent_fetches_of_one_prefix_all_hit_exactly() -> None:
     model = tiny_model("llama")
     prefix = _prefix(model)
-    history = prompt(5 * BLOCK + 3)
+    history = prompt(5 * BLOCK)
     _stored(model, prefix, history)
     first, n = prefix.fetch(history + [1, 2])
     assert n == len(history) and prefix.stats()["loans_open"] == 1
@@ -63,7 +63,7 @@ def test_a_dropped_request_gives_its_blocks_back() -> None:
 def test_a_request_that_stores_settles_its_loan_without_a_copy() -> None:
     model = tiny_model("llama")
     prefix = _prefix(model)
-    history = prompt(3 * BLOCK + 5)
+    history = prompt(3 * BLOCK)
     _stored(model, prefix, history)
     cache, n = prefix.fetch(history + [4, 5])
     model(mx.array([[4, 5]]), cache=cache)

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from paged_cache import Block, CacheConfig, PagedSSDCacheManager, render_prometheus
+from paged_cache.stats import nested_gauges
 
 DTYPES = [mx.float32, mx.float16, mx.bfloat16, mx.uint32]
 
@@ -382,12 +383,16 @@ def test_prometheus_exposition_of_manager_stats(tmp_path):
         manager.get(key_of(0))
         manager.get(key_of(99))
         text = render_prometheus({"manager": manager.stats(),
-                                  "prefix": {"lookups": 3, "walkbacks": 1, "store_seconds": 0.5}})
+                                  "prefix": {"lookups": 3, "walkbacks": 1, "store_seconds": 0.5}},
+                                 gauges=nested_gauges("manager", manager.STAT_GAUGES))
     lines = text.splitlines()
     assert "# TYPE paged_cache_manager_hits_ssd_total counter" in lines
     assert "# TYPE paged_cache_manager_hot_bytes gauge" in lines
     assert "# TYPE paged_cache_manager_ssd_queue_bytes gauge" in lines
     assert "# TYPE paged_cache_manager_ssd_write_bytes_total counter" in lines
+    assert "# TYPE paged_cache_manager_ssd_open_seconds gauge" in lines
+    assert "# TYPE paged_cache_manager_ssd_max_bytes gauge" in lines
+    assert "# TYPE paged_cache_manager_hot_evicted_bytes_total counter" in lines
     assert "paged_cache_manager_misses_total 1" in lines
     assert "paged_cache_manager_hot_cache_only 0" in lines
     assert "# TYPE paged_cache_prefix_walkbacks_total counter" in lines
@@ -399,7 +404,7 @@ def test_prometheus_exposition_of_manager_stats(tmp_path):
     assert render_prometheus([{"a": {"hits": 1}}, {"b": 2.5}], prefix="x",
                              gauges=["a_hits"]) == (
         "# HELP x_a_hits paged-cache gauge a_hits\n# TYPE x_a_hits gauge\nx_a_hits 1\n"
-        "# HELP x_b paged-cache gauge b\n# TYPE x_b gauge\nx_b 2.5\n")
+        "# HELP x_b_total paged-cache counter b\n# TYPE x_b_total counter\nx_b_total 2.5\n")
     json.dumps(manager.stats())
 
 

@@ -161,6 +161,12 @@ def check_live_stats(url: str, turns: list[tuple[str, int, int]]) -> None:
     assert metrics["paged_cache_requests_cached_tokens_total"] == ("counter", cached)
     assert metrics["paged_cache_prefix_tokens_matched_total"] == ("counter", cached)
     assert metrics["paged_cache_manager_hot_bytes"][0] == "gauge"
+    # types come from the STAT_GAUGES declarations, not from the names
+    assert metrics["paged_cache_requests_sequences"][0] == "gauge"
+    if "ssd" in doc["manager"]:
+        assert metrics["paged_cache_manager_ssd_open_seconds"][0] == "gauge"
+        assert metrics["paged_cache_manager_ssd_queue_bytes"][0] == "gauge"
+    assert metrics["paged_cache_prefix_restore_seconds_total"][0] == "counter"
     # mlx_lm.server's own routes still answer next to the stats routes.
     with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
         assert r.status == 200
@@ -201,6 +207,11 @@ def test_serve_matches_plain_server_and_reuses_across_restart(model_dir, tmp_pat
     assert len(info) == len(MODES), info
     files = block_files(ssd)
     assert files
+    # The blocks carry the model as serve was given it; the CLI shows it beside the fingerprint.
+    shown = json.loads(subprocess.run(
+        [sys.executable, "-m", "paged_cache.cli.main", "inspect", str(ssd), "--json"],
+        capture_output=True, text=True, check=True, timeout=60).stdout)
+    assert [m["name"] for m in shown["models"]] == [str(model_dir)]
 
     # A new server process on the same directory serves the conversation's prefix from SSD.
     with server(paged_argv(model_dir, "--ssd-dir", str(ssd)), tmp_path / "restart.log") as (c, _, _):

@@ -22,10 +22,13 @@ def register(subparsers: Any) -> None:
 
 
 def _describe(config: CacheConfig) -> dict[str, Any]:
-    """{field: {value, source[, bytes/human]}} including the resolved SSD budget."""
+    """{field: {value, source, active[, human]}} including the resolved SSD budget; with
+    hot_cache_only the SSD fields are inactive (kept with their source, not used)."""
     out: dict[str, Any] = {}
+    inactive = config.inactive_fields()
     for name, value in config.to_dict().items():
-        entry: dict[str, Any] = {"value": value, "source": config.sources[name]}
+        entry: dict[str, Any] = {"value": value, "source": config.sources[name],
+                                 "active": name not in inactive}
         if name.endswith("_bytes") and isinstance(value, int):
             entry["human"] = format_size(value)
         out[name] = entry
@@ -53,5 +56,6 @@ def run(args: argparse.Namespace) -> int:
             value = f"{value} ({entry['human']})"
         if "effective_human" in entry:
             value = f"{value} (now {entry['effective_human']})"
-        print(f"{name:<{width}}  {value}  [{entry['source']}]")
+        inactive = "" if entry["active"] else "  (inactive: hot_cache_only)"
+        print(f"{name:<{width}}  {value}  [{entry['source']}]{inactive}")
     return 0

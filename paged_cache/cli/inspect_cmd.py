@@ -25,8 +25,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add inspect, ls, show and chains."""
     p = subparsers.add_parser("inspect", help="totals per model of a cache directory",
                               description="Blocks, tokens, bytes, compression, cache types, access "
-                                          "times and budget use per model fingerprint (SSD tier).")
-    render.add_dir_arguments(p)
+                                          "times and budget use per model fingerprint (SSD tier); "
+                                          "with --remote-url also the remote server's blocks, "
+                                          "memory and eviction policy.")
+    render.add_dir_arguments(p, fields=("ssd_dir", "ssd_max_bytes", "remote_url",
+                                         "remote_cluster"))
     p.set_defaults(func=render.dir_command("inspect", run_inspect))
 
     p = subparsers.add_parser("ls", help="one row per stored block")
@@ -54,6 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_inspect(args: argparse.Namespace, cache: CacheDir) -> int:
     rows = cache.rows()
     models = model_summaries(rows.values())
+    names = render.model_names(cache, rows.values())
     total_bytes = sum(r.file_bytes for r in rows.values())
     budget = _budget(args, cache, total_bytes)
     quarantined = quarantine_files(cache)
@@ -74,7 +78,8 @@ def run_inspect(args: argparse.Namespace, cache: CacheDir) -> int:
         "totals": totals,
         "budget": budget,
         "quarantine": {"files": len(quarantined), "bytes": sum(q.size for q in quarantined)},
-        "models": [_model_json(m) for m in models],
+        "models": [_model_json(m, names) for m in models],
+        "remote": _remote(args),
     }
     if args.json:
         render.print_json(data)
@@ -87,16 +92,42 @@ def run_inspect(args: argparse.Namespace, cache: CacheDir) -> int:
                   f"{budget['source']}): {budget['used_ratio']:.1%} used")
     out.print(render.table(None, ["model", "blocks", "tokens", "on disk", "raw", "ratio",
                                   "cache types", "oldest access", "newest access", "writing"],
-                           [[render.short(m.fingerprint), m.blocks, m.tokens, render.size(m.file_bytes),
+                           [[render.model_label(m.fingerprint, names), m.blocks, m.tokens,
+                             render.size(m.file_bytes),
                              render.size(m.raw_bytes), _ratio(m.compression_ratio),
                              _types(m.cache_types), render.ago(m.oldest_access),
                              render.ago(m.newest_access), m.reserved] for m in models],
-                           right=("blocks", "tokens", "on disk", "raw", "ratio", "writing")))
+                           right=("blocks", "tokens", "on disk", "raw", "ratio", "writing"),
+                           optional=("oldest access", "raw", "writing", "cache types")))
+    remote = data["remote"]
+    if remote is not None and "error" in remote:
+        out.print(f"remote tier {remote['url']}: [red]not answering[/] ({remote['error']})")
+    elif remote is not None:
+        limit = f"{render.size(remote['maxmemory'])} ({remote['maxmemory_policy']})" \
+            if remote["maxmemory"] else f"none ({remote['maxmemory_policy']})"
+        out.print(f"remote tier {remote['url']} ({remote['server']}): "
+                  f"{remote['blocks']}{'' if remote['counted_all'] else '+'} blocks, "
+                  f"{render.size(remote['used_memory'])} used, maxmemory {limit}, "
+                  f"{remote['evicted_keys']} evicted, {remote['expired_keys']} expired")
     if quarantined:
         out.print(f"quarantine/: {len(quarantined)} file(s), "
                   f"{render.size(data['quarantine']['bytes'])} (moved aside by verify --repair)")
     out.print(f"[dim]{render.HOT_TIER_NOTE}[/]")
     return render.EXIT_OK
+
+
+def _remote(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The remote server's summary when a remote_url is configured (its error if it does not
+    answer: the directory view still prints)."""
+    config = config_from_args(args)
+    if config.remote_url is None:
+        return None
+    from paged_cache.tiers.remote import server_summary
+
+    try:
+        return server_summary(config.remote_url, cluster=config.remote_cluster)
+    except (OSError, ImportError) as exc:  # no answer, refused, no client: shown, not fatal
+        return {"url": config.remote_url.redacted(), "error": str(exc)}
 
 
 def _budget(args: argparse.Namespace, cache: CacheDir, used: int) -> dict[str, Any]:
@@ -109,8 +140,9 @@ def _budget(args: argparse.Namespace, cache: CacheDir, used: int) -> dict[str, A
             "setting": config.ssd_max_bytes, "source": config.sources["ssd_max_bytes"]}
 
 
-def _model_json(m: ModelSummary) -> dict[str, Any]:
-    return dict(m.to_dict(), oldest_access_iso=render.iso(m.oldest_access),
+def _model_json(m: ModelSummary, names: dict[str, str]) -> dict[str, Any]:
+    return dict(m.to_dict(), name=names.get(m.fingerprint, ""),
+                oldest_access_iso=render.iso(m.oldest_access),
                 newest_access_iso=render.iso(m.newest_access))
 
 
@@ -135,17 +167,19 @@ def run_ls(args: argparse.Namespace, cache: CacheDir) -> int:
     else:
         rows.sort(key=lambda r: (r.last_access, r.key))
     rows = rows[:args.limit] if args.limit is not None else rows
+    names = render.model_names(cache, rows)
     if args.json:
-        render.print_json([_row_json(r) for r in rows])
+        render.print_json([dict(_row_json(r), model_name=names.get(r.fingerprint or "", ""))
+                           for r in rows])
         return render.EXIT_OK
     render.console().print(render.table(
         f"{len(rows)} block(s) in {cache.path}",
         ["key", "model", "tokens", "on disk", "raw", "compression", "cache types", "last access",
          "state"],
-        [[render.short(r.key), render.short(r.fingerprint), r.tokens, render.size(r.file_bytes),
-          render.size(r.raw_bytes), r.compression, _types(layer_counts(r)), render.ago(r.last_access),
-          _state(r)] for r in rows],
-        right=("tokens", "on disk", "raw")))
+        [[render.short(r.key), render.model_label(r.fingerprint, names), r.tokens,
+          render.size(r.file_bytes), render.size(r.raw_bytes), r.compression,
+          _types(layer_counts(r)), render.ago(r.last_access), _state(r)] for r in rows],
+        right=("tokens", "on disk", "raw"), optional=("raw", "compression", "state", "cache types")))
     return render.EXIT_OK
 
 
@@ -189,7 +223,10 @@ def run_show(args: argparse.Namespace, cache: CacheDir) -> int:
     out.print(f"[bold]block {key}[/]")
     meta = data["meta"] or {}
     facts = [
-        ["model", meta.get(fmt.META_FINGERPRINT) or (row and row.fingerprint) or "-"],
+        ["model", " ".join(filter(None, (meta.get(fmt.META_MODEL_NAME),
+                                         meta.get(fmt.META_FINGERPRINT) or (row and row.fingerprint)
+                                         or "-")))],
+        ["namespace", meta.get(fmt.META_NAMESPACE, "-") or "(none)"],
         ["parent", meta.get(fmt.META_PARENT, row.parent if row else None) or "(chain start)"],
         ["tokens", f"{meta.get('start', '?')} + {meta.get(fmt.META_TOKENS, row.tokens if row else '?')}"],
         ["children", len(data["children"])],
@@ -261,12 +298,15 @@ def _header_json(header: fmt.Header) -> dict[str, Any]:
 def run_chains(args: argparse.Namespace, cache: CacheDir) -> int:
     if args.limit < 0:
         raise ValueError(f"--limit: expected an integer >= 0, got {args.limit}")
-    forests = prefix_forests(cache.rows().values())
+    rows = cache.rows()
+    forests = prefix_forests(rows.values())
+    names = render.model_names(cache, rows.values())
     data = []
     for f in forests:
         attached = [t for t in f.trees if not t.detached]
         data.append({
             "fingerprint": f.fingerprint,
+            "name": names.get(f.fingerprint, ""),
             "trees": len(attached),
             "detached_trees": len(f.trees) - len(attached),
             "blocks": len(f.nodes),
@@ -286,16 +326,21 @@ def run_chains(args: argparse.Namespace, cache: CacheDir) -> int:
     if not data:
         out.print(f"{cache.path}: no stored blocks")
     for d in data:
-        out.print(f"[bold]model {render.short(d['fingerprint'])}[/]: {d['trees']} tree(s), "
-                  f"{d['blocks']} blocks, {d['conversations']} stored sequence(s), "
-                  f"{d['shared_blocks']} shared block(s), longest {d['max_tokens']} tokens")
+        out.print(f"[bold]model {render.model_label(d['fingerprint'], names)}[/]: "
+                  f"{d['trees']} tree(s), {d['blocks']} blocks, {d['conversations']} "
+                  f"conversation(s), {d['shared_blocks']} shared block(s), longest "
+                  f"{d['max_tokens']} tokens")
         if d["detached_trees"]:
             out.print(f"  {d['detached_blocks']} block(s) in {d['detached_trees']} detached tree(s): "
                       "their parent block is not on disk, so a fetch cannot reach them from here")
-        out.print(render.table("most shared blocks", ["block", "depth", "ends at token", "sequences"],
-                               [[render.short(n["key"]), n["depth"], n["end_tokens"],
-                                 n["conversations"]] for n in d["most_shared"]],
-                               right=("depth", "ends at token", "sequences")))
+        if d["most_shared"]:
+            out.print(render.table("most shared blocks",
+                                   ["block", "depth", "ends at token", "conversations"],
+                                   [[render.short(n["key"]), n["depth"], n["end_tokens"],
+                                     n["conversations"]] for n in d["most_shared"]],
+                                   right=("depth", "ends at token", "conversations")))
+        else:
+            out.print("no block is shared by two conversations")
         out.print(render.table("longest chains", ["last block", "first block", "blocks", "tokens"],
                                [[render.short(n["key"]), render.short(n["root"]), n["depth"],
                                  n["end_tokens"]] for n in d["longest"]],

@@ -15,7 +15,9 @@ from paged_cache.config import (COMPRESSIONS, QUEUE_FULL_POLICIES, WRITE_POLICIE
 _CHOICES = {"compression": COMPRESSIONS, "write_policy": WRITE_POLICIES,
             "queue_full_policy": QUEUE_FULL_POLICIES}
 _METAVARS = {"block_size": "TOKENS", "hot_cache_max_bytes": "SIZE", "ssd_dir": "DIR",
-             "ssd_max_bytes": "SIZE|auto", "write_queue_max_bytes": "SIZE"}
+             "ssd_max_bytes": "SIZE|auto", "write_queue_max_bytes": "SIZE",
+             "remote_url": "URL", "remote_ttl": "SECONDS", "remote_timeout": "SECONDS",
+             "remote_queue_max_bytes": "SIZE"}
 
 
 def flag_of(name: str) -> str:
@@ -23,15 +25,17 @@ def flag_of(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add --config FILE and a flag per CacheConfig field (all default to "not given")."""
+def add_config_arguments(parser: argparse.ArgumentParser,
+                         fields: tuple[str, ...] | None = None) -> None:
+    """Add --config FILE and a flag per CacheConfig field in ``fields`` (default: every field; a
+    command lists only the fields it uses). Every flag defaults to "not given"."""
     group = parser.add_argument_group("cache configuration",
                                       "precedence: default < --config TOML < PAGED_CACHE_* env < flags")
     group.add_argument("--config", dest="config_file", metavar="FILE", default=None,
                        help="TOML file with a [paged_cache] table (or settings at top level)")
-    for name in CacheConfig.field_names():
+    for name in fields or CacheConfig.field_names():
         help_text = CacheConfig.field_help(name)
-        if name == "hot_cache_only":
+        if name in ("hot_cache_only", "remote_cluster"):
             group.add_argument(flag_of(name), dest=name, default=None,
                                action=argparse.BooleanOptionalAction, help=help_text)
         else:
@@ -47,9 +51,7 @@ def config_from_args(args: argparse.Namespace,
     """
     flags = {name: getattr(args, name) for name in CacheConfig.field_names()
              if getattr(args, name, None) is not None}
-    config = CacheConfig.layered(toml_path=getattr(args, "config_file", None),
-                                 environ=os.environ if environ is None else environ,
-                                 overrides=flags, override_source="flag")
-    for name in flags:
-        config.sources[name] = f"flag:{flag_of(name)}"
-    return config
+    return CacheConfig.layered(toml_path=getattr(args, "config_file", None),
+                               environ=os.environ if environ is None else environ,
+                               overrides=flags,
+                               override_source={name: f"flag:{flag_of(name)}" for name in flags})

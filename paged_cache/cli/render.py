@@ -8,48 +8,53 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from rich.console import Console
 from rich.table import Table
 
 from paged_cache.cli.options import add_config_arguments, config_from_args
 from paged_cache.config import format_size
-from paged_cache.tiers.inventory import CacheDir, NotACacheError
-from paged_cache.tiers.manifest import ManifestError
+from paged_cache.tiers import format as fmt
+from paged_cache.tiers.inventory import CacheDir, NotACacheError, read_header
+from paged_cache.tiers.manifest import COMPLETE, ManifestError, Row
 
 EXIT_OK, EXIT_DAMAGE, EXIT_USAGE = 0, 1, 2
 HOT_TIER_NOTE = ("The hot (RAM) tier lives inside each server process and is not visible from "
                  "outside it: these figures cover the SSD tier only (`paged-cache stats` shows a "
                  "running server's hot tier).")
 SHORT_KEY = 12
-PIPE_WIDTH = 160  # columns when stdout is not a terminal
+PIPE_WIDTH = 160  # columns when stdout is not a terminal and COLUMNS is not set
 
 Handler = Callable[[argparse.Namespace, CacheDir], int]
 
 
 def console() -> Console:
-    """A console on the current sys.stdout (so redirection and capture work); wide when piped."""
+    """A console on the current sys.stdout (so redirection and capture work); the terminal's (or
+    $COLUMNS) width, PIPE_WIDTH when piped without COLUMNS."""
     tty = getattr(sys.stdout, "isatty", lambda: False)()
     return Console(file=sys.stdout, highlight=False, soft_wrap=False,
-                   width=None if tty else PIPE_WIDTH)
+                   width=None if tty or os.environ.get("COLUMNS", "").isdigit() else PIPE_WIDTH)
 
 
 DIR_HELP = "cache directory (default: the effective ssd_dir, see `paged-cache config`)"
 
 
-def add_dir_arguments(parser: argparse.ArgumentParser, *, positional: bool = True) -> None:
-    """DIR (default: the configured ssd_dir), --json, and the shared configuration flags.
+def add_dir_arguments(parser: argparse.ArgumentParser, *, positional: bool = True,
+                      fields: tuple[str, ...] = ("ssd_dir",)) -> None:
+    """DIR (default: the configured ssd_dir), --json, --config and the flags of ``fields`` (the
+    configuration a directory command reads: ssd_dir for its default DIR).
 
     ``positional=False``: the command parses DIR itself and sets ``args.dir``.
     """
     if positional:
         parser.add_argument("dir", nargs="?", metavar="DIR", help=DIR_HELP)
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    add_config_arguments(parser)
+    add_config_arguments(parser, fields)
 
 
 def fail(command: str, message: str, status: int = EXIT_USAGE) -> int:
@@ -79,13 +84,38 @@ def print_json(data: Any) -> None:
 
 
 def table(title: str | None, columns: list[str], rows: list[list[Any]], *,
-          right: tuple[str, ...] = (), header: bool = True) -> Table:
-    """A rich table; columns named in ``right`` are right-aligned (numbers)."""
-    t = Table(title=title, title_justify="left", show_edge=False, pad_edge=False, show_header=header)
-    for name in columns:
-        t.add_column(name, justify="right" if name in right else "left", no_wrap=True)
-    for row in rows:
-        t.add_row(*("" if v is None else str(v) for v in row))
+          right: tuple[str, ...] = (), header: bool = True, optional: tuple[str, ...] = (),
+          width: int | None = None, caption: str | None = None,
+          section_ends: frozenset[int] = frozenset()) -> Table:
+    """A rich table that fits ``width`` (the console's) without truncating a number.
+
+    Columns named in ``right`` (numbers) are right-aligned and never shrink; the others wrap.
+    When the table cannot fit, the columns in ``optional`` are dropped in that order. A line
+    follows each row whose index is in ``section_ends``.
+    """
+    width = console().width if width is None else width
+    cells = [["" if v is None else str(v) for v in row] for row in rows]
+    keep = list(columns)
+
+    def need(name: str) -> int:  # unwrapped width (a header may wrap at its spaces)
+        i = columns.index(name)
+        heading = max(map(len, name.split())) if header and name else 0
+        return max([len(r[i]) for r in cells] + [heading])
+
+    for name in optional:
+        if sum(map(need, keep)) + 3 * (len(keep) - 1) <= width:
+            break
+        keep.remove(name)
+    t = Table(title=title, title_justify="left", show_edge=False, pad_edge=False, show_header=header,
+              caption=caption, caption_justify="left")
+    for name in keep:
+        if name in right:
+            t.add_column(name, justify="right", no_wrap=True, min_width=need(name))
+        else:
+            t.add_column(name, justify="left", overflow="fold")
+    for i, row in enumerate(cells):
+        t.add_row(*(v for name, v in zip(columns, row) if name in keep),
+                  end_section=i in section_ends)
     return t
 
 
@@ -106,6 +136,30 @@ def ago(when: float | None, now: float | None = None) -> str:
 
 def short(key: str | None) -> str:
     return "-" if not key else key[:SHORT_KEY]
+
+
+def model_names(cache: CacheDir, rows: Iterable[Row]) -> dict[str, str]:
+    """{fingerprint: the model name stored in its blocks' metadata}, from one readable block
+    header per fingerprint (blocks written without a name give "")."""
+    names: dict[str, str] = {}
+    for row in rows:
+        if not row.fingerprint or row.fingerprint in names or row.state != COMPLETE:
+            continue
+        files = cache.files_of(row.key)
+        try:
+            meta = read_header(files[0]).meta if files else None
+        except (OSError, ValueError):
+            meta = None
+        if meta is not None:
+            names[row.fingerprint] = meta.get(fmt.META_MODEL_NAME, "")
+    return names
+
+
+def model_label(fingerprint: str | None, names: dict[str, str]) -> str:
+    """A model for a table: the last part of its stored name (a directory's name, a repo's model
+    name) and its short fingerprint, e.g. "tiny 1a2b3c4d5e6f"."""
+    name = os.path.basename(names.get(fingerprint or "", "").rstrip("/\\"))
+    return f"{name} {short(fingerprint)}" if name else short(fingerprint)
 
 
 def iso(when: float | None) -> str | None:

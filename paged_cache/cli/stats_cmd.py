@@ -66,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def headline(doc: dict[str, Any]) -> dict[str, Any]:
-    """Hit ratios and tier bytes derived from the document's manager / prefix sections."""
+    """Hit ratios and tier bytes derived from the document's manager / prefix sections (and the
+    remote tier's stats when the server has one)."""
     manager, prefix = doc.get("manager") or {}, doc.get("prefix") or {}
     fetches = (prefix.get("hits") or 0) + (prefix.get("misses") or 0)
     requested = prefix.get("tokens_requested") or 0
@@ -75,6 +76,7 @@ def headline(doc: dict[str, Any]) -> dict[str, Any]:
         "token_hit_ratio": prefix.get("tokens_matched", 0) / requested if requested else None,
         "hot_bytes": (manager.get("hot") or {}).get("bytes"),
         "ssd_bytes": (manager.get("ssd") or {}).get("bytes"),
+        "remote": manager.get("remote"),
     }
 
 
@@ -87,13 +89,25 @@ def _print(doc: dict[str, Any]) -> None:
               f"fetch hit ratio {ratio(h['fetch_hit_ratio'])}, token hit ratio "
               f"{ratio(h['token_hit_ratio'])}, hot tier {render.size(h['hot_bytes'])}, "
               f"SSD tier {render.size(h['ssd_bytes'])}")
+    remote = h["remote"]
+    if remote:
+        reads = remote.get("reads") or 0
+        mean = f"{remote.get('read_seconds', 0) / reads * 1e3:.2f} ms" if reads else "-"
+        out.print(f"remote tier {remote.get('url')}: {'up' if remote.get('available') else 'DOWN'}, "
+                  f"{remote.get('hits', 0)} hits, {render.size(remote.get('read_bytes'))} read, "
+                  f"{render.size(remote.get('write_bytes'))} written, {remote.get('errors', 0)} "
+                  f"errors, {remote.get('damaged', 0)} damaged, mean round trip {mean}")
     for name, section in doc.items():
         if name == "paged_cache" or not isinstance(section, dict):
             continue
         flat = flatten(section)
         out.print(render.table(name, ["counter", "value"],
-                               [[k, _number(v)] for k, v in sorted(flat.items())], right=("value",)))
+                               [[k, _number(k, v)] for k, v in sorted(flat.items())],
+                               right=("value",)))
 
 
-def _number(value: float) -> str:
+def _number(name: str, value: float) -> str:
+    """A counter's value; byte counts in the size unit of every other output (format_size)."""
+    if name.endswith("bytes") and float(value).is_integer():
+        return render.size(int(value))
     return str(int(value)) if float(value).is_integer() else f"{value:.6g}"

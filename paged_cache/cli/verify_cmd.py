@@ -60,7 +60,7 @@ def run(args: argparse.Namespace, cache: CacheDir) -> int:
         ", ".join(f"{n} {kind}" for kind, n in counts.items() if n),
         ["kind", "what", "key", "path", "size", "reason", "action"],
         [[f.kind, f.what, render.short(f.key), f.path or "-", render.size(f.bytes), f.reason,
-          f.action or "-"] for f in report.findings], right=("size",)))
+          f.action or "-"] for f in report.findings], right=("size",), optional=("what",)))
     if unrepaired:
         out.print("run `paged-cache verify --repair` to fix these")
     return status

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from paged_cache.compat import IncompatibleVersion
 from paged_cache.handlers.arrays import ArraysHandler
 from paged_cache.handlers.base import LayerHandler, Part, Span
 from paged_cache.handlers.cache_list import CacheListHandler
@@ -38,6 +39,8 @@ for _handler in (KVHandler(), ConcatenateKVHandler(), QuantizedKVHandler(), Chun
 
 try:  # optional extra: mlx-vlm
     from paged_cache.handlers.turboquant import TurboQuantHandler
+except IncompatibleVersion:  # installed but unsupported: say so, never serve it uncached silently
+    raise
 except ImportError:  # pragma: no cover - depends on the environment
     TurboQuantHandler = None  # type: ignore[assignment,misc]
 else:

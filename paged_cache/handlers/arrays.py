@@ -3,7 +3,8 @@
 The only exact way back to position P is a state taken at P: a block carries the state at its
 end boundary when the Scheduler captured one there (or the live cache sits exactly at that end),
 and records per block whether it does (``has_state``). A rebuild at ``n`` needs a block ending at
-``n`` with a state; the arrays are shared, not copied (the model replaces, never mutates, them).
+``n`` with a state; the rebuilt layer holds new array objects over the stored buffers
+(``detached``), so a caller updating its state in place never changes the stored block.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from typing import Any, Sequence
 
 from mlx_lm.models.cache import ArraysCache
 
-from paged_cache.handlers.base import Arrays, Captured, LayerHandler, Part, Span, owned
+from paged_cache.handlers.base import (Arrays, Captured, LayerHandler, Part, Span, detached,
+                                       owned)
 
 
 class ArraysHandler(LayerHandler):
@@ -58,5 +60,6 @@ class ArraysHandler(LayerHandler):
 
     def rebuild(self, layer: Any, parts: Sequence[Part], n: int, capacity: int) -> Any:
         part = next(p for p in parts if p.end == n and p.desc.get("has_state"))
-        layer.cache = [part.arrays.pop(f"s{i}", None) for i in range(part.desc["size"])]
+        stored = [part.arrays.pop(f"s{i}", None) for i in range(part.desc["size"])]
+        layer.cache = [None if a is None else detached(a) for a in stored]
         return layer

@@ -88,6 +88,16 @@ def owned(x: mx.array) -> mx.array:
     return mx.contiguous(x)
 
 
+def detached(x: mx.array) -> mx.array:
+    """A new array object for a stored one, so in-place updates a caller makes to a rebuilt cache
+    (``a += 1``, ``a[...] = x``: MLX applies them to the object) never reach the stored block.
+
+    The buffer is shared until either side writes (a shared buffer is never donated), so this
+    costs no second resident copy.
+    """
+    return mx.array(x)
+
+
 def token_slice(x: mx.array, a: int, b: int) -> mx.array:
     """Rows ``[a, b)`` on the token axis."""
     index = (slice(None),) * TOKEN_AXIS + (slice(a, b),)

@@ -1,13 +1,13 @@
 """RotatingKVCache (sliding windows) and paged-cache's PreallocatedRotatingKVCache.
 
-The live buffer is read in temporal order with mlx-lm's own ``_temporal_order`` (after a
-multi-token update it holds ``max_size - 1 + S`` rows in order; after 1-token decodes it is a ring
-around ``_idx``): its first ``keep`` rows are positions ``[0, keep)``, the rest the newest
+The live buffer is read in temporal order with mlx-lm's own ordering (``compat.temporal_order``;
+after a multi-token update it holds ``max_size - 1 + S`` rows in order; after 1-token decodes it
+is a ring around the write slot, ``compat.ring_slot``): its first ``keep`` rows are positions ``[0, keep)``, the rest the newest
 positions before ``offset``. A block gets rows only while the window (or a boundary capture) still
 holds them. A rebuild at ``n`` holds ``keep`` rows plus the newest ``max_size - keep`` rows in
-temporal order (all ``n`` rows when ``n <= max_size``), ``offset = n``, ``_idx = rows``.
+temporal order (all ``n`` rows when ``n <= max_size``), ``offset = n``, write slot ``rows``.
 A rebuild at exactly the stored end of a layer that was a ring (1-token decodes) restores the ring
-itself (same slots, same ``_idx``), so the next 1-token step attends in the original row order.
+itself (same slots, same write slot), so the next 1-token step attends in the original row order.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 from mlx_lm.models.cache import RotatingKVCache
 
+from paged_cache import compat
 from paged_cache.caches import PreallocatedRotatingKVCache
 from paged_cache.handlers.base import Arrays, Captured, Part
 from paged_cache.handlers.rows import RowsHandler, Run
@@ -29,11 +30,11 @@ class RotatingHandler(RowsHandler):
     needs_snapshots = True
 
     def arrays(self, layer: Any) -> Arrays:
-        return {"keys": layer._temporal_order(layer.keys),
-                "values": layer._temporal_order(layer.values)}
+        return {"keys": compat.temporal_order(layer, layer.keys),
+                "values": compat.temporal_order(layer, layer.values)}
 
     def runs(self, layer: Any) -> list[Run]:
-        rows = layer._temporal_order(layer.keys).shape[2]
+        rows = compat.temporal_order(layer, layer.keys).shape[2]
         offset = layer.offset
         if rows >= offset:
             return [(0, offset, 0)]
@@ -53,7 +54,8 @@ class RotatingHandler(RowsHandler):
         """The write slot when the live buffer is a ring (not in temporal order), else None."""
         if layer.keys is None or layer.offset <= layer.max_size:
             return None
-        return layer._idx if layer.keep < layer._idx < layer.keys.shape[2] else None
+        slot = compat.ring_slot(layer)
+        return slot if layer.keep < slot < layer.keys.shape[2] else None
 
     def cut(self, layer: Any, spans: Sequence[tuple[int, int]], captures: dict[int, Captured],
             live_at: int) -> list[tuple[Arrays, dict]]:
@@ -71,7 +73,7 @@ class RotatingHandler(RowsHandler):
         keep, newest = layer.keep, ring - layer.keep
         runs = [(0, keep), (n - newest, n), (n - (layer.max_size - keep), n - newest)]
         self.rebuild_runs(layer, parts, n, capacity, runs)
-        layer._idx = ring
+        compat.set_ring_slot(layer, ring)
         return layer
 
     def buffer_rows(self, layer: Any, rows: int, capacity: int) -> int:
@@ -79,7 +81,8 @@ class RotatingHandler(RowsHandler):
 
     def install(self, layer: Any, buffers: Arrays, n: int, rows: int) -> Any:
         layer.keys, layer.values = buffers["keys"], buffers["values"]
-        layer.offset, layer._idx = n, rows
+        layer.offset = n
+        compat.set_ring_slot(layer, rows)
         return layer
 
 

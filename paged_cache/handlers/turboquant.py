@@ -15,11 +15,11 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx_vlm import turboquant as tq
-
-from paged_cache.handlers.base import Arrays, Part, Span, owned
+from paged_cache import compat
+from paged_cache.handlers.base import Arrays, Part, Span, detached, owned
 from paged_cache.handlers.rows import RowsHandler
 
+tq = compat.turboquant()
 SIDES = ("keys", "values")
 
 
@@ -55,7 +55,7 @@ def unflatten_state(structure: Any, prefix: str, arrays: Arrays) -> Any:
 
 
 def _codec_parts(codec: Any, side: str) -> tuple[Arrays, list]:
-    dim, low, high = tq._snapshot_kv_codec(codec)
+    dim, low, high = compat.snapshot_kv_codec(codec)
     if low is None:
         return {}, [dim, False]
     return {f"codec.{side}.low": mx.array(low), f"codec.{side}.high": mx.array(high)}, [dim, True]
@@ -117,7 +117,7 @@ class TurboQuantHandler(RowsHandler):
 
     def rebuild(self, layer: Any, parts: Sequence[Part], n: int, capacity: int) -> Any:
         desc = parts[0].desc
-        codec_arrays = {k: v for k, v in parts[0].arrays.items() if k.startswith("codec.")}
+        codec_arrays = {k: detached(v) for k, v in parts[0].arrays.items() if k.startswith("codec.")}
         for part in parts:
             for k in [k for k in part.arrays if k.startswith("codec.")]:
                 part.arrays.pop(k)

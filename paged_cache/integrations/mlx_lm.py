@@ -26,10 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Hashable, Sequence
 
+from paged_cache import compat
 from paged_cache.config import CacheConfig, format_size
 from paged_cache.hashing import chain_keys, model_identity
 from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache, as_tokens
+from paged_cache.stats import nested_gauges
 
 logger = logging.getLogger("paged_cache.integrations.mlx_lm")
 
@@ -53,6 +55,7 @@ class ModelBinding:
     namespace: str | None = None
     model_id: str | None = None
     kv_quantization: tuple[int, int] | None = None
+    name: str | None = None  # the model as the user gave it (stored with the blocks, for people)
 
     def same_as(self, other: "ModelBinding") -> bool:
         """The same live model (by identity: an mlx Module compares as a dict) and settings."""
@@ -131,7 +134,7 @@ class PagedPromptCache:
         self._sequences: OrderedDict[str, _Sequence] = OrderedDict()
         self._open: list[_Request] = []   # fetched, not yet finished, oldest first
         self._lock = threading.RLock()
-        tiers = {f"requests_{t}": 0 for t in ("hot", "ssd", "mixed", "miss")}
+        tiers = {f"requests_{t}": 0 for t in ("hot", "ssd", "remote", "mixed", "miss")}
         self.counters = dict(requests=0, **tiers, prompt_tokens=0, cached_tokens=0,
                              fetch_seconds=0.0, inserts=0, store_errors=0, store_seconds=0.0,
                              demote_evictions=0, cache_errors=0)
@@ -146,7 +149,8 @@ class PagedPromptCache:
         """A cache for a single model: every model key the engine passes maps to ``model``."""
         binding = ModelBinding(model, options.pop("make_cache", None),
                                options.pop("namespace", None), options.pop("model_id", None),
-                               options.pop("kv_quantization", None))
+                               options.pop("kv_quantization", None),
+                               options.pop("model_name", None))
         return cls(manager, lambda _key: binding, **options)
 
     def bind(self, resolve: Resolver) -> None:
@@ -182,7 +186,8 @@ class PagedPromptCache:
             bits, group_size = binding.kv_quantization
             layouts.append(lambda: _quantized(make_plain(), bits, group_size))
         prefixes = [BlockAwarePrefixCache(self.manager, binding.model, model_id=binding.model_id,
-                                          namespace=binding.namespace, make_cache=make)
+                                          namespace=binding.namespace, make_cache=make,
+                                          model_name=binding.name)
                     for make in layouts]
         self._current = (model_key, binding, prefixes)
         return prefixes
@@ -332,6 +337,10 @@ class PagedPromptCache:
     def nbytes(self) -> int:
         """Bytes of KV held in RAM (the hot tier); SSD bytes are not counted."""
         return self.manager.hot_bytes
+
+    # stats(): the levels of every section; the prefix cache's stats are all counters
+    STAT_GAUGES = (nested_gauges("manager", PagedSSDCacheManager.STAT_GAUGES)
+                   | nested_gauges("requests", ("requests_open", "sequences")))
 
     def stats(self) -> dict[str, Any]:
         """Sections for `paged-cache stats`: ``manager`` and ``prefix`` (the loaded model's prefix
@@ -487,7 +496,7 @@ def provider_binding(provider: Any, model_key: Hashable) -> ModelBinding:
         make_cache = model.make_cache
     bits = getattr(args, "kv_bits", None)
     quantization = None if bits is None else (bits, getattr(args, "kv_group_size", 64))
-    return ModelBinding(model, make_cache, namespace, model_id, quantization)
+    return ModelBinding(model, make_cache, namespace, model_id, quantization, path)
 
 
 def provider_resolver(provider: Any) -> Resolver:
@@ -534,8 +543,9 @@ def patch_server(manager: PagedSSDCacheManager | Callable[[], PagedSSDCacheManag
 
     from paged_cache.integrations import stats_http
 
-    base = getattr(server.ResponseGenerator, "paged_base", server.ResponseGenerator)
-    run_http_server = getattr(server._run_http_server, "paged_base", server._run_http_server)
+    generator, run_http = compat.server_hooks()
+    base = getattr(generator, "paged_base", generator)
+    run_http_server = getattr(run_http, "paged_base", run_http)
     opened: list[PagedSSDCacheManager] = [manager] if not callable(manager) else []
 
     class PagedResponseGenerator(base):
@@ -564,7 +574,8 @@ def patch_server(manager: PagedSSDCacheManager | Callable[[], PagedSSDCacheManag
         """mlx_lm.server's request handler plus the `paged-cache stats` routes."""
 
         def do_GET(self) -> None:
-            if not stats_http.answer(self, self.response_generator.paged_cache.stats):
+            if not stats_http.answer(self, self.response_generator.paged_cache.stats,
+                                     PagedPromptCache.STAT_GAUGES):
                 super().do_GET()
 
     def paged_run_http_server(host: str, port: int, response_generator: Any,
@@ -578,8 +589,7 @@ def patch_server(manager: PagedSSDCacheManager | Callable[[], PagedSSDCacheManag
             raise ServeError(f"HTTP server on {host}:{port} failed: {error}") from error
 
     paged_run_http_server.paged_base = run_http_server  # type: ignore[attr-defined]
-    server.ResponseGenerator = PagedResponseGenerator
-    server._run_http_server = paged_run_http_server
+    compat.set_server_hooks(PagedResponseGenerator, paged_run_http_server)
 
 
 def _load_default(provider: Any) -> None:
@@ -639,7 +649,11 @@ def serve_main(config: CacheConfig, server_argv: Sequence[str]) -> int:
     try:
         with ExitStack() as stack:
             def open_manager() -> PagedSSDCacheManager:
-                manager = stack.enter_context(PagedSSDCacheManager(config))
+                try:
+                    manager = stack.enter_context(PagedSSDCacheManager(config))
+                except (OSError, ValueError) as error:  # ValueError: a bad ssd_dir, named
+                    raise ServeError(f"cannot open the SSD tier at {config.ssd_dir}: {error}") \
+                        from error
                 logger.info("serving with paged-cache: %s", _describe(config))
                 return manager
 

@@ -17,7 +17,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from paged_cache.stats import render_prometheus
 
@@ -54,22 +54,25 @@ def stats_document(sections: Mapping[str, Any]) -> dict[str, Any]:
     return {"paged_cache": head, **{str(k): v for k, v in sections.items()}}
 
 
-def stats_response(path: str, source: StatsSource) -> tuple[int, str, bytes] | None:
-    """(status, content type, body) for STATS_PATH / METRICS_PATH, None for any other path."""
+def stats_response(path: str, source: StatsSource,
+                   gauges: Iterable[str] = ()) -> tuple[int, str, bytes] | None:
+    """(status, content type, body) for STATS_PATH / METRICS_PATH, None for any other path;
+    ``gauges``: the sections' gauges, flattened (the source's ``STAT_GAUGES``)."""
     route = path.split("?", 1)[0].rstrip("/") or "/"
     if route not in (STATS_PATH, METRICS_PATH):
         return None
     sections = _read(source)
     if route == METRICS_PATH:
-        return 200, PROMETHEUS_TYPE, render_prometheus(sections).encode()
+        return 200, PROMETHEUS_TYPE, render_prometheus(sections, gauges=gauges).encode()
     return 200, JSON_TYPE, json.dumps(stats_document(sections), default=str).encode()
 
 
-def answer(handler: BaseHTTPRequestHandler, source: StatsSource) -> bool:
+def answer(handler: BaseHTTPRequestHandler, source: StatsSource,
+           gauges: Iterable[str] = ()) -> bool:
     """Send the stats response for ``handler.path``; False (nothing sent) for any other path.
     A source that fails is answered with HTTP 500 (and logged), never a dropped connection."""
     try:
-        response = stats_response(handler.path, source)
+        response = stats_response(handler.path, source, gauges)
     except Exception as error:  # the server's own routes must keep working
         log.exception("stats source failed")
         response = 500, "text/plain; charset=utf-8", f"stats unavailable: {error!r}\n".encode()

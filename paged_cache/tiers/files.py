@@ -6,6 +6,7 @@ tools, so every one of them names, opens and judges files the same way.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 
@@ -13,6 +14,7 @@ from paged_cache.tiers import format as fmt
 from paged_cache.tiers.manifest import now
 
 MANIFEST_NAME = "manifest.sqlite"
+MANIFEST_FILES = (MANIFEST_NAME, MANIFEST_NAME + "-wal", MANIFEST_NAME + "-shm")
 STALE_SECONDS = 3600.0     # a temp file / reservation this old is abandoned even if its pid lives
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -31,6 +33,36 @@ def file_compression(blocks_fd: int, key: str, order: tuple[str, ...]) -> str | 
     return None
 
 
+class CacheDirError(ValueError):
+    """The cache directory itself cannot be used: the message names the argument, the path and why."""
+
+    def __init__(self, path: os.PathLike | str, reason: str, argument: str = "directory") -> None:
+        super().__init__(f"{argument}: {os.fspath(path)!r} {reason}")
+        self.path, self.reason = path, reason
+
+    def naming(self, argument: str) -> "CacheDirError":
+        """The same error naming ``argument`` (the caller's name for the directory)."""
+        return CacheDirError(self.path, self.reason, argument)
+
+
+def open_cache_root(path: os.PathLike | str) -> int:
+    """Open (creating 0700) the cache directory itself; CacheDirError saying why it cannot be
+    used (not creatable, not a directory, not ours, unreadable, on a read-only filesystem)."""
+    try:
+        fd = open_private_dir(None, os.fspath(path))
+    except CacheDirError as exc:  # a file or symlink in its place, another owner
+        raise CacheDirError(path, exc.reason) from None
+    except OSError as exc:
+        where = "" if exc.filename in (None, os.fspath(path)) else f" at {exc.filename!r}"
+        raise CacheDirError(path, f"cannot be created or opened: {exc.strerror}{where}") from None
+    except ValueError as exc:  # e.g. an embedded NUL byte
+        raise CacheDirError(path, f"is not a usable path: {exc}") from None
+    if os.fstatvfs(fd).f_flag & os.ST_RDONLY:
+        os.close(fd)
+        raise CacheDirError(path, "is on a read-only filesystem (the SSD tier writes there)")
+    return fd
+
+
 def open_private_dir(dir_fd: int | None, name: str) -> int:
     """Open (creating 0700 if needed) a directory we own, refusing symlinks."""
     try:
@@ -40,15 +72,45 @@ def open_private_dir(dir_fd: int | None, name: str) -> int:
     try:
         fd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
     except OSError as exc:
-        raise ValueError(f"directory: {name!r} must be a real directory, not a symlink or file "
-                         f"({exc.strerror})") from None
+        raise CacheDirError(name, f"must be a real directory, not a symlink or file "
+                                  f"({exc.strerror})") from None
     st = os.fstat(fd)
     if st.st_uid != os.getuid():
         os.close(fd)
-        raise ValueError(f"directory: {name!r} is owned by uid {st.st_uid}, not by this user")
+        raise CacheDirError(name, f"is owned by uid {st.st_uid}, not by this user")
     if stat.S_IMODE(st.st_mode) != 0o700:
         os.fchmod(fd, 0o700)
     return fd
+
+
+def create_manifest_file(root_fd: int) -> None:
+    """Create an empty manifest file 0600 if there is none (SQLite gives -wal / -shm its mode)."""
+    try:
+        os.close(os.open(MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                         0o600, dir_fd=root_fd))
+    except FileExistsError:
+        pass
+
+
+def rebuild_manifest(root_fd: int, inode: int | None) -> bool:
+    """Replace the damaged manifest (the file with ``inode``) by an empty one, which the next open
+    fills from the block files. Under an exclusive lock on the directory, and only while the file
+    is still that inode: a second process finding the same damage never removes the rebuild.
+    Returns False when another process had rebuilt it already."""
+    fcntl.flock(root_fd, fcntl.LOCK_EX)
+    try:
+        try:
+            current = os.stat(MANIFEST_NAME, dir_fd=root_fd, follow_symlinks=False).st_ino
+        except FileNotFoundError:
+            current = None
+        if current is not None and current != inode:
+            return False
+        for name in MANIFEST_FILES:
+            unlink_quiet(name, root_fd)
+        create_manifest_file(root_fd)
+        return True
+    finally:
+        fcntl.flock(root_fd, fcntl.LOCK_UN)
 
 
 def read_exact(fd: int, size: int) -> bytearray:

@@ -41,7 +41,10 @@ META_LAYERS = "layers"
 META_START = "start"            # first token position of the block
 META_TOKEN_IDS = "token_ids"    # the block's own token ids (hashing.encode_token_ids)
 META_CHECKPOINT = "checkpoint"  # "1": a checkpoint node (state at its end, no rows a block holds)
-META_RESTORABLE = "restorable"  # "1": every layer of the node can be rebuilt at its end from it
+META_RESTORABLE = "restorable"  # "1": every layer that cannot be cut by token is restorable at its end
+# Block meta keys read from the file only (set by the prefix cache).
+META_NAMESPACE = "namespace"    # the namespace hashed into the block's key (docs/file-format.md)
+META_MODEL_NAME = "model_name"  # the model as given at serve time (for people; not in the key)
 
 
 @dataclass(frozen=True)

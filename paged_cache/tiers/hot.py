@@ -313,6 +313,8 @@ class HotTier:
         with self._lock:
             return list(self._entries)
 
+    STAT_GAUGES = frozenset({"bytes", "blocks", "max_bytes"})  # stats(): the rest are counters
+
     def stats(self) -> dict[str, Any]:
         """Counters plus the gauges ``bytes``, ``blocks``, ``max_bytes``."""
         with self._lock:

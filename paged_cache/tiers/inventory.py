@@ -18,7 +18,8 @@ import xxhash
 
 from paged_cache.block import HEX, KEY_HEX_LEN, is_key
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.manifest import SCHEMA_VERSION, ManifestError, Row
+from paged_cache.tiers.manifest import (SCHEMA_VERSION, ManifestDamaged, ManifestError, Row,
+                                        damage, is_damage)
 from paged_cache.tiers.files import (MANIFEST_NAME, READ_FLAGS, STALE_SECONDS,
                                      SUFFIX_TO_COMPRESSION, pid_alive)
 
@@ -87,8 +88,11 @@ class CacheDir:
             raise NotACacheError(f"{self.path}: not a paged-cache directory ({MANIFEST_NAME} is not "
                                  f"a regular file or {BLOCKS_DIR}/ is missing)")
         self.manifest_path = manifest
-        with self._connect():  # validates the schema once
-            pass
+        try:
+            with self._connect():  # validates the schema once
+                pass
+        except ManifestDamaged:
+            pass  # `manifest_damage` reports it; reading rows raises ManifestError
 
     # ---- manifest ------------------------------------------------------------------------
     def _connect(self) -> "_ReadTxn":
@@ -97,14 +101,35 @@ class CacheDir:
     def rows(self) -> dict[str, Row]:
         """key -> manifest row for every row (reservations included), read in one transaction."""
         with self._connect() as db:
-            cur = db.execute(f"SELECT {','.join(_COLUMNS)} FROM blocks")
-            return {r[0]: Row(*r) for r in cur}
+            try:
+                cur = db.execute(f"SELECT {','.join(_COLUMNS)} FROM blocks")
+                return {r[0]: Row(*r) for r in cur}
+            except sqlite3.DatabaseError as exc:
+                raise _unreadable(self.manifest_path, exc) from None
 
     def row(self, key: str) -> Row | None:
         """The manifest row of ``key``, or None."""
         with self._connect() as db:
-            r = db.execute(f"SELECT {','.join(_COLUMNS)} FROM blocks WHERE key = ?", (key,)).fetchone()
+            try:
+                r = db.execute(f"SELECT {','.join(_COLUMNS)} FROM blocks WHERE key = ?",
+                               (key,)).fetchone()
+            except sqlite3.DatabaseError as exc:
+                raise _unreadable(self.manifest_path, exc) from None
         return Row(*r) if r else None
+
+    def manifest_damage(self) -> ManifestDamaged | None:
+        """The manifest's damage (SQLite's quick check, which reads every page), or None."""
+        inode = os.stat(self.manifest_path, follow_symlinks=False).st_ino
+        try:
+            with self._connect() as db:
+                problem = damage(db)
+        except ManifestDamaged as exc:
+            return exc
+        except sqlite3.DatabaseError as exc:
+            if not is_damage(exc):
+                raise _unreadable(self.manifest_path, exc) from None
+            problem = str(exc)
+        return None if problem is None else ManifestDamaged(problem, inode)
 
     # ---- files ---------------------------------------------------------------------------
     def block_path(self, key: str, compression: str) -> Path:
@@ -165,8 +190,7 @@ class _ReadTxn:
             row = self.db.execute("SELECT value FROM info WHERE name = 'schema'").fetchone()
         except sqlite3.DatabaseError as exc:
             self._close()
-            raise ManifestError(f"{self.path}: unreadable manifest ({exc}); opening the cache with "
-                                f"the library rebuilds it from the block files") from None
+            raise _unreadable(self.path, exc) from None
         if row is None or row[0] != SCHEMA_VERSION:
             self._close()
             raise ManifestError(f"{self.path}: manifest schema {row and row[0]!r}, this version "
@@ -181,10 +205,25 @@ class _ReadTxn:
         if db is not None:
             try:
                 if db.in_transaction:
-                    db.execute("COMMIT")
+                    db.execute("ROLLBACK")  # read only: nothing to commit
+            except sqlite3.Error:
+                pass  # a damaged database: closing is all that is left to do
             finally:
                 db.close()
             self.db = None
+
+
+def _unreadable(path: Path, exc: sqlite3.DatabaseError) -> ManifestError:
+    """The error for a manifest that cannot be read (ManifestDamaged when it is damage)."""
+    message = (f"{path}: unreadable manifest ({exc}); `paged-cache verify --repair` or opening the "
+               f"cache with the library rebuilds it from the block files")
+    if is_damage(exc):
+        try:
+            inode = os.stat(path, follow_symlinks=False).st_ino
+        except OSError:
+            inode = None
+        return ManifestDamaged(message, inode)
+    return ManifestError(message)
 
 
 def _entries(directory: Path) -> list[os.DirEntry]:

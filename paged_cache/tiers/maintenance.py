@@ -15,7 +15,7 @@ from typing import Callable, Iterable
 
 from paged_cache.tiers.inventory import (QUARANTINE_DIR, BlockFile, CacheDir, OtherFile, Scan,
                                          check_file)
-from paged_cache.tiers.files import writer_alive
+from paged_cache.tiers.files import DIR_FLAGS, rebuild_manifest, writer_alive
 from paged_cache.tiers.manifest import COMPLETE, RESERVED, Manifest, Row, row_from_meta
 from paged_cache.tiers.ssd import TOUCH_FLUSH_SECONDS
 
@@ -34,12 +34,13 @@ class Finding:
     """One problem: a damaged file, an orphan (file or row without its counterpart), an unindexed file."""
 
     kind: str
-    what: str          # "file" | "row"
+    what: str          # "file" | "row" | "manifest"
     reason: str
     key: str | None = None
     path: str | None = None
     bytes: int = 0
     action: str | None = None  # what --repair did
+    inode: int | None = None   # a damaged manifest's (a repair never removes a rebuilt one)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -63,10 +64,15 @@ def verify(cache: CacheDir, progress: Progress | None = None, *,
     """Check every block file (header, key, checksum) and reconcile files with manifest rows.
 
     Read-only. Transient states of a live writer (a file renamed before its row is completed, a
-    row dropped shortly after its file) are re-checked and not reported.
+    row dropped shortly after its file) are re-checked and not reported. A damaged manifest is
+    reported (and its rows ignored: every valid file is then unindexed).
     """
+    damaged = cache.manifest_damage()
     scan = cache.scan()
     report = VerifyReport()
+    if damaged is not None:
+        report.findings.append(Finding(DAMAGED, "manifest", str(damaged), None,
+                                       str(cache.manifest_path), inode=damaged.inode))
     valid: dict[str, list[BlockFile]] = {}
     for f in scan.block_files:
         try:
@@ -79,14 +85,16 @@ def verify(cache: CacheDir, progress: Progress | None = None, *,
         report.bytes_checked += f.size
         if progress is not None:
             progress(f.size)
-    rows = cache.rows()  # after the scan: a file's row is committed before the file is renamed
+    # after the scan: a file's row is committed before the file is renamed
+    rows = {} if damaged is not None else cache.rows()
     report.rows = len(rows)
     report.findings += _file_orphans(scan, rows, valid)
     report.findings += [Finding(UNINDEXED, "file", "block file without a manifest row", key,
                                 str(group[0].path), group[0].size)
                         for key, group in sorted(valid.items())
                         if key not in rows and _exists(group[0].path)]
-    report.findings += _row_orphans(cache, rows, scan, settle_seconds)
+    if damaged is None:
+        report.findings += _row_orphans(cache, rows, scan, settle_seconds)
     return report
 
 
@@ -126,8 +134,17 @@ def _row_orphans(cache: CacheDir, rows: dict[str, Row], scan: Scan,
 
 
 def repair(cache: CacheDir, report: VerifyReport, *, quarantine: bool = True) -> None:
-    """Fix every finding: damaged files are quarantined (or removed) and their rows dropped,
-    orphans removed, unindexed files adopted into the manifest. Sets each finding's ``action``."""
+    """Fix every finding: a damaged manifest is rebuilt (emptied, then every valid file adopted),
+    damaged files are quarantined (or removed) and their rows dropped, orphans removed, unindexed
+    files adopted into the manifest. Sets each finding's ``action``."""
+    for f in report.findings:
+        if f.what == "manifest":
+            root_fd = os.open(cache.path, DIR_FLAGS)
+            try:
+                rebuilt = rebuild_manifest(root_fd, f.inode)
+            finally:
+                os.close(root_fd)
+            f.action = "rebuilt from the block files" if rebuilt else "rebuilt by another process"
     manifest = Manifest(cache.manifest_path)
     try:
         for f in report.findings:
@@ -137,6 +154,8 @@ def repair(cache: CacheDir, report: VerifyReport, *, quarantine: bool = True) ->
 
 
 def _repair_one(cache: CacheDir, manifest: Manifest, f: Finding, quarantine: bool) -> str:
+    if f.what == "manifest":
+        return f.action
     if f.kind == DAMAGED:
         moved = _quarantine(cache, Path(f.path)) if quarantine else _unlink(Path(f.path))
         if f.key is not None and not cache.files_of(f.key):

@@ -7,7 +7,9 @@ byte budget is checked in O(1) inside the same transaction that reserves space f
 
 from __future__ import annotations
 
+import heapq
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -19,6 +21,9 @@ from paged_cache.tiers import format as fmt
 
 SCHEMA_VERSION = "2"  # 2: chain columns (start, token ids, node flags)
 RESERVED, COMPLETE = 0, 1
+BUSY_TIMEOUT_SECONDS = 10.0  # how long one statement waits for another process's write lock
+WAL_LIMIT_BYTES = 4 << 20    # the WAL is truncated back to this after a checkpoint
+EVICT_BATCH = 256            # rows per transaction when evicting at open
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS info(name TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -97,7 +102,37 @@ def row_from_meta(key: str, state: int, file_bytes: int, raw_bytes: int, compres
 
 
 class ManifestError(RuntimeError):
-    """The manifest file is not a usable SQLite database of this schema."""
+    """The manifest cannot be used now (unreadable, read-only, out of space, ...)."""
+
+
+class ManifestDamaged(ManifestError):
+    """The manifest is damaged or of another schema: only this calls for a rebuild from the block
+    files. ``inode``: the damaged file's, so a rebuild never removes another process's rebuild."""
+
+    def __init__(self, message: str, inode: int | None) -> None:
+        super().__init__(message)
+        self.inode = inode
+
+
+class ManifestBusy(ManifestError):
+    """Another process held the write lock longer than the busy timeout (not damage)."""
+
+
+class ManifestReplaced(ManifestError):
+    """Another process rebuilt the manifest: this connection's file is no longer the directory's."""
+
+
+def is_damage(exc: BaseException) -> bool:
+    """True when ``exc`` reports a damaged database (SQLITE_CORRUPT / SQLITE_NOTADB)."""
+    if isinstance(exc, ManifestDamaged):
+        return True
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code is not None and code & 0xFF in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
+
+
+def _is_busy(exc: sqlite3.Error) -> bool:
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code is not None and code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
 
 class Manifest:
@@ -109,15 +144,18 @@ class Manifest:
     one connection per live thread.
     """
 
-    def __init__(self, path: Path, *, busy_timeout_s: float = 10.0) -> None:
+    def __init__(self, path: Path, *, busy_timeout_s: float = BUSY_TIMEOUT_SECONDS) -> None:
         self.path = path
+        self.inode: int | None = None
         self._busy_timeout_s = busy_timeout_s
         self._local = threading.local()
         self._connections: dict[threading.Thread, sqlite3.Connection] = {}
         self._connections_lock = threading.Lock()
         self.queries = 0  # chain lookups answered (child_nodes), for tests and stats
         try:
+            self.inode = _inode(path)  # before connecting: what a rebuild may remove
             db = self._db
+            self.inode = self.inode or _inode(path)  # created by the connection
             if db.execute("PRAGMA journal_mode = WAL").fetchone()[0].lower() != "wal":
                 raise ManifestError(f"{path}: WAL mode unavailable")
             with self._txn():
@@ -127,9 +165,18 @@ class Manifest:
                 if row is None:
                     db.execute("INSERT INTO info VALUES ('schema', ?)", (SCHEMA_VERSION,))
                 elif row[0] != SCHEMA_VERSION:
-                    raise ManifestError(f"{path}: manifest schema {row[0]!r}, expected {SCHEMA_VERSION!r}")
-        except sqlite3.DatabaseError as exc:
+                    raise ManifestDamaged(f"{path}: manifest schema {row[0]!r}, expected "
+                                          f"{SCHEMA_VERSION!r}", self.inode)
+        except ManifestError:
             self.close()
+            raise
+        except (sqlite3.Error, OSError) as exc:
+            self.close()
+            if is_damage(exc):
+                raise ManifestDamaged(f"{path}: {exc}", self.inode) from exc
+            if isinstance(exc, sqlite3.Error) and _is_busy(exc):
+                raise ManifestBusy(f"{path}: {exc} (another process held the write lock for "
+                                   f"more than {self._busy_timeout_s:g} s)") from exc
             raise ManifestError(f"{path}: {exc}") from exc
 
     @property
@@ -140,6 +187,7 @@ class Manifest:
                                  check_same_thread=False)
             db.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_s * 1000)}")
             db.execute("PRAGMA synchronous = NORMAL")
+            db.execute(f"PRAGMA journal_size_limit = {WAL_LIMIT_BYTES}")
             self._local.db = db
             with self._connections_lock:
                 for thread in [t for t in self._connections if not t.is_alive()]:
@@ -148,7 +196,22 @@ class Manifest:
         return db
 
     def _txn(self) -> "_Txn":
-        return _Txn(self._db)
+        return _Txn(self._db, self)
+
+    def check_current(self) -> None:
+        """ManifestReplaced when the directory's manifest file is no longer the one opened (another
+        process rebuilt it): writing on would split the directory between two manifests."""
+        if _inode(self.path) != self.inode:
+            raise ManifestReplaced(f"{self.path}: rebuilt by another process")
+
+    def find_damage(self) -> str | None:
+        """What SQLite's quick check (every page read) finds wrong with the manifest, or None."""
+        try:
+            return damage(self._db)
+        except sqlite3.DatabaseError as exc:
+            if is_damage(exc):
+                return str(exc)
+            raise
 
     def close(self) -> None:
         """Close every thread's connection (the last one out checkpoints the WAL)."""
@@ -184,17 +247,18 @@ class Manifest:
 
     # ---- writes --------------------------------------------------------------------------
     def reserve(self, row: Row, max_bytes: int, deferred: tuple[dict[str, float], set[str]],
-                remove_file: Callable[[str], None],
+                remove_file: Callable[[str], bool],
                 file_exists: Callable[[str], bool]) -> tuple[str, list[tuple[str, int]]]:
         """Make room for ``row`` under ``max_bytes`` (LRU, complete rows only) and insert it as RESERVED.
 
-        ``deferred`` (access times, keys whose files were removed) is applied first. Victim files
-        are removed by ``remove_file(key)`` *before* their rows are deleted, inside
-        the transaction: a crash leaves rows without files (over-counted bytes), never files
-        without rows. Returns ("reserved" | "exists" | "full", [(victim, bytes)]).
+        ``deferred`` (access times, keys whose files were removed) is applied first (see
+        ``apply``). Victim files are removed by ``remove_file(key)`` (True once no file is left)
+        *before* their rows are deleted, inside the transaction: a crash leaves rows without
+        files (over-counted bytes), never files without rows. Returns ("reserved" | "exists" |
+        "full", [(victim, bytes)]).
         """
         with self._txn():
-            self._apply(*deferred)
+            self._apply(*deferred, file_exists)
             found = self._db.execute("SELECT state FROM blocks WHERE key = ?", (row.key,)).fetchone()
             if found is not None:
                 if found[0] == RESERVED or file_exists(row.key):
@@ -246,41 +310,75 @@ class Manifest:
             self._db.executemany("UPDATE blocks SET state = ? WHERE key = ? AND state = ?",
                                  [(COMPLETE, k, RESERVED) for k in keys])
 
-    def apply(self, touches: dict[str, float], forgets: set[str]) -> None:
-        """Record batched access times and drop complete rows whose files were removed."""
+    def apply(self, touches: dict[str, float], forgets: set[str],
+              file_exists: Callable[[str], bool]) -> None:
+        """Record batched access times and drop the complete rows of ``forgets`` whose files are
+        still gone: a key stored again meanwhile (by any process) keeps its new row."""
         if touches or forgets:
             with self._txn():
-                self._apply(touches, forgets)
+                self._apply(touches, forgets, file_exists)
 
-    def evict_to(self, max_bytes: int, remove_file: Callable[[str], None]) -> list[tuple[str, int]]:
-        """Evict complete rows (see ``_evict``) until the total fits ``max_bytes``."""
-        with self._txn():
-            used = self._db.execute("SELECT bytes FROM totals WHERE id = 0").fetchone()[0]
-            return self._evict(used - max_bytes, remove_file)
+    def evict_to(self, max_bytes: int, remove_file: Callable[[str], bool],
+                 file_exists: Callable[[str], bool]) -> list[tuple[str, int]]:
+        """Evict complete rows until the total fits ``max_bytes``, in the order of ``_evict``.
 
-    def _evict(self, need: int, remove_file: Callable[[str], None]) -> list[tuple[str, int]]:
+        The order is computed once from one read of the rows (O(n log n) however long the chains).
+        Then, EVICT_BATCH at a time, the files are removed with no lock held and their rows
+        deleted in one short transaction (only rows whose file is still gone: a key stored again
+        meanwhile keeps its row), so other processes are never held up by a long eviction.
+        """
+        cur = self._db.execute("SELECT key, parent, file_bytes, last_access FROM blocks "
+                               "WHERE state = ?", (COMPLETE,))
+        order = iter(eviction_order(cur.fetchall()))
+        evicted: list[tuple[str, int]] = []
+        while True:
+            need = self.totals()[1] - max_bytes
+            batch = []
+            while need > 0 and len(batch) < EVICT_BATCH:
+                victim = next(order, None)
+                if victim is None:
+                    break
+                if remove_file(victim[0]):
+                    batch.append(victim)
+                    need -= victim[1]
+            if not batch:
+                return evicted
+            with self._txn():
+                for key, size in batch:
+                    if not file_exists(key) and self._db.execute(
+                            "DELETE FROM blocks WHERE key = ? AND state = ?", (key, COMPLETE)).rowcount:
+                        evicted.append((key, size))
+
+    def _evict(self, need: int, remove_file: Callable[[str], bool]) -> list[tuple[str, int]]:
         """Free ``need`` bytes inside the caller's transaction, file first, then row.
 
         Least recently used first, but leaves before their parents: a fetch reads (and so touches)
         a parent before its children, so plain LRU would evict parents first and strand the rest
-        of their chains on disk where no fetch can reach them.
+        of their chains on disk where no fetch can reach them. A row whose file could not be
+        removed stays (the bytes are still on disk) and the next candidate is taken.
         """
         evicted: list[tuple[str, int]] = []
+        kept: set[str] = set()
         while need > 0:
-            batch = (self._db.execute(_LRU_LEAVES, (COMPLETE,)).fetchall()
-                     or self._db.execute(_LRU_ANY, (COMPLETE,)).fetchall())
+            limit = (_LRU_LIMIT + len(kept),)
+            batch = ([r for r in self._db.execute(_LRU_LEAVES, (COMPLETE, *limit)) if r[0] not in kept]
+                     or [r for r in self._db.execute(_LRU_ANY, (COMPLETE, *limit)) if r[0] not in kept])
             if not batch:
                 break
             for key, size in batch:
                 if need <= 0:
                     break
-                remove_file(key)
+                if not remove_file(key):
+                    kept.add(key)
+                    continue
                 self._db.execute("DELETE FROM blocks WHERE key = ?", (key,))
                 need -= size
                 evicted.append((key, size))
         return evicted
 
-    def _apply(self, touches: dict[str, float], forgets: set[str]) -> None:
+    def _apply(self, touches: dict[str, float], forgets: set[str],
+               file_exists: Callable[[str], bool]) -> None:
+        forgets = [k for k in forgets if not file_exists(k)]  # decided inside the write lock
         if forgets:
             self._db.executemany("DELETE FROM blocks WHERE key = ? AND state = ?",
                                  [(k, COMPLETE) for k in forgets])
@@ -289,19 +387,65 @@ class Manifest:
                                  [(t, k) for k, t in touches.items()])
 
 
+_LRU_LIMIT = 64
 _LRU_LEAVES = ("SELECT key, file_bytes FROM blocks b WHERE state = ? AND NOT EXISTS "
-               "(SELECT 1 FROM blocks c WHERE c.parent = b.key) ORDER BY last_access LIMIT 64")
-_LRU_ANY = "SELECT key, file_bytes FROM blocks WHERE state = ? ORDER BY last_access LIMIT 64"
+               "(SELECT 1 FROM blocks c WHERE c.parent = b.key) ORDER BY last_access LIMIT ?")
+_LRU_ANY = "SELECT key, file_bytes FROM blocks WHERE state = ? ORDER BY last_access LIMIT ?"
+
+
+def eviction_order(rows: list[tuple[str, str | None, int, float]]) -> list[tuple[str, int]]:
+    """(key, bytes) of ``rows`` (key, parent, bytes, last access) in eviction order: least
+    recently used leaf first, a parent becoming a leaf once its last child is out; rows left in
+    a cycle last, by LRU. O(n log n), whatever the chain lengths."""
+    info = {key: (parent, size, last) for key, parent, size, last in rows}
+    kids: dict[str, int] = {}
+    for parent, _, _ in info.values():
+        if parent in info:
+            kids[parent] = kids.get(parent, 0) + 1
+    heap = [(last, key) for key, (_, _, last) in info.items() if key not in kids]
+    heapq.heapify(heap)
+    order: list[tuple[str, int]] = []
+    while heap:
+        _, key = heapq.heappop(heap)
+        parent, size, _ = info.pop(key)
+        order.append((key, size))
+        if parent in kids:
+            kids[parent] -= 1
+            if kids[parent] == 0:
+                heapq.heappush(heap, (info[parent][2], parent))
+    order += [(key, size) for key, (_, size, _) in sorted(info.items(), key=lambda kv: kv[1][2])]
+    return order
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return os.stat(path, follow_symlinks=False).st_ino
+    except FileNotFoundError:
+        return None
+
+
+def damage(db: sqlite3.Connection) -> str | None:
+    """What ``PRAGMA quick_check`` finds wrong with the database (None when it is intact)."""
+    found = [r[0] for r in db.execute("PRAGMA quick_check(8)")]
+    return None if found == ["ok"] else "; ".join(found)
 
 
 class _Txn:
-    """BEGIN IMMEDIATE ... COMMIT (ROLLBACK on error) on the calling thread's connection."""
+    """BEGIN IMMEDIATE ... COMMIT (ROLLBACK on error) on the calling thread's connection, refused
+    (ManifestReplaced) when another process has rebuilt the manifest file meanwhile."""
 
-    def __init__(self, db: sqlite3.Connection) -> None:
+    def __init__(self, db: sqlite3.Connection, manifest: Manifest) -> None:
         self._db = db
+        self._manifest = manifest
 
     def __enter__(self) -> None:
         self._db.execute("BEGIN IMMEDIATE")
+        if self._manifest.inode is not None:
+            try:
+                self._manifest.check_current()
+            except ManifestReplaced:
+                self._db.execute("ROLLBACK")
+                raise
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._db.execute("ROLLBACK" if exc_type else "COMMIT")

@@ -19,6 +19,7 @@ import errno
 import logging
 import os
 import secrets
+import shutil
 import sqlite3
 import stat
 import threading
@@ -30,16 +31,20 @@ from typing import Any, Sequence
 
 from paged_cache.block import Block, check_key, is_key
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.files import (DIR_FLAGS, LIVE_WRITERS, MANIFEST_NAME, READ_FLAGS,
-                                     file_compression, open_private_dir, read_exact,
-                                     unlink_quiet)
-from paged_cache.tiers.manifest import RESERVED, Manifest, ManifestError, now, row_from_meta
+from paged_cache.tiers.files import (DIR_FLAGS, LIVE_WRITERS, MANIFEST_FILES, MANIFEST_NAME,
+                                     READ_FLAGS, CacheDirError, create_manifest_file,
+                                     file_compression, open_cache_root, open_private_dir,
+                                     read_exact, rebuild_manifest, unlink_quiet)
+from paged_cache.tiers.manifest import (RESERVED, Manifest, ManifestBusy, ManifestDamaged,
+                                        ManifestError, ManifestReplaced, is_damage, now,
+                                        row_from_meta)
 from paged_cache.tiers.reconcile import reconcile
 
 log = logging.getLogger("paged_cache.ssd")
 
 QUEUE_FULL_POLICIES = ("skip", "write-on-caller")
 TOUCH_FLUSH_SECONDS = 1.0  # access times are batched in memory at most this long
+OPEN_WAIT_SECONDS = 120.0  # how long open waits for another process's write lock on the manifest
 
 
 @dataclass
@@ -83,13 +88,19 @@ class SSDTier:
         self._queue_bytes = 0
         self._closed = False
         self._failing = False
-        self._root_fd = open_private_dir(None, str(self.directory))
-        self._blocks_fd = open_private_dir(self._root_fd, "blocks")
-        self._tmp_fd = open_private_dir(self._root_fd, "tmp")
-        self._manifest = self._open_manifest()
-        reconcile(self._manifest, self._blocks_fd, self._tmp_fd,
-                  compressions=self._compression_order(), count=self._count)
-        self._count_evicted(self._manifest.evict_to(max_bytes, self._remove_file))
+        self._deferred_failing = False
+        self._manifest_lock = threading.Lock()   # serializes reopening / rebuilding the manifest
+        self._root_fd = open_cache_root(self.directory)
+        self._blocks_fd = self._tmp_fd = -1
+        try:
+            self._blocks_fd = self._open_subdir("blocks")
+            self._tmp_fd = self._open_subdir("tmp")
+            self._manifest = self._open_manifest(evict=True)
+        except BaseException:
+            for fd in (self._tmp_fd, self._blocks_fd, self._root_fd):
+                if fd >= 0:
+                    os.close(fd)
+            raise
         self.open_seconds = time.perf_counter() - started
         LIVE_WRITERS.add(self._writer_id)
         self._thread = threading.Thread(target=self._run, name="paged-cache-ssd-writer", daemon=True)
@@ -207,6 +218,10 @@ class SSDTier:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # stats(): levels; the _COUNTERS accumulate since open (compression, a string, is not a number)
+    STAT_GAUGES = frozenset({"queue_bytes", "queue_blocks", "blocks", "bytes", "manifest_bytes",
+                             "max_bytes", "queue_max_bytes", "open_seconds"})
+
     def stats(self) -> dict[str, Any]:
         """Counters and gauges: blocks, bytes, queue bytes, writes, drops, errors, damage, evictions."""
         with self._count_lock:
@@ -217,6 +232,7 @@ class SSDTier:
             out["blocks"], out["bytes"] = self._manifest.totals() if not self._closed else (None, None)
         except sqlite3.Error:
             out["blocks"], out["bytes"] = None, None
+        out["manifest_bytes"] = self._manifest_bytes()
         out.update(max_bytes=self.max_bytes, queue_max_bytes=self.queue_max_bytes,
                    compression=self.compression, open_seconds=self.open_seconds,
                    chain_lookups=self._manifest.queries)
@@ -231,41 +247,6 @@ class SSDTier:
         except sqlite3.Error as exc:
             log.warning("chain lookup of %d parents failed: %s", len(parents), exc)
             return []
-
-    def read_meta(self, key: str) -> dict[str, str] | None:
-        """A block's meta without its payload (a queued write's, or the file header's, header
-        checksum verified), reserved format keys removed; None if absent or unreadable."""
-        check_key(key)
-        item = self._pending.get(key)
-        if item is not None:
-            return dict(item.meta)
-        fan_fd = self._open_fan(key, create=False)
-        if fan_fd is None:
-            return None
-        try:
-            for comp in self._compression_order():
-                try:
-                    fd = os.open(key + fmt.SUFFIXES[comp], READ_FLAGS, dir_fd=fan_fd)
-                except FileNotFoundError:
-                    continue
-                except OSError:
-                    return None
-                try:
-                    st = os.fstat(fd)
-                    if not stat.S_ISREG(st.st_mode):
-                        return None
-                    header = fmt.read_header_only(lambda off, n: os.pread(fd, n, off), st.st_size,
-                                                  255 * st.st_size + (1 << 16))
-                except (OSError, ValueError):
-                    return None  # damage is handled (counted, removed) by a full read
-                finally:
-                    os.close(fd)
-                if header.meta.get(fmt.META_KEY) != key:
-                    return None
-                return {k: v for k, v in header.meta.items() if k not in fmt.RESERVED_META}
-        finally:
-            os.close(fan_fd)
-        return None
 
     # ---- reading -------------------------------------------------------------------------
     def _read_open_file(self, fan_fd: int, fd: int, name: str, key: str) -> Block | None:
@@ -344,8 +325,14 @@ class SSDTier:
         try:
             ok = self._write_file(item)
         except (OSError, sqlite3.Error, ManifestError) as exc:
-            self._write_failed(item.key, exc)
-            return False
+            if not self._recover(exc):
+                self._write_failed(item.key, exc)
+                return False
+            try:  # the manifest was reopened (rebuilt if damaged): once more
+                ok = self._write_file(item)
+            except (OSError, sqlite3.Error, ManifestError) as again:
+                self._write_failed(item.key, again)
+                return False
         if item.cancelled:
             self._forget(item.key)
         return ok
@@ -362,8 +349,7 @@ class SSDTier:
         row = row_from_meta(key, RESERVED, encoded.file_bytes, encoded.raw_bytes,
                             encoded.compression, item.meta, now(), self._writer_id)
         status, victims = self._manifest.reserve(row, self.max_bytes, self._take_deferred(),
-                                                 self._remove_file,
-                                                 lambda k: self._file_compression(k) is not None)
+                                                 self._remove_file, self._file_exists)
         self._count_evicted(victims)
         if status == "exists":
             return True
@@ -449,21 +435,34 @@ class SSDTier:
         """The compression of the block's regular file if one exists (symlinks do not count)."""
         return file_compression(self._blocks_fd, key, self._compression_order())
 
-    def _remove_file(self, key: str, compression: str | None = None) -> None:
-        """Remove the block's file; every suffix unless ``compression`` is given."""
+    def _remove_file(self, key: str) -> bool:
+        """Remove every file of the block; True once none is left. A file that cannot be removed
+        (EACCES, EIO, a read-only mount, ...) is logged and counted, and its row must stay."""
         if not is_key(key):  # a tampered manifest row must never name a path outside blocks/
-            return
-        for comp in (compression,) if compression else fmt.COMPRESSIONS:
-            unlink_quiet(f"{key[:2]}/{key}{fmt.SUFFIXES[comp]}", self._blocks_fd)
+            return False
+        gone = True
+        for comp in fmt.COMPRESSIONS:
+            name = f"{key[:2]}/{key}{fmt.SUFFIXES[comp]}"
+            try:
+                os.unlink(name, dir_fd=self._blocks_fd)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            except OSError as exc:
+                self._count("unlink_errors")
+                log.warning("block %s: file could not be removed (%s); its manifest row is kept",
+                            key[:16], exc)
+                gone = False
+        return gone
 
     def _forget(self, key: str) -> None:
         """Remove every file of ``key`` now; its row goes at the next manifest transaction.
 
         File first, row later: a crash in between leaves a row without a file (bytes over-counted
-        until the next open), never an unaccounted file. Caller threads never write SQLite.
+        until the next open), never an unaccounted file. The row deletion is deferred, so this call
+        writes no SQLite itself (flush and write-on-caller stores do write it on the caller's thread).
         """
-        self._remove_file(key)
-        self._defer_forget(key)
+        if self._remove_file(key):
+            self._defer_forget(key)
 
     # ---- deferred manifest updates (access times, dropped rows) ---------------------------
     def _defer_forget(self, key: str) -> None:
@@ -481,8 +480,8 @@ class SSDTier:
             try:
                 if not self._manifest.complete(key, self._writer_id):
                     self._forget(key)
-            except sqlite3.Error as exc:
-                log.debug("manifest busy, %d completions kept for later: %s", len(pending) - n, exc)
+            except (sqlite3.Error, ManifestError) as exc:
+                self._deferred_failed(f"{len(pending) - n} row completions", exc)
                 with self._deferred_lock:
                     self._incomplete.update(pending[n:])
                 return
@@ -497,40 +496,154 @@ class SSDTier:
         self._retry_completions()
         touches, forgets = self._take_deferred()
         try:
-            self._manifest.apply(touches, forgets)
-        except sqlite3.Error as exc:
-            log.debug("manifest busy, deferred updates kept for later: %s", exc)
+            self._manifest.apply(touches, forgets, self._file_exists)
+        except (sqlite3.Error, ManifestError) as exc:
+            self._deferred_failed(f"{len(touches)} access times, {len(forgets)} removed rows", exc)
             with self._deferred_lock:
                 for key, t in touches.items():
                     self._touches.setdefault(key, t)
                 self._forgets |= forgets
+            return
+        if self._deferred_failing:
+            self._deferred_failing = False
+            log.info("deferred manifest updates resumed")
+
+    def _deferred_failed(self, what: str, exc: BaseException) -> None:
+        """A deferred manifest update failed (kept for the next flush): WARNING once per episode."""
+        self._count("deferred_errors")
+        if not self._deferred_failing:
+            self._deferred_failing = True
+            log.warning("manifest update failed (%s); %s kept for a later flush, further failures "
+                        "are counted, not logged, until one succeeds", exc, what)
+        self._recover(exc)
+
+    def _file_exists(self, key: str) -> bool:
+        return self._file_compression(key) is not None
 
     # ---- startup -------------------------------------------------------------------------
-    def _open_manifest(self) -> Manifest:
-        names = (MANIFEST_NAME, MANIFEST_NAME + "-wal", MANIFEST_NAME + "-shm")
-        for name in names:
+    def _open_subdir(self, name: str) -> int:
+        """Open blocks/ or tmp/, replacing a file that took its place (WARNING); a symlink there
+        is refused (CacheDirError), never followed nor removed."""
+        try:
+            st = os.stat(name, dir_fd=self._root_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        if st is not None and not stat.S_ISDIR(st.st_mode) and not stat.S_ISLNK(st.st_mode):
+            log.warning("%s/%s is not a directory: replaced by an empty one", self.directory, name)
+            os.unlink(name, dir_fd=self._root_fd)
+        try:
+            return open_private_dir(self._root_fd, name)
+        except CacheDirError as exc:
+            raise CacheDirError(self.directory / name, exc.reason) from None
+
+    def _open_manifest(self, damaged: int | None = None, *, evict: bool = False) -> Manifest:
+        """Open the manifest and reconcile it with the files (then evict down to ``max_bytes`` if
+        ``evict``), waiting up to OPEN_WAIT_SECONDS for another process's write lock.
+
+        Only damage (found opening or reconciling; ``damaged``: the inode of a manifest found
+        damaged before) leads to a rebuild from the block files: a lock is waited for, then
+        reported (ManifestBusy); other errors (read-only, out of space) are raised as they are.
+        """
+        deadline = time.monotonic() + OPEN_WAIT_SECONDS
+        waiting = rebuilt = False
+        while True:
+            self._clear_manifest_entries()
+            if damaged is not None:
+                rebuild_manifest(self._root_fd, damaged)
+                damaged, rebuilt = None, True
+            create_manifest_file(self._root_fd)
+            try:
+                manifest = Manifest(self.directory / MANIFEST_NAME)
+            except ManifestBusy as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                if not waiting:
+                    waiting = True
+                    log.warning("%s; waiting up to %g s for it", exc, OPEN_WAIT_SECONDS)
+                continue
+            except ManifestDamaged as exc:
+                if rebuilt:  # damaged again right after a rebuild: not a damage a rebuild fixes
+                    raise
+                self._rebuilding(exc)
+                damaged = exc.inode
+                continue
+            try:
+                reconcile(manifest, self._blocks_fd, self._tmp_fd,
+                          compressions=self._compression_order(), count=self._count)
+                if evict:
+                    self._count_evicted(manifest.evict_to(self.max_bytes, self._remove_file,
+                                                          self._file_exists))
+            except BaseException as exc:
+                manifest.close()
+                if not is_damage(exc) or rebuilt:
+                    raise
+                self._rebuilding(exc)
+                damaged = manifest.inode
+                continue
+            if waiting:
+                log.info("manifest lock obtained")
+            return manifest
+
+    def _clear_manifest_entries(self) -> None:
+        """Remove whatever takes a manifest file's name without being a regular file."""
+        for name in MANIFEST_FILES:
             try:
                 st = os.stat(name, dir_fd=self._root_fd, follow_symlinks=False)
             except FileNotFoundError:
                 continue
-            if not stat.S_ISREG(st.st_mode):
-                log.warning("removing %s: not a regular file", name)
+            if stat.S_ISREG(st.st_mode):
+                continue
+            log.warning("removing %s/%s: not a regular file", self.directory, name)
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(name, dir_fd=self._root_fd)
+            else:
                 os.unlink(name, dir_fd=self._root_fd)
-        try:  # create it 0600 ourselves; SQLite gives the -wal / -shm files the same mode
-            os.close(os.open(MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
-                             0o600, dir_fd=self._root_fd))
-        except FileExistsError:
-            pass
-        path = self.directory / MANIFEST_NAME
-        try:
-            return Manifest(path)
-        except ManifestError as exc:
-            log.warning("manifest unusable (%s): rebuilding it from the block files", exc)
-            for name in names:
-                unlink_quiet(name, self._root_fd)
-            os.close(os.open(MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600,
-                             dir_fd=self._root_fd))
-            return Manifest(path)
+
+    def _rebuilding(self, reason: object) -> None:
+        self._count("manifest_rebuilds")
+        log.warning("manifest damaged (%s): rebuilding it from the block files", reason)
+
+    def _recover(self, exc: BaseException) -> bool:
+        """After a manifest error: reopen the manifest if it is damaged (rebuilt from the block
+        files, WARNING, counted) or was rebuilt by another process; True when the manifest is
+        usable again (reopened now, or already by another thread). Anything else: False."""
+        damaged = is_damage(exc)
+        if not damaged and not isinstance(exc, ManifestReplaced):
+            return False
+        with self._manifest_lock:
+            old = self._manifest
+            try:  # the error may be from a manifest another thread has replaced meanwhile
+                if damaged and old.find_damage() is None:
+                    return True
+                if not damaged:
+                    old.check_current()
+                    return True
+            except ManifestReplaced:
+                pass
+            except sqlite3.Error as again:
+                log.warning("manifest could not be checked (%s)", again)
+                return False
+            if damaged:
+                self._rebuilding(exc)
+            old.close()
+            try:
+                self._manifest = self._open_manifest(old.inode if damaged else None)
+            except (OSError, sqlite3.Error, ManifestError) as again:
+                log.warning("manifest could not be reopened (%s); SSD writes fail until it can", again)
+                return False
+            with self._deferred_lock:
+                self._incomplete.clear()  # renamed files were adopted by the reconciliation
+            return True
+
+    def _manifest_bytes(self) -> int:
+        """Bytes of the manifest's own files (database and WAL)."""
+        total = 0
+        for name in MANIFEST_FILES[:2]:
+            try:
+                total += os.stat(name, dir_fd=self._root_fd, follow_symlinks=False).st_size
+            except OSError:
+                pass
+        return total
 
     # ---- misc ----------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -545,7 +658,7 @@ class SSDTier:
 _COUNTERS = ("hits", "misses", "pending_hits", "damaged", "read_errors", "writes", "write_bytes",
              "write_errors", "write_drops", "write_on_caller", "write_too_large", "write_budget_full",
              "evictions", "evicted_bytes", "adopted", "rows_dropped", "temps_removed",
-             "strays_removed")
+             "strays_removed", "unlink_errors", "deferred_errors", "manifest_rebuilds")
 
 
 def _check_size(name: str, value: int, *, minimum: int) -> None:

@@ -1,0 +1,84 @@
+"""Time to first token of a remote-tier hit (another host's blocks, read from a valkey-server /
+redis-server on loopback) against a cold prefill and against an SSD hit (page cache dropped).
+
+Same tiny llama and Scheduler as the ttft family. Each remote hit runs on a fresh hot-only manager
+(a host that has never seen the prompt), so every block crosses the network; the bytes read per hit
+come from the remote tier's counters. Loopback has no network latency or bandwidth limit: on a LAN
+add round trips x RTT and bytes / bandwidth (docs/scaling.md).
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+from benchmarks.common import (Context, Timing, bar_plot, block_files, drop_page_cache, figure,
+                               kv_model, settle)
+from benchmarks.ttft import scheduler_ttft
+from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
+from paged_cache.testing.server import ValkeyServer
+from scheduler import Scheduler
+
+FAMILY = "remote"
+BLOCK = 256
+
+
+def _size(ctx: Context, model, url: str, size: int, repeats: int) -> dict:
+    rng = random.Random(size)
+    prompt = [rng.randrange(256) for _ in range(size + 1)]
+    cold = Timing.of([scheduler_ttft(Scheduler(model, None), prompt, None, 0) for _ in range(repeats)])
+    settle()
+    ssd_dir = ctx.scratch / f"remote-{size}"
+    shutil.rmtree(ssd_dir, ignore_errors=True)
+    writer_cfg = CacheConfig(block_size=BLOCK, ssd_dir=ssd_dir, hot_cache_max_bytes="64KiB",
+                             ssd_max_bytes="4GiB", remote_url=url)
+    with PagedSSDCacheManager(writer_cfg) as writer:   # stores to SSD and to the server
+        on_ssd = BlockAwarePrefixCache(writer, model)
+        scheduler_ttft(Scheduler(model, on_ssd), prompt, None, 0)
+        writer.flush()
+        ssd_runs = []
+        for _ in range(repeats):
+            settle()
+            drop_page_cache(block_files(ssd_dir))
+            ssd_runs.append(scheduler_ttft(Scheduler(model, on_ssd), prompt, "ssd", size))
+    remote_runs, read_bytes, round_trips = [], 0, 0
+    reader_cfg = CacheConfig(block_size=BLOCK, hot_cache_only=True, hot_cache_max_bytes="1GiB",
+                             remote_url=url)
+    for _ in range(repeats):
+        settle()
+        with PagedSSDCacheManager(reader_cfg) as reader:  # a host that never saw the prompt
+            remote_runs.append(scheduler_ttft(Scheduler(model, BlockAwarePrefixCache(reader, model)),
+                                     prompt, "remote", size))
+            stats = reader.stats()["remote"]
+            read_bytes, round_trips = stats["read_bytes"], stats["reads"]
+    shutil.rmtree(ssd_dir, ignore_errors=True)
+    return dict(cold=cold, ssd=Timing.of(ssd_runs), remote=Timing.of(remote_runs),
+                read_bytes=read_bytes, round_trips=round_trips)
+
+
+def run(ctx: Context) -> dict:
+    sizes = ctx.pick([1024, 4096], [1024, 4096, 8192, 16384])
+    repeats = ctx.pick(2, 3)
+    model = kv_model(layers=2, kv_heads=2, head_dim=32)
+    figures, rows = [], {}
+    with ValkeyServer() as server:
+        for size in sizes:
+            r = rows[size] = _size(ctx, model, server.url, size, repeats)
+            label = f"{size // 1024}k"
+            figures.append(figure(FAMILY, f"TTFT remote hit vs cold prefill, {label} tokens",
+                                  measured=r["remote"], baseline=r["cold"], invert=True,
+                                  meaning="cold TTFT / remote-hit TTFT (speed-up)", tokens=size,
+                                  read_bytes=r["read_bytes"], round_trips=r["round_trips"]))
+            figures.append(figure(FAMILY, f"TTFT remote hit vs SSD hit, {label} tokens",
+                                  measured=r["remote"], baseline=r["ssd"],
+                                  meaning="remote-hit TTFT / SSD-hit TTFT (loopback)", tokens=size))
+    labels = [f"{s // 1024}k" for s in sizes]
+    plots = [bar_plot(ctx.results / "remote.png",
+                      "TTFT: cold prefill vs SSD hit vs remote hit (loopback, tiny llama, CPU)",
+                      labels, {"cold prefill": [rows[s]["cold"].median for s in sizes],
+                               "SSD hit (page cache dropped)": [rows[s]["ssd"].median for s in sizes],
+                               "remote hit (loopback)": [rows[s]["remote"].median for s in sizes]},
+                      "seconds (log)", log=True).name]
+    notes = ["Loopback: no network latency or bandwidth cost; see docs/scaling.md for LAN figures "
+             "on paper. read_bytes and round_trips are those of one remote hit."]
+    return {"figures": figures, "notes": notes, "plots": plots}

@@ -1,0 +1,163 @@
+"""Every private name of mlx-lm / mlx-vlm that paged-cache relies on, checked once at import.
+
+mlx-lm's cache classes and server have no public hooks for what paged-cache does (reading a
+rotating window in temporal order, restoring its write slot, allocating its buffer once, swapping
+the server's prompt cache and HTTP handler). This module is the only one that touches those
+private names: it checks that each exists in the installed version and raises
+``IncompatibleVersion`` naming the supported range otherwise, so an unsupported version fails at
+import instead of at store or fetch time (or, for an override, by silently not running).
+"""
+
+from __future__ import annotations
+
+import types
+from importlib import metadata
+from typing import Any, Callable
+
+import mlx.core as mx
+from mlx_lm.models.cache import RotatingKVCache
+
+MLX_LM_RANGE = (">=0.32.0", "<0.33")      # kept equal to the mlx-lm requirement in pyproject.toml
+MLX_VLM_RANGE = (">=0.7.9", "<0.8")      # the turboquant extra's requirement
+
+# RotatingKVCache: _idx (write slot), _temporal_order (buffer in position order), and the two
+# update paths its update_and_fetch dispatches to (multi-token chunks / single tokens).
+_ROTATING_METHODS = ("_temporal_order", "_update_concat", "_update_in_place")
+# mlx_lm.server: the generation object and the function that starts the HTTP server.
+_SERVER_NAMES = ("ResponseGenerator", "_run_http_server", "APIHandler", "ThreadingHTTPServer")
+
+
+class IncompatibleVersion(ImportError):
+    """The installed mlx-lm / mlx-vlm lacks a private name paged-cache needs."""
+
+
+def _version(dist: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in metadata.version(dist).split(".")[:3] if p.isdigit())
+
+
+def _parse(bound: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in bound.lstrip("<>=").split("."))
+
+
+def _in_range(version: tuple[int, ...], bounds: tuple[str, str]) -> bool:
+    low, high = (_parse(b) for b in bounds)
+    return low <= version < high
+
+
+def _fail(dist: str, bounds: tuple[str, str], missing: list[str]) -> IncompatibleVersion:
+    """The one message: the supported range, the installed version and what it lacks."""
+    what = f"lacks {', '.join(missing)}" if missing else "is outside it"
+    return IncompatibleVersion(
+        f"paged-cache supports {dist}{','.join(bounds)}; the installed {dist} "
+        f"{metadata.version(dist)} {what}. Install a supported one: "
+        f"pip install '{dist}{','.join(bounds)}'")
+
+
+def _check_rotating() -> list[str]:
+    """Missing RotatingKVCache internals, including update_and_fetch still dispatching to the
+    two update methods (a subclass overriding them must see both called)."""
+    missing = [f"RotatingKVCache.{m}" for m in _ROTATING_METHODS if not hasattr(RotatingKVCache, m)]
+    if missing:
+        return missing
+    called = []
+
+    class Probe(RotatingKVCache):
+        def _update_concat(self, keys: mx.array, values: mx.array) -> Any:
+            called.append("_update_concat")
+            return super()._update_concat(keys, values)
+
+        def _update_in_place(self, keys: mx.array, values: mx.array) -> Any:
+            called.append("_update_in_place")
+            return super()._update_in_place(keys, values)
+
+    probe = Probe(max_size=4, keep=0)
+    probe.update_and_fetch(mx.zeros((1, 1, 2, 1)), mx.zeros((1, 1, 2, 1)))
+    probe.update_and_fetch(mx.zeros((1, 1, 1, 1)), mx.zeros((1, 1, 1, 1)))
+    if not hasattr(probe, "_idx"):
+        missing.append("RotatingKVCache._idx")
+    for name in ("_update_concat", "_update_in_place"):
+        if name not in called:
+            missing.append(f"RotatingKVCache.update_and_fetch calling {name}")
+    return missing
+
+
+def _check_mlx_lm() -> None:
+    from mlx_lm import server
+
+    missing = _check_rotating()
+    missing += [f"mlx_lm.server.{n}" for n in _SERVER_NAMES if not hasattr(server, n)]
+    if missing or not _in_range(_version("mlx-lm"), MLX_LM_RANGE):
+        raise _fail("mlx-lm", MLX_LM_RANGE, missing)
+
+
+_check_mlx_lm()
+
+
+# ----------------------------------------------------------------------------- RotatingKVCache
+
+def temporal_order(layer: RotatingKVCache, buffer: mx.array) -> mx.array:
+    """A rotating layer's buffer (keys or values) with its rows in position order."""
+    return layer._temporal_order(buffer)
+
+
+def ring_slot(layer: RotatingKVCache) -> int:
+    """The row a rotating layer writes its next single token to."""
+    return layer._idx
+
+
+def set_ring_slot(layer: RotatingKVCache, slot: int) -> None:
+    """Set the row a rotating layer writes its next single token to."""
+    layer._idx = slot
+
+
+def live_rows(layer: RotatingKVCache) -> tuple[mx.array, mx.array]:
+    """The keys and values a rotating layer attends to after an update (all rows once full)."""
+    if layer.offset < layer.keys.shape[2]:
+        return layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :]
+    return layer.keys, layer.values
+
+
+def rotating_updates(cls: type) -> type:
+    """Class decorator: route ``update_and_fetch`` of a RotatingKVCache subclass to its
+    ``update_chunk`` (multi-token) and ``update_token`` (single token) methods."""
+    cls._update_concat = cls.update_chunk
+    cls._update_in_place = cls.update_token
+    return cls
+
+
+# ----------------------------------------------------------------------------- mlx_lm.server
+
+def server_hooks() -> tuple[type, Callable[..., None]]:
+    """mlx_lm.server's ResponseGenerator class and its HTTP server start function."""
+    from mlx_lm import server
+
+    return server.ResponseGenerator, server._run_http_server
+
+
+def set_server_hooks(generator: type, run_http_server: Callable[..., None]) -> None:
+    """Make ``mlx_lm.server.run`` use ``generator`` and ``run_http_server``."""
+    from mlx_lm import server
+
+    server.ResponseGenerator = generator
+    server._run_http_server = run_http_server
+
+
+# ----------------------------------------------------------------------------- mlx-vlm
+
+def turboquant() -> types.ModuleType:
+    """mlx-vlm's turboquant module, checked for the private codec snapshot it is used with."""
+    from mlx_vlm import turboquant as tq
+
+    missing = [n for n in ("TurboQuantKVCache", "_snapshot_kv_codec") if not hasattr(tq, n)]
+    if missing or not _in_range(_version("mlx-vlm"), MLX_VLM_RANGE):
+        raise _fail("mlx-vlm", MLX_VLM_RANGE, [f"mlx_vlm.turboquant.{n}" for n in missing])
+    if not hasattr(tq.TurboQuantKVCache, "prefix_cache_restore"):
+        raise _fail("mlx-vlm", MLX_VLM_RANGE, ["TurboQuantKVCache.prefix_cache_restore"])
+    return tq
+
+
+def snapshot_kv_codec(codec: Any) -> tuple[Any, Any, Any]:
+    """(dim, low, high) of a TurboQuant codec, as mlx-vlm snapshots it (low/high None unless split)."""
+    from mlx_vlm import turboquant as tq
+
+    return tq._snapshot_kv_codec(codec)

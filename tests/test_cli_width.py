@@ -1,0 +1,139 @@
+"""Every CLI table at 80 columns: numbers whole (no "…" anywhere), no line past the width, models
+named beside their fingerprints; each command's --help lists only the flags it reads."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
+from paged_cache.cli.main import main
+from paged_cache.testing import tiny_model
+from test_cli_inspect import FP_B, chain, serve_stats, store
+
+WIDTH = 80
+NAME = "/models/some-organisation/A-Rather-Long-Model-Directory-Name-4bit"
+
+
+def run80(monkeypatch: pytest.MonkeyPatch, *argv: str) -> tuple[int, str, str]:
+    monkeypatch.setenv("COLUMNS", str(WIDTH))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(list(argv))
+    return status, out.getvalue(), err.getvalue()
+
+
+def check_fits(text: str) -> None:
+    assert "…" not in text, text
+    assert max(map(len, text.splitlines())) <= WIDTH, text
+
+
+@pytest.fixture(scope="module")
+def directory(tmp_path_factory) -> Path:
+    """A model stored through the prefix cache under NAME (long chains, big token counts), and a
+    synthetic second model without a name."""
+    d = tmp_path_factory.mktemp("wide")
+    model = tiny_model("llama")
+    config = CacheConfig(ssd_dir=d, ssd_max_bytes="1GB", block_size=256, hot_cache_max_bytes="64KB")
+    with PagedSSDCacheManager(config) as manager:
+        prefix = BlockAwarePrefixCache(manager, model, model_name=NAME)
+        for seed in range(3):
+            tokens = [(i * 7 + (i >= 1024) * seed * 13) % 250 + 1 for i in range(1400 + seed)]
+            cache = prefix.make_cache()
+            for s in range(0, len(tokens), 256):
+                model(mx.array([tokens[s:s + 256]]), cache=cache)
+            prefix.store(tokens, cache)
+        manager.flush()
+    store(d, chain("b", FP_B, [16, 16, 3]), block_size=16)
+    return d
+
+
+def test_directory_tables_fit_80_columns(directory: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    d = str(directory)
+    status, out, err = run80(monkeypatch, "inspect", d)
+    assert status == 0, err
+    check_fits(out)
+    totals = json.loads(run80(monkeypatch, "inspect", d, "--json")[1])["totals"]
+    assert str(totals["tokens"]) in out and str(totals["blocks"]) in out
+    models = json.loads(run80(monkeypatch, "inspect", d, "--json")[1])["models"]
+    assert {m["name"] for m in models} == {NAME, ""}
+    for argv in (["ls", d], ["ls", d, "--sort", "size"], ["chains", d], ["verify", d],
+                 ["prune", d, "--max-bytes", "1", "--dry-run"], ["purge", d, "--dry-run"],
+                 ["config", "--ssd-dir", d]):
+        status, out, err = run80(monkeypatch, *argv)
+        assert status == 0, (argv, err)
+        check_fits(out)
+    rows = json.loads(run80(monkeypatch, "ls", d, "--json")[1])
+    status, out, _ = run80(monkeypatch, "ls", d)
+    for row in rows:
+        assert row["key"][:12] in out and str(row["tokens"]) in out
+    key = next(r["key"] for r in rows if r["model_name"] == NAME)
+    status, out, _ = run80(monkeypatch, "show", d, key)
+    assert status == 0 and NAME[:40] in out.replace("\n", "")
+    check_fits(out)
+    status, out, _ = run80(monkeypatch, "chains", d)
+    assert "conversation(s)" in out and "sequence" not in out
+    assert "no block is shared by two conversations" in out   # model B: one chain
+
+
+def test_verify_findings_table_fits(directory: Path, tmp_path: Path,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    damaged = tmp_path / "damaged"
+    store(damaged, chain("c", FP_B, [16, 16, 16]), block_size=16)
+    victim = next((damaged / "blocks").rglob("*.safetensors"))
+    raw = bytearray(victim.read_bytes())
+    raw[-1] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    status, out, _ = run80(monkeypatch, "verify", str(damaged))
+    assert status == 1 and "damaged" in out
+    check_fits(out)
+
+
+def test_stats_table_fits(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    config = CacheConfig(ssd_dir=tmp_path, hot_cache_max_bytes="16KB", block_size=16)
+    with PagedSSDCacheManager(config) as manager:
+        server, url = serve_stats(lambda: {"manager": manager.stats()})
+        try:
+            status, out, err = run80(monkeypatch, "stats", "--url", url)
+        finally:
+            server.shutdown()
+            server.server_close()
+    assert status == 0, err
+    check_fits(out)
+    assert "max_bytes" in out and "KiB" in out   # byte counters in the one size unit
+
+
+def test_demo_table_fits_80_columns(tmp_path: Path) -> None:
+    env = dict(os.environ, COLUMNS=str(WIDTH), HF_HUB_OFFLINE="1")
+    run = subprocess.run([sys.executable, "-m", "paged_cache.cli.main", "demo", "--short",
+                          "--output", str(tmp_path / "demo")], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    check_fits(run.stdout)
+    rows = json.loads((tmp_path / "demo" / "demo-results.json").read_text())["rows"]
+    for row in rows:
+        assert f" {row['prompt_tokens']} " in run.stdout and f" {row['cached_tokens']} " in run.stdout
+
+
+@pytest.mark.parametrize("command, flags", [
+    ("inspect", {"--config", "--ssd-dir", "--ssd-max-bytes", "--remote-url", "--remote-cluster"}),
+    ("ls", {"--config", "--ssd-dir"}), ("show", {"--config", "--ssd-dir"}),
+    ("chains", {"--config", "--ssd-dir"}), ("verify", {"--config", "--ssd-dir"}),
+    ("prune", {"--config", "--ssd-dir"}), ("purge", {"--config", "--ssd-dir"}),
+])
+def test_help_lists_only_the_flags_a_command_reads(command: str, flags: set[str],
+                                                   capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = capsys.readouterr().out
+    every = {"--" + n.replace("_", "-") for n in CacheConfig.field_names()} | {"--config"}
+    assert {f for f in every if re.search(rf"(?<![\w-]){f}(?![\w-])", text)} == flags

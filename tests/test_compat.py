@@ -1,0 +1,75 @@
+"""compat: the installed mlx-lm is in the supported range, and a missing private name fails at
+import with one message naming the range (checked in a subprocess that removes the name first)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlx_lm.models.cache import RotatingKVCache
+
+from paged_cache import compat
+from paged_cache.config import tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _import_after(breakage: str) -> subprocess.CompletedProcess:
+    code = ("import mlx_lm.models.cache as c\n" + breakage + "\nimport paged_cache.caches\n")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+
+
+def test_declared_ranges_match_pyproject() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = project["dependencies"] + project["optional-dependencies"]["turboquant"]
+    assert "mlx-lm" + ",".join(compat.MLX_LM_RANGE) in [d.split(";")[0].split("#")[0].strip()
+                                                        for d in deps]
+    assert "mlx-vlm" + ",".join(compat.MLX_VLM_RANGE) in deps
+
+
+def test_installed_versions_are_in_range() -> None:
+    assert compat._in_range(compat._version("mlx-lm"), compat.MLX_LM_RANGE)
+    assert not compat._in_range((0, 31, 3), compat.MLX_LM_RANGE)
+    assert not compat._in_range((0, 33, 0), compat.MLX_LM_RANGE)
+
+
+@pytest.mark.parametrize("breakage, missing", [
+    ("del c.RotatingKVCache._temporal_order", "RotatingKVCache._temporal_order"),
+    ("c.RotatingKVCache._update_in_place_renamed = c.RotatingKVCache._update_in_place\n"
+     "c.RotatingKVCache.update_and_fetch = lambda self, k, v: self._update_concat(k, v)",
+     "update_and_fetch calling _update_in_place"),
+    ("import mlx_lm.server as s\ndel s._run_http_server", "mlx_lm.server._run_http_server"),
+])
+def test_missing_private_name_fails_at_import_naming_the_range(breakage: str, missing: str) -> None:
+    run = _import_after(breakage)
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("paged_cache.compat.IncompatibleVersion: paged-cache supports "
+                           "mlx-lm" + ",".join(compat.MLX_LM_RANGE)), last
+    assert missing in last
+
+
+def test_ring_slot_helpers_follow_mlx_lm() -> None:
+    import mlx.core as mx
+    layer = RotatingKVCache(max_size=4, keep=1)
+    layer.update_and_fetch(mx.zeros((1, 1, 3, 2)), mx.zeros((1, 1, 3, 2)))
+    layer.update_and_fetch(mx.ones((1, 1, 1, 2)), mx.ones((1, 1, 1, 2)))
+    assert compat.ring_slot(layer) == 4
+    compat.set_ring_slot(layer, 2)
+    assert compat.ring_slot(layer) == 2
+    assert compat.temporal_order(layer, layer.keys).shape[2] == 4
+
+
+@pytest.mark.turboquant
+def test_unsupported_mlx_vlm_fails_loudly_not_as_a_missing_extra() -> None:
+    pytest.importorskip("mlx_vlm.turboquant")
+    run = subprocess.run([sys.executable, "-c", "import mlx_vlm.turboquant as t\n"
+                          "del t._snapshot_kv_codec\nimport paged_cache.handlers\n"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert "paged-cache supports mlx-vlm" + ",".join(compat.MLX_VLM_RANGE) in last
+    assert "mlx_vlm.turboquant._snapshot_kv_codec" in last
