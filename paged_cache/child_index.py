@@ -53,7 +53,7 @@ class ChildIndex:
     def add(self, parent: str, key: str, tokens: Sequence[int] | np.ndarray) -> None:
         """Record ``key`` (with its token ids) as a child of ``parent``."""
         children = self._children.setdefault(parent, {})
-        children[key] = tokens if isinstance(tokens, np.ndarray) else token_array(tokens)
+        children[key] = token_array(tokens)  # a narrow copy, never a view of a request's tokens
         self._children.move_to_end(parent)
         self._children.setdefault(key, {})
         while len(self._children) > MAX_INDEXED_PARENTS:

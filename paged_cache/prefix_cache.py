@@ -24,14 +24,13 @@ from paged_cache.block import Block
 from paged_cache.child_index import META_TOKEN_IDS, ChildIndex, starts_with
 from paged_cache.handlers import (LayerHandler, Part, Span, UnsupportedCacheError,
                                   layer_needs_snapshots, require_handler)
-from paged_cache.handlers.base import Captured
+from paged_cache.handlers.base import Captured, copies_on_host, rebuild_pipeline
 from paged_cache.hashing import (ROOT_PARENT, block_key, chain_keys, encode_token_ids,
-                                  model_fingerprint, model_identity, token_array)
+                                  model_fingerprint, model_identity, token_array, token_ids)
 
 logger = logging.getLogger("paged_cache.prefix_cache")
 
 GROWTH_STEP = 256  # mlx-lm's KV growth step: rebuilt buffers are a multiple of it
-TOKEN_MIN, TOKEN_MAX = -(2**63), 2**63 - 1  # token ids are hashed as int64 (hashing.token_bytes)
 
 
 @dataclass
@@ -66,38 +65,9 @@ class FetchInfo:
 
 def as_tokens(tokens: Any, name: str = "tokens") -> list[int]:
     """A list of Python ints from a sequence / 1-D numpy or mx array of integers; else TypeError
-    (ValueError for an id outside int64)."""
-    return _in_int64(_as_list(tokens, name), name)
-
-
-def _as_list(tokens: Any, name: str) -> list[int]:
-    if isinstance(tokens, mx.array):
-        if tokens.ndim != 1 or not mx.issubdtype(tokens.dtype, mx.integer):
-            raise TypeError(f"{name}: expected a 1-D integer array, got shape {tokens.shape} "
-                            f"dtype {tokens.dtype}")
-        return tokens.tolist()
-    if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise TypeError(f"{name}: expected a 1-D integer array, got shape {tokens.shape} "
-                            f"dtype {tokens.dtype}")
-        return tokens.tolist()
-    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
-        raise TypeError(f"{name}: expected a sequence of ints, got {type(tokens).__name__}")
-    out = []
-    for i, t in enumerate(tokens):
-        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-            raise TypeError(f"{name}: expected ints, element {i} is {type(t).__name__} {t!r:.40}")
-        out.append(int(t))
-    return out
-
-
-def _in_int64(tokens: list[int], name: str) -> list[int]:
-    """``tokens`` when every id fits int64 (block keys hash them as int64); else ValueError."""
-    if tokens and not (TOKEN_MIN <= min(tokens) and max(tokens) <= TOKEN_MAX):
-        i, t = next((i, t) for i, t in enumerate(tokens) if not TOKEN_MIN <= t <= TOKEN_MAX)
-        raise ValueError(f"{name}: element {i} is {t}, outside the int64 range token ids are "
-                         f"hashed in ([{TOKEN_MIN}, {TOKEN_MAX}])")
-    return tokens
+    (ValueError for an id outside int64; validated by ``token_ids``, no per-token Python work)."""
+    ids = token_ids(tokens, name)
+    return list(tokens) if isinstance(tokens, (list, tuple)) else ids.tolist()
 
 
 def _signature(layer: Any) -> Any:
@@ -269,7 +239,7 @@ class BlockAwarePrefixCache:
         store holds at most one layer twice instead of the whole sequence.
         """
         t0 = time.perf_counter()
-        tokens = as_tokens(tokens)
+        tokens = token_ids(tokens)
         if not self._ready():
             return 0
         self._check_cache(cache, len(tokens))
@@ -321,7 +291,7 @@ class BlockAwarePrefixCache:
                     n, len(keys), written, len(keys) - len(new), seconds * 1e3)
         return written
 
-    def _drop_dominated(self, keys: list[str], tokens: list[int], new: list[int]) -> bool:
+    def _drop_dominated(self, keys: list[str], tokens: np.ndarray, new: list[int]) -> bool:
         """Partial tails made redundant by this store: a held child of a parent this store
         extends whose token ids are a proper prefix of the new sibling's is discarded, and a new
         partial tail that is a proper prefix of a held sibling is not written (True).
@@ -357,7 +327,7 @@ class BlockAwarePrefixCache:
     def fetch(self, tokens: Any) -> tuple[list | None, int]:
         """A fresh cache list covering ``tokens[:n]`` with ``n <= len(tokens) - 1``, or (None, 0)."""
         t0 = time.perf_counter()
-        tokens = as_tokens(tokens)
+        tokens = token_ids(tokens)
         total = len(tokens)
         st = self._stats
         st["tokens_requested"] += total
@@ -375,7 +345,7 @@ class BlockAwarePrefixCache:
                     n, total, tier, used, seconds * 1e3)
         return cache, n
 
-    def _walk(self, tokens: list[int]) -> tuple[list[str], list[str], int]:
+    def _walk(self, tokens: np.ndarray) -> tuple[list[str], list[str], int]:
         """Keys of the stored chain matching ``tokens``, their tiers, and matched token count."""
         bs, total = self.block_size, len(tokens)
         keys = chain_keys(self._fingerprint, self.namespace, tokens[:total - total % bs], bs)
@@ -385,7 +355,7 @@ class BlockAwarePrefixCache:
         parent = path[-1] if path else ROOT_PARENT
         matched = len(path) * bs
         rest = tokens[matched:matched + bs]
-        if not rest:
+        if len(rest) == 0:
             return path, tiers, matched
         found = self._extension(parent, rest)
         if found is not None:
@@ -394,7 +364,7 @@ class BlockAwarePrefixCache:
             matched += found[1]
         return path, tiers, matched
 
-    def _extension(self, parent: str, rest: list[int]) -> tuple[str, int, str] | None:
+    def _extension(self, parent: str, rest: np.ndarray) -> tuple[str, int, str] | None:
         """The held child of ``parent`` sharing the most leading tokens with ``rest`` (a partial
         tail, or a longer chain's block): (key, tokens shared, tier), or None."""
         indexed = parent in self._children
@@ -415,16 +385,18 @@ class BlockAwarePrefixCache:
                     return key, t, tier
         return None
 
-    def _find(self, tokens: list[int]) -> tuple[list, int, str, int] | None:
+    def _find(self, tokens: np.ndarray) -> tuple[list, int, str, int] | None:
         path, tiers, matched = self._walk(tokens)
         limit = min(matched, len(tokens) - 1)
         if limit <= 0:
             return None
         first = self._unshared_from(path, tokens)
+        in_place = copies_on_host() and all(h.reads_in_place for h in self._handlers)
         blocks: list[Block] = []
         for j, key in enumerate(path):
-            # An unshared block read from SSD (or the write queue) is taken: not promoted.
-            block = self.manager.get(key, take=j >= first and tiers[j] != "hot")
+            # An unshared block read from SSD (or the write queue) is taken: not promoted; its
+            # payload is read by the rebuild straight into place (read_in_place below).
+            block = self.manager.get(key, take=j >= first and tiers[j] != "hot", in_place=in_place)
             if block is None or block.meta.get("fingerprint") != self._fingerprint:
                 break
             blocks.append(block)
@@ -447,19 +419,24 @@ class BlockAwarePrefixCache:
         taken = self._take(path[:used], blocks, tiers, first)
         capacity = math.ceil((len(tokens) + self.headroom) / GROWTH_STEP) * GROWTH_STEP
         by_layer = [_group_by_layer(b.arrays) for b in blocks[:used]]
-        for i, (h, layer) in enumerate(zip(self._handlers, template)):
-            needed = set(plans[i])
-            parts = []
-            for j in range(used):
-                names = by_layer[j].get(i, [])
-                if j < taken:
-                    local = {local: blocks[j].arrays[full] for full, local in names}
-                else:  # handed over: the arrays leave the block as they are written
-                    local = {local: blocks[j].arrays.pop(full) for full, local in names}
-                if j in needed:
-                    parts.append(Part(starts[j], ends[j], layer_descs[j][i], local))
-            template[i] = h.rebuild(layer, parts, n, capacity)
-            del parts
+        with rebuild_pipeline():  # a layer's buffers fill while the one before is copied
+            for i, (h, layer) in enumerate(zip(self._handlers, template)):
+                needed = set(plans[i])
+                parts = []
+                for j in range(used):
+                    names = by_layer[j].get(i, [])
+                    if j < taken:
+                        local = {local: blocks[j].arrays[full] for full, local in names}
+                    else:  # handed over: the arrays leave the block as they are written
+                        local = {local: blocks[j].arrays.pop(full) for full, local in names}
+                    if j in needed:
+                        parts.append(Part(starts[j], ends[j], layer_descs[j][i], local))
+                template[i] = h.rebuild(layer, parts, n, capacity)
+                del parts
+        if not self.manager.read_in_place(blocks):
+            # a payload failed its checksum (its file is removed now): what was rebuilt holds
+            # damaged rows; walk the chain again, which now stops before that block
+            return self._find(tokens)
         tier_set = {t if t in ("ssd", "remote") else "hot" for t in tiers[:used]}
         tier = tier_set.pop() if len(tier_set) == 1 else "mixed"
         return template, n, tier, used
@@ -485,7 +462,7 @@ class BlockAwarePrefixCache:
             st["walkbacks"] += 1
             st["walkback_tokens_lost"] += lost - partial
 
-    def _unshared_from(self, path: list[str], tokens: list[int]) -> int:
+    def _unshared_from(self, path: list[str], tokens: np.ndarray) -> int:
         """Index of the first block of the unshared tail of ``path`` (``len(path)``: none).
 
         A block is unshared when it and every later block of the path have no other
@@ -502,7 +479,7 @@ class BlockAwarePrefixCache:
             first = j
         return first
 
-    def _shared(self, key: str, nxt: str | None, tokens: list[int], blocks_before: int) -> bool:
+    def _shared(self, key: str, nxt: str | None, tokens: np.ndarray, blocks_before: int) -> bool:
         """True when a held child of ``key`` other than ``nxt`` (the path's next block) is
         another conversation's: any child but a partial tail whose token ids are a prefix of
         this request's tokens after ``key`` (or of ``nxt``'s), i.e. this conversation's own
