@@ -57,18 +57,27 @@ def token_ids(tokens: Any, name: str = "tokens") -> np.ndarray:
         raise TypeError(f"{name}: expected ints, element {i} is {type(bad).__name__} {bad!r:.40}")
     if not len(tokens):
         return np.zeros(0, dtype="<i8")
-    return _in_int64(np.asarray(tokens), name)  # int64, or uint64 / object past int64
+    return _in_int64(np.asarray(tokens), name, tokens)
 
 
-def _in_int64(array: np.ndarray, name: str) -> np.ndarray:
-    """``array`` as int64 when every id fits; else ValueError naming the first that does not."""
-    if array.dtype == object or (array.dtype.kind == "u" and array.size
-                                 and int(array.max()) > TOKEN_MAX):
-        i, t = next((i, t) for i, t in enumerate(map(int, array.tolist()))
+def _in_int64(array: np.ndarray, name: str, source: Sequence[int] | None = None) -> np.ndarray:
+    """``array`` as int64 when every id fits; else ValueError naming the first that does not
+    (numpy gives a list holding ids past int64 an unsigned, float or object dtype)."""
+    if array.dtype.kind not in "iu" or (array.dtype.kind == "u" and array.size
+                                        and int(array.max()) > TOKEN_MAX):
+        items = array.tolist() if source is None else source
+        i, t = next((i, t) for i, t in enumerate(map(int, items))
                     if not TOKEN_MIN <= t <= TOKEN_MAX)
         raise ValueError(f"{name}: element {i} is {t}, outside the int64 range token ids are "
                          f"hashed in ([{TOKEN_MIN}, {TOKEN_MAX}])")
     return array.astype("<i8", copy=False)
+
+
+def _from_mx(tokens: Any, name: str) -> np.ndarray:
+    if not mx.issubdtype(tokens.dtype, mx.integer):
+        raise TypeError(f"{name}: expected a 1-D integer array, got shape {tuple(tokens.shape)} "
+                        f"dtype {tokens.dtype}")
+    return np.array(tokens, copy=True)  # never a view of MLX memory
 
 
 def token_bytes(tokens: Sequence[int] | np.ndarray) -> memoryview:
