@@ -1,6 +1,7 @@
-"""Lookup time for a 128k-token prompt (goal <= 5 ms): hash the prompt into its block chain and
-ask the manager where each block is (``chain_keys`` + one batched ``tiers_of``: what ``fetch``
-does before it loads anything), with the blocks in the hot tier and on SSD. Baseline: restoring the same prompt
+"""Lookup time for a 128k-token prompt given as a numpy array (goal <= 5 ms): convert it
+(``token_ids``), hash it into its block chain and ask the manager where each block is
+(``chain_keys`` + one batched ``tiers_of``: what ``fetch`` does before it loads anything), with
+the blocks in the hot tier and on SSD. Baseline: restoring the same prompt
 from the hot tier (``fetch``), to show the lookup's share of a hit.
 
 The model is a 1-layer llama with 1 KV head of 16 dims (fp16: 64 B of KV per token), filled with
@@ -12,18 +13,20 @@ from __future__ import annotations
 import shutil
 
 import mlx.core as mx
+import numpy as np
 
 from benchmarks.common import Context, eval_cache, figure, filled_cache, kv_model, repeat, settle
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
-from paged_cache.hashing import chain_keys
+from paged_cache.hashing import chain_keys, token_ids
 
 FAMILY = "lookup"
 BLOCK = 256
 
 
-def _lookup(prefix: BlockAwarePrefixCache, tokens: list[int], expect: str) -> None:
-    full = len(tokens) // BLOCK * BLOCK
-    keys = chain_keys(prefix.fingerprint, prefix.namespace, tokens[:full], BLOCK)
+def _lookup(prefix: BlockAwarePrefixCache, tokens: np.ndarray, expect: str) -> None:
+    ids = token_ids(tokens)
+    full = len(ids) // BLOCK * BLOCK
+    keys = chain_keys(prefix.fingerprint, prefix.namespace, ids[:full], BLOCK)
     tiers = prefix.manager.tiers_of(keys, until_miss=True)
     if any(t != expect for t in tiers):
         raise AssertionError(f"lookup: expected every block in {expect}, got {set(tiers)}")
@@ -34,7 +37,7 @@ def run(ctx: Context) -> dict:
     repeats = ctx.pick(5, 11)
     model = kv_model(layers=1, kv_heads=1, head_dim=16, dtype=mx.float16)
     cache = filled_cache(model, n)
-    tokens = [(31 * i + 7) % 50_000 for i in range(n + 1)]
+    tokens = (31 * np.arange(n + 1) + 7) % 50_000
     figures = []
     hot_cfg = CacheConfig(block_size=BLOCK, hot_cache_only=True, hot_cache_max_bytes="1GiB")
     with PagedSSDCacheManager(hot_cfg) as manager:

@@ -53,6 +53,7 @@ REMOTE_TIMEOUT_DEFAULT = 0.5        # seconds a remote read or write may wait on
 REMOTE_SCHEMES = ("redis", "rediss", "valkey", "valkeys")  # "...s": TLS
 # Read by the remote tier at connect time, never stored in a CacheConfig (nor shown by `config`).
 REMOTE_PASSWORD_ENV = "PAGED_CACHE_REMOTE_PASSWORD"
+READ_THREADS_DEFAULT = 1      # block files read at once by a fetch (measured: docs/benchmarks.md)
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
@@ -144,6 +145,14 @@ def _block_size(value: Any, name: str) -> int:
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name}: expected a positive int (tokens per block), got {value!r}")
+    return value
+
+
+def _read_threads(value: Any, name: str) -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
+        raise ValueError(f"{name}: expected an int in [1, 64] (block files read at once), got {value!r}")
     return value
 
 
@@ -242,6 +251,7 @@ _FIELD_SPECS: dict[str, tuple[Any, str]] = {
     "remote_timeout": (_positive_seconds, "seconds one remote socket operation may wait before the "
                                           "tier counts an error and serves locally (default 0.5)"),
     "remote_queue_max_bytes": (parse_size, "byte bound of the remote write queue (default 64 MiB)"),
+    "ssd_read_threads": (_read_threads, "block files a fetch reads from SSD at once (default 1)"),
 }
 
 _DEFAULTS: dict[str, Any] = {
@@ -259,12 +269,13 @@ _DEFAULTS: dict[str, Any] = {
     "remote_ttl": 0.0,
     "remote_timeout": REMOTE_TIMEOUT_DEFAULT,
     "remote_queue_max_bytes": REMOTE_QUEUE_DEFAULT,
+    "ssd_read_threads": READ_THREADS_DEFAULT,
 }
 
 # Settings that only mean something with an SSD tier: hot_cache_only makes them inert, whatever
 # their source (they are kept, logged once and shown as inactive by `paged-cache config`).
 SSD_FIELDS = ("ssd_dir", "ssd_max_bytes", "compression", "write_policy", "write_queue_max_bytes",
-              "queue_full_policy")
+              "queue_full_policy", "ssd_read_threads")
 _logged_inert: set[tuple] = set()
 
 
@@ -291,6 +302,7 @@ class CacheConfig:
     remote_ttl: float = UNSET
     remote_timeout: float = UNSET
     remote_queue_max_bytes: int = UNSET
+    ssd_read_threads: int = UNSET
     origin: InitVar[Mapping[str, str] | None] = None
     explicit: frozenset = field(init=False, repr=False, compare=False)
     sources: dict = field(init=False, repr=False, compare=False)

@@ -22,7 +22,7 @@ import numpy as np
 from paged_cache.block import Block
 from paged_cache.chain_index import ChainNode, shared_prefix
 from paged_cache.handlers import Part, Span
-from paged_cache.handlers.base import clipped
+from paged_cache.handlers.base import clipped, copies_on_host, rebuild_pipeline
 from paged_cache.hashing import ROOT_PARENT, chain_keys
 
 logger = logging.getLogger("paged_cache.fetch")
@@ -74,13 +74,13 @@ class _Search:
     blocks: dict[str, Block | None] = field(default_factory=dict)
 
 
-def find(pc: Any, tokens: list[int]) -> Found:
-    """Search and rebuild for ``tokens`` (see module doc); ``Found.cache`` is None on a miss."""
+def find(pc: Any, ids: np.ndarray) -> Found:
+    """Search and rebuild for the token ids ``ids`` (see module doc); ``Found.cache`` is None on
+    a miss."""
     layout, bs = pc.layout, pc.block_size
-    total = len(tokens)
+    total = len(ids)
     limit = total - 1
-    ids = np.asarray(tokens, dtype=np.int64)
-    keys = chain_keys(layout.fingerprint, pc.namespace, tokens[:total - total % bs], bs)
+    keys = chain_keys(layout.fingerprint, pc.namespace, ids[:total - total % bs], bs)
     tiers, kids = pc.manager.chain(keys, layout.fingerprint, pc.namespace)
     held = tiers.index(None) if None in tiers else len(keys)
     path = []
@@ -102,6 +102,10 @@ def find(pc: Any, tokens: list[int]) -> Found:
     shared_max = max((c.end for c in cands), default=0)
     for n in _candidate_ends(layout, cands, min(limit, shared_max)):
         found = _try(search, n)
+        if found is _DAMAGED:
+            # a payload failed its checksum while read into place (its file is removed now):
+            # search again, the chain now ends before that block
+            return find(pc, ids)
         if found is not None:
             found.shared = shared_max
             return found
@@ -151,6 +155,9 @@ def _nodes_for(search: _Search, n: int) -> list[tuple[ChainNode, int]] | None:
     return chosen
 
 
+_DAMAGED = Found(None, 0, "miss", 0, 0)  # a payload read into place failed its checksum
+
+
 def _try(search: _Search, n: int) -> Found | None:
     """Plan and, if every layer can be rebuilt at ``n``, rebuild; else None."""
     pc = search.pc
@@ -159,12 +166,14 @@ def _try(search: _Search, n: int) -> Found | None:
     if not chosen:
         return None
     handover = _handover(search, chosen)
+    # KV-like layers take SSD payloads read straight into their buffers after the rebuild
+    in_place = copies_on_host() and all(h.reads_in_place for h in layout.handlers)
     blocks = []
     for node, _ in chosen:
         if node.key not in search.blocks:
             # an SSD block handed over is read without promotion (taken)
             take = node.key in handover and node.tier != "hot"
-            block = manager.get(node.key, take=take)
+            block = manager.get(node.key, take=take, in_place=in_place)
             if block is not None and block.meta.get("fingerprint") != layout.fingerprint:
                 block = None
             search.blocks[node.key] = block
@@ -191,18 +200,20 @@ def _try(search: _Search, n: int) -> Found | None:
     taken = {node.key for node, _ in chosen if node.key in handover}
     capacity = math.ceil((len(search.ids) + pc.headroom) / GROWTH_STEP) * GROWTH_STEP
     by_layer = [_group_by_layer(b.arrays) for b in blocks]
-    for i, (h, layer) in enumerate(zip(layout.handlers, template)):
-        parts = []
-        for j in plans[i]:
-            names = by_layer[j].get(i, [])
-            node = chosen[j][0]
-            if node.key in taken:  # handed over: the arrays leave the block as they are written
-                local = {short: blocks[j].arrays.pop(full) for full, short in names}
-            else:
-                local = {short: blocks[j].arrays[full] for full, short in names}
-            parts.append(Part(spans[i][j].start, spans[i][j].end, spans[i][j].desc, local))
-        template[i] = h.rebuild(layer, parts, n, capacity)
-        del parts
+    with rebuild_pipeline():  # a layer's buffers fill while the one before is copied
+        for i, (h, layer) in enumerate(zip(layout.handlers, template)):
+            parts = []
+            for j in plans[i]:
+                names = by_layer[j].get(i, [])
+                if chosen[j][0].key in taken:  # handed over: the arrays leave the block as written
+                    local = {short: blocks[j].arrays.pop(full) for full, short in names}
+                else:
+                    local = {short: blocks[j].arrays[full] for full, short in names}
+                parts.append(Part(spans[i][j].start, spans[i][j].end, spans[i][j].desc, local))
+            template[i] = h.rebuild(layer, parts, n, capacity)
+            del parts
+    if not manager.read_in_place(blocks):
+        return _DAMAGED
     logger.debug("rebuilt at %d from %s", n, ", ".join(
         f"{'checkpoint' if node.checkpoint else 'block'} [{node.start}, {node.start + used})"
         f" {node.tier}" for node, used in chosen))

@@ -31,7 +31,7 @@ _HELD_BY_US = 2  # sys.getrefcount of a list only the loan holds (the loan + the
 class Loan:
     """Blocks ``keys`` handed over to the cache list ``cache`` positioned past ``tokens``."""
 
-    tokens: list[int]
+    tokens: np.ndarray
     cache: list
     keys: list[str]
 
@@ -44,9 +44,9 @@ class Loans:
         self._give_back = give_back
         self.counters = dict(loans=0, loans_returned=0, loans_settled=0, loans_lost=0)
 
-    def lend(self, tokens: list[int], cache: list, keys: list[str]) -> None:
+    def lend(self, tokens: np.ndarray, cache: list, keys: list[str]) -> None:
         """Record that ``keys`` went to ``cache`` (covering ``tokens``)."""
-        self._open[id(cache)] = Loan(list(tokens), cache, list(keys))
+        self._open[id(cache)] = Loan(np.array(tokens), cache, list(keys))
         self.counters["loans"] += 1
         while len(self._open) > MAX_LOANS:
             self._return(next(iter(self._open)))
@@ -57,7 +57,7 @@ class Loans:
         return the ones another request wants (it shares tokens with ``wanted``) and the ones
         whose holder dropped the cache unstored."""
         for key, loan in list(self._open.items()):
-            mine = np.asarray(loan.tokens)
+            mine = loan.tokens
             if (stored is not None and shared_prefix(mine, stored) == len(mine)) or held(loan.keys):
                 del self._open[key]
                 self.counters["loans_settled"] += 1

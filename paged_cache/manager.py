@@ -4,11 +4,16 @@ Reads look in the hot tier, then the SSD writer's queue, then the SSD files (che
 promote what they find into the hot tier. With write-through every put is queued for the SSD
 writer; with write-back a block is queued when it leaves the hot tier (evicted, demoted, taken).
 Writes wait on disk only when the queue is full and queue_full_policy is write-on-caller (the
-caller writes the block itself) and on flush / close. With ``hot_cache_only`` there is no SSD
-tier at all: no directory, no files, no thread, no queue.
+caller writes the block itself, after releasing the manager's lock) and on flush / close. With
+``hot_cache_only`` there is no SSD tier at all: no directory, no files, no thread, no queue.
 With ``remote_url`` a shared remote tier (tiers/remote.py) sits below SSD: every new put is queued
 for it, a chain walk (``tiers_of(until_miss=True)``) and ``get`` ask it last, and a block read
 from it is promoted into the local tiers.
+
+The manager's lock guards the hot tier and the counters only: no disk I/O, fsync or wait on the
+writer runs under it (a caller's own write under "write-on-caller", flush, discard and the SSD
+lookups run after it is released), so ``stats()`` never waits on the disk. Buffers the SSD writer
+has finished with are released on the caller threads (``_after``), never on the writer's.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import logging
 import sqlite3
 import threading
-from typing import Any, Iterable, Literal, Sequence
+from typing import Any, Callable, Iterable, Literal, Sequence
 
 import mlx.core as mx
 
@@ -25,6 +30,7 @@ from paged_cache.chain_index import ChainIndex, ChainNode, merge_children
 from paged_cache.config import CacheConfig, filesystem_space, format_size
 from paged_cache.hashing import ROOT_PARENT
 from paged_cache.stats import nested_gauges
+from paged_cache.tiers.direct import StoredBlock, read_stored
 from paged_cache.tiers.format import RawTensors, check_meta, raw_tensors
 from paged_cache.tiers.files import CacheDirError
 from paged_cache.tiers.hot import HotTier
@@ -48,6 +54,7 @@ class PagedSSDCacheManager:
         self._lock = threading.RLock()
         self._closed = False
         self._discards = 0  # bumped by discard(): an SSD read that raced one is not promoted
+        self._overflow = threading.local()  # this thread's caller writes, run by _after
         self.counters = dict(puts=0, puts_existing=0, puts_dropped=0, gets=0, misses=0,
                              promotions=0, takes=0, discards=0, spills=0, evicted_dropped=0,
                              evicted_dropped_bytes=0)
@@ -109,6 +116,12 @@ class PagedSSDCacheManager:
         """Store `block`; True when it is now held as new, False when the key was already held
         (or, without an SSD tier, when the block is larger than the whole hot budget)."""
         raw = self._validated(block)
+        try:
+            return self._put(block, raw)
+        finally:
+            self._after()
+
+    def _put(self, block: Block, raw: RawTensors) -> bool:
         with self._lock:
             self._check_open()
             if block.key in self._hot:
@@ -150,9 +163,34 @@ class PagedSSDCacheManager:
         return raw_tensors(block)
 
     def _persist(self, block: Block, raw: RawTensors | None = None) -> bool:
-        """Hand the block to the SSD writer (never waits on disk under the "skip" policy)."""
+        """Hand the block to the SSD writer; never waits on disk (a write the caller must do under
+        "write-on-caller" is left for ``_after``, once the lock is released)."""
+        overflow = getattr(self._overflow, "items", None)
+        if overflow is None:
+            overflow = self._overflow.items = []
         return self._ssd.enqueue(block.key, raw if raw is not None else raw_tensors(block),
-                                 dict(block.meta))
+                                 dict(block.meta), overflow=overflow)
+
+    def _after(self) -> None:
+        """Work for when no lock is held: this thread's own writes (queue full under
+        "write-on-caller"), then the release of the buffers the SSD writer has finished with,
+        counted toward the hot tier's next ``mx.clear_cache()``."""
+        if self._ssd is None:
+            return
+        overflow = getattr(self._overflow, "items", None)
+        while overflow:
+            item = overflow.pop(0)
+            try:
+                written = self._ssd.write_item(item)
+            except RuntimeError:  # closed meanwhile
+                written = False
+            if not written:
+                with self._lock:
+                    self._hot.mark_persisted(item.key, False)
+            del item
+        released = self._ssd.release_written()
+        if released:
+            self._hot.released(released)
 
     def _on_evict(self, block: Block, persisted: bool) -> None:
         """Hot-tier eviction: spill an unpersisted block to SSD, or drop it (counted)."""
@@ -167,13 +205,27 @@ class PagedSSDCacheManager:
 
     # ------------------------------------------------------------------------------ reads
 
-    def get(self, key: str, *, take: bool = False) -> Block | None:
+    def get(self, key: str, *, take: bool = False, in_place: bool = False) -> Block | StoredBlock | None:
         """The block for `key` from the fastest tier holding it, or None.
 
         take=True hands the arrays over: the block leaves the hot tier (spilled to SSD first if it
         had no SSD copy yet) and is not promoted. Callers must not mutate the arrays they get.
+        take=True with in_place=True: a block only on SSD comes back as a ``StoredBlock`` (header
+        verified, payload on disk) for a rebuild to read straight into place (``read_in_place``).
         """
         check_key(key)
+        try:
+            return self._get(key, take, in_place and take)
+        finally:
+            self._after()
+
+    def read_in_place(self, blocks: Sequence[Any]) -> bool:
+        """Read the ``StoredBlock``s among ``blocks`` into the places their rebuilds asked for,
+        ``ssd_read_threads`` files at a time; False when a payload failed its checksum (counted,
+        file removed): what was rebuilt from it must be dropped."""
+        return read_stored(blocks, self.config.ssd_read_threads)
+
+    def _get(self, key: str, take: bool, in_place: bool) -> Block | StoredBlock | None:
         with self._lock:
             self._check_open()
             self.counters["gets"] += 1
@@ -187,7 +239,7 @@ class PagedSSDCacheManager:
         if block is not None:
             tier = "pending"
         elif self._ssd is not None:
-            tier, block = "ssd", self._ssd.read(key)
+            tier, block = "ssd", self._ssd.open_stored(key) if in_place else self._ssd.read(key)
         if block is None and self._remote is not None:
             tier, block = "remote", self._remote.read(key)
         if block is None:
@@ -231,19 +283,20 @@ class PagedSSDCacheManager:
             self._check_open()
             if key in self._hot:
                 return "hot"
-            if self._ssd is not None and self._ssd.has_pending(key):
-                return "pending"
-            if self._ssd is not None and self._ssd.contains(key):
-                return "ssd"
-            remote = self._remote
+            ssd, remote = self._ssd, self._remote
+        if ssd is not None and ssd.has_pending(key):
+            return "pending"
+        if ssd is not None and ssd.contains(key):
+            return "ssd"
         return "remote" if remote is not None and remote.held([key])[0] else None
 
     def tiers_of(self, keys: Sequence[str], *, until_miss: bool = False) -> list[Tier | None]:
-        """``tier_of`` of every key under one lock acquisition (hot dict lookups first, then the
-        write queue and the block files for the rest). ``until_miss``: stop at the first key held
-        nowhere (what a chain walk needs); the entries after it are None without a lookup. A chain
-        walk also asks the remote tier, in one round trip, for the keys held nowhere locally, and
-        plans their reads; without ``until_miss`` (a store deciding what to put) it is not asked."""
+        """``tier_of`` of every key: the hot tier's under one lock acquisition, then the write
+        queue and the block files for the rest (no lock held). ``until_miss``: stop at the first
+        key held nowhere (what a chain walk needs); the entries after it are None without a lookup.
+        A chain walk also asks the remote tier, in one round trip, for the keys held nowhere
+        locally, and plans their reads; without ``until_miss`` (a store deciding what to put) it is
+        not asked."""
         if isinstance(keys, str):
             raise TypeError("keys: expected a sequence of keys, got a single str")
         keys = list(keys)
@@ -257,12 +310,15 @@ class PagedSSDCacheManager:
             for i, key in enumerate(keys):
                 if key in hot:
                     out[i] = "hot"
-                elif ssd is not None and ssd.has_pending(key):
-                    out[i] = "pending"
-                elif ssd is not None and ssd.contains(key):
-                    out[i] = "ssd"
-                elif until_miss and self._remote is None:
-                    break
+        for i, key in enumerate(keys):
+            if out[i] is not None:
+                continue
+            if ssd is not None and ssd.has_pending(key):
+                out[i] = "pending"
+            elif ssd is not None and ssd.contains(key):
+                out[i] = "ssd"
+            elif until_miss and self._remote is None:
+                break
         if until_miss and self._remote is not None:
             self._remote_chain(keys, out)
         return out
@@ -301,16 +357,21 @@ class PagedSSDCacheManager:
         keys = list(keys)
         for key in keys:
             check_key(key)
-        with self._lock:
-            self._check_open()
-            return self._hot.demote(keys)
+        return self._evicting(lambda hot: hot.demote(keys))
 
     def trim_hot(self, max_bytes: int) -> int:
         """Demote least recently used blocks until the hot tier holds at most `max_bytes`;
         returns how many blocks left it. ValueError unless `max_bytes` is an int >= 0."""
-        with self._lock:
-            self._check_open()
-            return self._hot.trim(max_bytes)
+        return self._evicting(lambda hot: hot.trim(max_bytes))
+
+    def _evicting(self, evict: Callable[[HotTier], int]) -> int:
+        """``evict(hot tier)`` under the lock, then the writes it left for ``_after``."""
+        try:
+            with self._lock:
+                self._check_open()
+                return evict(self._hot)
+        finally:
+            self._after()
 
     def discard(self, key: str) -> None:
         """Drop `key` from every tier (a pending write is cancelled)."""
@@ -320,42 +381,59 @@ class PagedSSDCacheManager:
             self._discards += 1
             self._index.remove(key)
             held = self._hot.discard(key)
-            if self._ssd is not None and self._ssd.contains(key):
-                self._ssd.discard(key)
-                held = True
+            ssd = self._ssd
+        if ssd is not None and ssd.contains(key):
+            ssd.discard(key)  # may wait for the write in progress: no lock held
+            held = True
+        with self._lock:
+            # a read that raced the SSD discard compares the counter after promoting: bump it
+            # again and drop what such a read put back
+            self._discards += 1
+            held = self._hot.discard(key) or held
             if held:
                 self.counters["discards"] += 1
-            if self._remote is not None:
-                self._remote.discard(key)
+        if self._remote is not None:
+            self._remote.discard(key)
+        self._after()
 
     # ------------------------------------------------------------------------------ lifecycle
 
     def flush(self) -> None:
-        """Give every hot block without an SSD copy to the writer, then wait until all are written
-        (and, without holding the manager's lock, until the remote tier's queue is sent)."""
+        """Wait until every queued block is written, then write every hot block without an SSD
+        copy, and until the remote tier's queue is sent (no lock held while waiting or writing)."""
         if self._remote is not None and not self._closed:
             self._remote.flush()
         with self._lock:
             if self._closed or self._ssd is None:
                 return
-            self._ssd.flush()
-            for block in self._hot.unpersisted():
-                if self._ssd.write_sync(block.key, raw_tensors(block), dict(block.meta)):
+        self._flush()
+
+    def _flush(self) -> None:
+        ssd = self._ssd
+        ssd.flush()
+        with self._lock:
+            blocks = self._hot.unpersisted()
+        while blocks:
+            block = blocks.pop(0)
+            if ssd.write_sync(block.key, raw_tensors(block), dict(block.meta)):
+                with self._lock:
                     self._hot.mark_persisted(block.key)
+            del block
+        self._after()
 
     def close(self) -> None:
         """Flush, stop the writer, release the hot tier's arrays; idempotent."""
         with self._lock:
             if self._closed:
                 return
-            self.flush()
-            if self._ssd is not None:
-                self._ssd.close()
-            if self._remote is not None:
-                self._remote.close()
-            self._hot.clear()
-            self._closed = True
-            log.debug("closed")
+            self._closed = True  # no new work from here on
+        if self._ssd is not None:
+            self._flush()
+            self._ssd.close()
+        if self._remote is not None:
+            self._remote.close()
+        self._hot.clear()
+        log.debug("closed")
 
     def __enter__(self) -> "PagedSSDCacheManager":
         return self
@@ -384,11 +462,11 @@ class PagedSSDCacheManager:
             if self.ssd_error is not None:
                 out["ssd_error"] = self.ssd_error
             out["hot"] = self._hot.stats()
-            if self._ssd is not None:
-                out["ssd"] = self._ssd.stats()
-            if self._remote is not None:
-                out["remote"] = self._remote.stats()
-            return out
+        if self._ssd is not None:
+            out["ssd"] = self._ssd.stats()
+        if self._remote is not None:
+            out["remote"] = self._remote.stats()
+        return out
 
     # ------------------------------------------------------------------------------ chain lookup
 

@@ -11,22 +11,20 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import mlx.core as mx
-import numpy as np
 
 from paged_cache.fetch import find
 from paged_cache.handlers import layer_needs_snapshots
 from paged_cache.handlers.base import Captured
-from paged_cache.hashing import model_identity
+from paged_cache.hashing import model_identity, token_ids
 from paged_cache.layout import CacheLayout
 from paged_cache.loans import Loan, Loans
 from paged_cache.store import store_chain
 
 logger = logging.getLogger("paged_cache.prefix_cache")
 
-TOKEN_MIN, TOKEN_MAX = -(2**63), 2**63 - 1  # token ids are hashed as int64 (hashing.token_bytes)
 
 
 @dataclass
@@ -62,38 +60,9 @@ class FetchInfo:
 
 def as_tokens(tokens: Any, name: str = "tokens") -> list[int]:
     """A list of Python ints from a sequence / 1-D numpy or mx array of integers; else TypeError
-    (ValueError for an id outside int64)."""
-    return _in_int64(_as_list(tokens, name), name)
-
-
-def _as_list(tokens: Any, name: str) -> list[int]:
-    if isinstance(tokens, mx.array):
-        if tokens.ndim != 1 or not mx.issubdtype(tokens.dtype, mx.integer):
-            raise TypeError(f"{name}: expected a 1-D integer array, got shape {tokens.shape} "
-                            f"dtype {tokens.dtype}")
-        return tokens.tolist()
-    if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise TypeError(f"{name}: expected a 1-D integer array, got shape {tokens.shape} "
-                            f"dtype {tokens.dtype}")
-        return tokens.tolist()
-    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
-        raise TypeError(f"{name}: expected a sequence of ints, got {type(tokens).__name__}")
-    out = []
-    for i, t in enumerate(tokens):
-        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-            raise TypeError(f"{name}: expected ints, element {i} is {type(t).__name__} {t!r:.40}")
-        out.append(int(t))
-    return out
-
-
-def _in_int64(tokens: list[int], name: str) -> list[int]:
-    """``tokens`` when every id fits int64 (block keys hash them as int64); else ValueError."""
-    if tokens and not (TOKEN_MIN <= min(tokens) and max(tokens) <= TOKEN_MAX):
-        i, t = next((i, t) for i, t in enumerate(tokens) if not TOKEN_MIN <= t <= TOKEN_MAX)
-        raise ValueError(f"{name}: element {i} is {t}, outside the int64 range token ids are "
-                         f"hashed in ([{TOKEN_MIN}, {TOKEN_MAX}])")
-    return tokens
+    (ValueError for an id outside int64; validated by ``token_ids``, no per-token Python work)."""
+    ids = token_ids(tokens, name)
+    return list(tokens) if isinstance(tokens, (list, tuple)) else ids.tolist()
 
 
 class BlockAwarePrefixCache:
@@ -216,16 +185,16 @@ class BlockAwarePrefixCache:
         store holds at most one layer twice instead of the whole sequence.
         """
         t0 = time.perf_counter()
-        tokens = as_tokens(tokens)
+        tokens = token_ids(tokens)
         if not self.layout.ready():
             return 0
         self.layout.check(cache, len(tokens))
         snaps = self._check_snapshots(snapshots, len(tokens))
-        if not tokens:
+        if len(tokens) == 0:
             return 0
         result = store_chain(self, tokens, cache, snaps, consume)
         if len(self._loans):
-            self._loans.settle(self._held, stored=np.asarray(tokens, dtype=np.int64))
+            self._loans.settle(self._held, stored=tokens)
         seconds = time.perf_counter() - t0
         st = self._stats
         st["stores"] += 1
@@ -243,12 +212,12 @@ class BlockAwarePrefixCache:
     def fetch(self, tokens: Any) -> tuple[list | None, int]:
         """A fresh cache list covering ``tokens[:n]`` with ``n <= len(tokens) - 1``, or (None, 0)."""
         t0 = time.perf_counter()
-        tokens = as_tokens(tokens)
+        tokens = token_ids(tokens)
         total = len(tokens)
         st = self._stats
         st["tokens_requested"] += total
         if len(self._loans):
-            self._loans.settle(self._held, np.asarray(tokens, dtype=np.int64))
+            self._loans.settle(self._held, tokens)
         found = find(self, tokens) if total >= 2 and self.layout.ready() else None
         n = found.n if found is not None else 0
         if found is not None:

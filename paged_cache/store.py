@@ -39,7 +39,7 @@ class StoreResult:
     deduplicated: int
 
 
-def store_chain(pc: Any, tokens: list[int], cache: list, snaps: dict, consume: bool) -> StoreResult:
+def store_chain(pc: Any, tokens: np.ndarray, cache: list, snaps: dict, consume: bool) -> StoreResult:
     """Store ``cache`` (positioned at ``len(tokens)``) for prefix cache ``pc`` (see module doc)."""
     layout, manager, bs = pc.layout, pc.manager, pc.block_size
     fp, n = layout.fingerprint, len(tokens)

@@ -224,14 +224,15 @@ def test_cli_flags_for_every_field(tmp_path):
                         "--write-policy", "write-back", "--write-queue-max-bytes", "8MB",
                         "--queue-full-policy", "write-on-caller", "--remote-url",
                         "rediss://u:pw@cache.lan:6380/2", "--remote-ttl", "3600",
-                        "--remote-timeout", "0.2", "--remote-queue-max-bytes", "16MiB"])
+                        "--remote-timeout", "0.2", "--remote-queue-max-bytes", "16MiB",
+                        "--ssd-read-threads", "4"])
     assert config.to_dict() == dict(
         block_size=128, hot_cache_max_bytes=2 * 10**9, ssd_dir=str(tmp_path),
         ssd_max_bytes=3 * 2**30, hot_cache_only=False, compression="lz4",
         write_policy="write-back", write_queue_max_bytes=8 * 10**6,
         queue_full_policy="write-on-caller", remote_url="rediss://u:***@cache.lan:6380/2",
         remote_cluster=False, remote_ttl=3600.0, remote_timeout=0.2,
-        remote_queue_max_bytes=16 * 2**20)
+        remote_queue_max_bytes=16 * 2**20, ssd_read_threads=4)
     assert config.remote_url == "rediss://u:pw@cache.lan:6380/2"
     assert config.sources["ssd_dir"] == "flag:--ssd-dir"
     assert parse_cli(["--hot-cache-only"]).hot_cache_only is True

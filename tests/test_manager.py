@@ -12,6 +12,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+import weakref
 from pathlib import Path
 
 import mlx.core as mx
@@ -668,3 +669,54 @@ def test_tiers_of_matches_tier_of_in_one_call(tmp_path):
     with hot_only() as m:
         m.put(blocks[0])
         assert m.tiers_of([blocks[0].key, blocks[1].key]) == ["hot", None]
+
+
+def test_no_mlx_array_is_freed_on_the_ssd_writer_thread(tmp_path):
+    """Spilled and written-through blocks: every array's last reference goes on a caller thread
+    (weakref callbacks record the thread), and all of them are gone once the manager is closed."""
+    freed: list[str] = []
+
+    def watch(block: Block) -> Block:
+        for array in block.arrays.values():
+            watch.refs.append(weakref.ref(array, lambda _: freed.append(threading.current_thread().name)))
+        return block
+
+    watch.refs = []
+    for policy in ("write-back", "write-through"):
+        with with_ssd(tmp_path / policy, hot_cache_max_bytes=4096, write_policy=policy) as m:
+            for i in range(40):  # 4 blocks fit the hot tier: the rest are spilled / written
+                m.put(watch(make_block(i)))
+            m.flush()
+        gc.collect()
+    assert len(freed) == len(watch.refs) == 2 * 2 * 40
+    assert "paged-cache-ssd-writer" not in freed, freed.count("paged-cache-ssd-writer")
+
+
+def test_stats_returns_while_a_flush_waits_on_a_locked_manifest(tmp_path):
+    """A flush blocked on the disk (the writer waits for the manifest's SQLite write lock, held by
+    another connection) holds no lock stats() needs."""
+    import sqlite3
+    import time
+
+    with with_ssd(tmp_path, hot_cache_max_bytes="1MB") as m:
+        m.put(make_block(0))
+        m.flush()
+        other = sqlite3.connect(tmp_path / "manifest.sqlite", timeout=0)
+        other.execute("BEGIN IMMEDIATE")  # the writer's next reservation waits on this lock
+        try:
+            m.put(make_block(1))
+            flushing = threading.Thread(target=m.flush)
+            flushing.start()
+            time.sleep(0.3)
+            assert flushing.is_alive()  # the flush is blocked on the locked manifest
+            t0 = time.perf_counter()
+            stats = m.stats()
+            m.tier_of(key_of(0))
+            assert time.perf_counter() - t0 < 0.2 and flushing.is_alive()
+            assert stats["puts"] == 2 and stats["ssd"]["queue_blocks"] == 1
+        finally:
+            other.rollback()
+            other.close()
+        flushing.join(30)
+        assert not flushing.is_alive()
+        assert m.tier_of(key_of(1)) in ("hot", "ssd")

@@ -4,15 +4,20 @@ A handler is stateless; one instance serves every layer of its cache type. Array
 returns from ``cut`` / ``capture`` are evaluated copies that own their memory. ``rebuild`` writes
 the rows of every needed block straight into one buffer sized for the continuation and pops each
 block's arrays from its ``Part`` once written, so a caller that handed blocks over frees them as
-the live cache fills (one copy, not two).
+the live cache fills (one copy, not two). A handler whose ``reads_in_place`` is True also takes
+stored tensors in a ``Part`` (block payloads still on disk, with ``read_rows``): it asks them to
+land their rows in its buffers, and the caller reads them after the last layer.
 """
 
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Iterator, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 TOKEN_AXIS = 2  # every mlx-lm / mlx-vlm KV array is (B, heads, tokens, ...)
 
@@ -46,6 +51,7 @@ class LayerHandler:
     cache_types: ClassVar[tuple[type, ...]] = ()
     needs_snapshots: ClassVar[bool] = False  # rows/state cannot be sliced by token afterwards
     exact_end: ClassVar[bool] = False  # rebuilt only at the exact end of a node with its state
+    reads_in_place: ClassVar[bool] = False  # rebuild takes stored tensors read into place later
 
     def layout(self, layer: Any) -> dict:
         """What makes this layer's KV incompatible with another's (goes into the fingerprint)."""
@@ -115,35 +121,144 @@ def clipped(desc: dict) -> dict:
     return out
 
 
-def assemble_rows(parts: Sequence[Part], names: Sequence[str], runs: Sequence[tuple[int, int]],
+Piece = tuple[int, int, Arrays, int]  # positions [start, end) are rows [row, row + end - start)
+
+
+def copies_on_host() -> bool:
+    """True on the CPU backend: rows are copied by numpy straight into MLX-owned memory (an
+    evaluated mx.array's buffer is plain host memory there; MLX's CPU copy kernels run at a
+    fraction of memcpy speed). On a GPU backend rows are copied with MLX ops."""
+    return mx.default_device().type == mx.DeviceType.cpu
+
+
+def host_view(x: Any) -> np.ndarray:
+    """A numpy view (no copy) of an mx.array's memory, evaluated first; bfloat16 as uint16
+    (numpy has no bfloat16, the bytes are the same). A numpy array is returned as is."""
+    if isinstance(x, np.ndarray):
+        return x
+    if x.dtype == mx.bfloat16:
+        x = x.view(mx.uint16)
+    return np.asarray(x)
+
+
+def _storage_dtype(dtype: Any) -> Any:
+    return mx.uint16 if dtype == mx.bfloat16 else dtype
+
+
+def assemble_rows(pieces: list[Piece], names: Sequence[str], runs: Sequence[tuple[int, int]],
                   rows: int) -> Arrays:
     """One buffer per name with ``rows`` rows; token positions of ``runs`` go to rows 0.. in order.
 
-    Each part's arrays are written, evaluated, then popped from the part, so the peak is the
-    buffer plus one block. Positions must be covered by the parts (checked by ``plan``).
+    Every row is written once, straight into the buffer (``copies_on_host``: numpy; else MLX
+    ops). ``pieces`` is consumed: with arrays popped from their parts, a block's arrays go as
+    soon as they are written, so the peak is the buffers plus the blocks not yet written. Buffers
+    come from MLX's allocator (its cache of freed buffers when it has them).
     """
-    first = next(p for p in parts if names[0] in p.arrays)
-    out: Arrays = {}
+    host = copies_on_host()
+    specs = {}
+    dtypes = {}
     for name in names:
-        src = first.arrays[name]
+        src = pieces[0][2][name]
         shape = list(src.shape)
         shape[TOKEN_AXIS] = rows
-        out[name] = mx.zeros(shape, dtype=src.dtype)
-    row = 0
-    placements = []
+        dtypes[name] = src.dtype
+        specs[name] = (tuple(shape), _storage_dtype(src.dtype) if host else src.dtype)
+    del src
+    buffers = _allocate(specs)
+    placements, row = [], 0
     for lo, hi in runs:
         placements.append((lo, hi, row))
         row += hi - lo
-    for part in parts:
-        for lo, hi, row0 in placements:
-            a, b = max(lo, part.start), min(hi, part.end)
-            if a >= b:
-                continue
-            dst = (slice(None),) * TOKEN_AXIS + (slice(row0 + a - lo, row0 + b - lo),)
-            for name in names:
-                out[name][dst] = token_slice(part.arrays[name], a - part.start, b - part.start)
-        mx.eval(list(out.values()))
-        for name in names:
-            part.arrays.pop(name, None)
+    moves = []  # (piece index, destination index, source index) on the token axis
+    for k, (start, end, _, row0) in enumerate(pieces):
+        for lo, hi, out0 in placements:
+            a, b = max(lo, start), min(hi, end)
+            if a < b:
+                moves.append((k, (slice(None),) * TOKEN_AXIS + (slice(out0 + a - lo, out0 + b - lo),),
+                              (slice(None),) * TOKEN_AXIS + (slice(row0 + a - start, row0 + b - start),)))
+    if host:
+        _copy_on_host(pieces, names, moves, buffers, specs)
+    else:
+        _copy_with_mlx(pieces, names, moves, buffers)
+    pieces.clear()
+    out: Arrays = {}
+    for name in names:
+        out[name] = buffers.pop(name)
+        if host and dtypes[name] == mx.bfloat16:
+            out[name] = out[name].view(mx.bfloat16)
+    mx.eval(list(out.values()))
     return out
 
+
+class _Ahead(threading.local):
+    """Per thread: inside ``rebuild_pipeline``, buffers allocated for the next layer (name ->
+    ((shape, dtype), array))."""
+
+    active = False
+    buffers: dict | None = None
+
+
+_AHEAD = _Ahead()
+
+
+@contextmanager
+def rebuild_pipeline() -> Iterator[None]:
+    """Around the rebuild of a cache's layers: once a layer's rows of one name are written (and
+    handed-over blocks freed them), the buffer of that name for the next layer is allocated and
+    filled by MLX on its own thread while the copy goes on, assuming the next layer has the same
+    shapes (a mismatch drops it). The peak stays that of one layer at a time, plus padding;
+    what is left over goes when the block exits."""
+    _AHEAD.active, _AHEAD.buffers = True, {}
+    try:
+        yield
+    finally:
+        _AHEAD.active, _AHEAD.buffers = False, None
+
+
+def _allocate(specs: dict) -> Arrays:
+    """Buffers of ``specs`` (name -> (shape, dtype)): those allocated ahead when they match."""
+    ahead = _AHEAD.buffers or {}
+    buffers = {name: ahead[name][1] if name in ahead and ahead[name][0] == spec
+               else mx.zeros(spec[0], dtype=spec[1]) for name, spec in specs.items()}
+    if _AHEAD.active:
+        _AHEAD.buffers = {}
+    return buffers
+
+
+def _allocate_ahead(name: str, spec: tuple) -> None:
+    """Inside ``rebuild_pipeline``: start the buffer of ``name`` for the next layer."""
+    if _AHEAD.active:
+        buffer = mx.zeros(spec[0], dtype=spec[1])
+        mx.async_eval(buffer)
+        _AHEAD.buffers[name] = (spec, buffer)
+
+
+def _copy_on_host(pieces: list[Piece], names: Sequence[str], moves: list[tuple], buffers: Arrays,
+                  specs: dict) -> None:
+    """numpy copies into the buffers' memory, name by name: MLX fills the next buffer (its own
+    thread) while this one is written. A source with ``read_rows`` (a block payload still on
+    disk, see tiers/direct.py) is asked to land its rows there when its file is read."""
+    mx.async_eval(list(buffers.values()))
+    for name in names:
+        dst = host_view(buffers[name])
+        for k, into, take in moves:
+            src = pieces[k][2][name]
+            if hasattr(src, "read_rows"):  # a stored tensor: its bytes are read into place later
+                src.read_rows(take, dst[into])
+            else:
+                np.copyto(dst[into], host_view(src)[take])
+        del dst
+        for _, _, arrays, _ in pieces:  # the name's arrays go once written
+            arrays.pop(name, None)
+        _allocate_ahead(name, specs[name])
+
+
+def _copy_with_mlx(pieces: list[Piece], names: Sequence[str], moves: list[tuple], buffers: Arrays) -> None:
+    """MLX slice updates (GPU backends), evaluated piece by piece; each piece's arrays go once written."""
+    for k, (_, _, arrays, _) in enumerate(pieces):
+        for _, into, take in [m for m in moves if m[0] == k]:
+            for name in names:
+                src = arrays[name]
+                buffers[name][into] = (mx.array(src) if isinstance(src, np.ndarray) else src)[take]
+        mx.eval(list(buffers.values()))
+        arrays.clear()

@@ -11,8 +11,8 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from paged_cache.handlers.base import (TOKEN_AXIS, Arrays, Captured, LayerHandler, Part, Span,
-                                       assemble_rows, owned, token_slice)
+from paged_cache.handlers.base import (TOKEN_AXIS, Arrays, Captured, LayerHandler, Part, Piece,
+                                       Span, assemble_rows, owned, token_slice)
 
 Run = tuple[int, int, int]  # (first position, end position, first row)
 
@@ -30,6 +30,8 @@ def merge_runs(runs: Sequence[Run]) -> list[Run]:
 
 class RowsHandler(LayerHandler):
     """Base for KV-like layers: slice rows per block, rebuild rows into one buffer."""
+
+    reads_in_place = True
 
     def names(self, layer: Any) -> list[str]:
         """Names of the token-axis arrays (after ``arrays``)."""
@@ -139,17 +141,16 @@ class RowsHandler(LayerHandler):
         """Rebuild with the positions of ``runs`` written to consecutive rows, in that order."""
         rows = sum(hi - lo for lo, hi in runs)
         names = self.names_of(layer, parts)
-        pieces = []
+        pieces: list[Piece] = []
         for part in parts:
             if not part.desc.get("has_rows"):
                 continue
+            arrays = {k: part.arrays.pop(k) for k in names}
             row = 0
             for a, b in held_ranges(Span(part.start, part.end, part.desc)):
-                pieces.append(Part(a, b, part.desc,
-                                   {k: token_slice(part.arrays[k], row, row + b - a) for k in names}))
+                pieces.append((a, b, arrays, row))
                 row += b - a
-            for k in names:
-                part.arrays.pop(k, None)
+            del arrays
         buffers = assemble_rows(pieces, names, runs, self.buffer_rows(layer, rows, capacity))
         return self.install(layer, buffers, n, rows)
 

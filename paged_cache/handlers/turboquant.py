@@ -66,6 +66,7 @@ class TurboQuantHandler(RowsHandler):
 
     kind = "turboquant_kv"
     cache_types = (tq.TurboQuantKVCache,)
+    reads_in_place = False  # the codec arrays are installed as they are
 
     def arrays(self, layer: Any) -> Arrays:
         out: Arrays = {}

@@ -179,12 +179,13 @@ class HotTier:
         if entry is not None:
             self._push_leaf(entry)
 
-    def mark_persisted(self, key: str) -> None:
-        """Record that `key` now has an SSD copy (evicting it needs no write)."""
+    def mark_persisted(self, key: str, persisted: bool = True) -> None:
+        """Record that `key` now has an SSD copy (evicting it needs no write), or, with False,
+        that the write it was counted on failed."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
-                entry.persisted = True
+                entry.persisted = persisted
 
     def unpersisted(self) -> list[Block]:
         """Blocks held without an SSD copy, least recently used first (for flush / write-back)."""
@@ -243,6 +244,15 @@ class HotTier:
             del entry
         self._unreleased += freed
         if self._unreleased >= self._clear_threshold:
+            self.release_memory()
+
+    def released(self, nbytes: int) -> None:
+        """Count bytes freed outside the tier (buffers the SSD writer finished with) toward the
+        next ``mx.clear_cache()``, as evicted bytes are."""
+        with self._lock:
+            self._unreleased += nbytes
+            due = self._unreleased >= self._clear_threshold
+        if due:
             self.release_memory()
 
     def release_memory(self) -> None:

@@ -1,8 +1,10 @@
 """SSD tier: one safetensors file per block, a SQLite manifest, a byte-bounded writer thread.
 
-Contract with the manager (as agreed, no deviations): ``SSDTier(directory, *, max_bytes,
-compression, queue_max_bytes, queue_full_policy)`` with enqueue / write_sync / read / has_pending /
-read_pending / contains / discard / touch / flush / close / stats. Notes: a ``read`` hit also marks
+Contract with the manager: ``SSDTier(directory, *, max_bytes, compression, queue_max_bytes,
+queue_full_policy)`` with enqueue / write_item / write_sync / release_written / read / open_stored /
+has_pending / read_pending / contains / discard / touch / flush / close / stats. The writer thread
+neither calls MLX nor drops the last reference to a block's buffers (``release_written`` does, on
+a caller thread). Notes: a ``read`` or ``open_stored`` hit also marks
 the block used (LRU); ``read_pending`` returns the queued arrays themselves (no copy); a block
 larger than ``queue_max_bytes`` is never queued (the policy applies); the tier is a context
 manager; ``stats()`` keys are listed in docs/file-format.md.
@@ -31,6 +33,7 @@ from typing import Any, Sequence
 
 from paged_cache.block import Block, check_key, is_key
 from paged_cache.tiers import format as fmt
+from paged_cache.tiers.direct import StoredBlock, StoredTensor
 from paged_cache.tiers.files import (DIR_FLAGS, LIVE_WRITERS, MANIFEST_FILES, MANIFEST_NAME,
                                      READ_FLAGS, CacheDirError, create_manifest_file,
                                      file_compression, open_cache_root, open_private_dir,
@@ -84,7 +87,9 @@ class SSDTier:
         self._cond = threading.Condition()
         self._queue: deque[_Item] = deque()
         self._pending: dict[str, _Item] = {}
-        self._writing: _Item | None = None     # the item the writer thread is encoding now
+        self._written: list[_Item] = []          # finished items: released by release_written
+        self._writing: dict[str, int] = {}       # key -> writes in progress (writer and callers)
+        self._discarding: set[str] = set()       # keys a discard is removing: no write starts
         self._queue_bytes = 0
         self._closed = False
         self._failing = False
@@ -107,13 +112,20 @@ class SSDTier:
         self._thread.start()
 
     # ---- public API ----------------------------------------------------------------------
-    def enqueue(self, key: str, raw: fmt.RawTensors, meta: dict[str, str]) -> bool:
-        """Queue a block for the writer thread; False when the queue is full under policy "skip"."""
+    def enqueue(self, key: str, raw: fmt.RawTensors, meta: dict[str, str], *,
+                overflow: list[Any] | None = None) -> bool:
+        """Queue a block for the writer thread; False when the queue is full under policy "skip".
+
+        Under "write-on-caller" a full queue means the caller writes the block itself: now, or,
+        when ``overflow`` is given (a caller holding a lock), appended there for ``write_item``
+        once it holds none (True is returned then)."""
         item = self._item(key, raw, meta)
         with self._cond:
             self._check_open()
             if key in self._pending:
                 return True
+            if key in self._discarding:  # a discard racing this put wins
+                return False
             if self._queue_bytes + item.nbytes <= self.queue_max_bytes:
                 self._queue.append(item)
                 self._pending[key] = item
@@ -124,16 +136,68 @@ class SSDTier:
             self._count("write_drops")
             return False
         self._count("write_on_caller")
-        return self._write(item)
+        if overflow is None:
+            return self._write_here(item)
+        with self._cond:  # pending until written: readable, and a discard cancels it
+            self._pending.setdefault(key, item)
+        overflow.append(item)
+        return True
+
+    def write_item(self, item: Any) -> bool:
+        """Write a block ``enqueue`` left in ``overflow``, on the calling thread (skipped, False,
+        when a discard cancelled it meanwhile)."""
+        self._check_open()
+        return self._write_here(item)
+
+    def _write_here(self, item: _Item) -> bool:
+        """Write on the calling thread, seen by ``discard`` (which waits for it) like the writer's."""
+        with self._cond:
+            if item.cancelled or item.key in self._discarding:
+                return False
+            self._writing[item.key] = self._writing.get(item.key, 0) + 1
+        try:
+            return self._write(item)
+        finally:
+            with self._cond:
+                self._done_writing(item.key)
+                if self._pending.get(item.key) is item:
+                    del self._pending[item.key]
+
+    def _done_writing(self, key: str) -> None:
+        left = self._writing[key] - 1
+        if left:
+            self._writing[key] = left
+        else:
+            del self._writing[key]
+        self._cond.notify_all()
+
+    def release_written(self) -> int:
+        """Drop, on the calling thread, the buffers of blocks the writer has finished with (the
+        writer never releases the last reference to an MLX array); returns their bytes."""
+        with self._cond:
+            done, self._written = self._written, []
+        nbytes = sum(item.nbytes for item in done)
+        done.clear()
+        return nbytes
 
     def write_sync(self, key: str, raw: fmt.RawTensors, meta: dict[str, str]) -> bool:
         """Write a block on the calling thread; False when it could not be written (counted)."""
         item = self._item(key, raw, meta)
         self._check_open()
-        return self._write(item)
+        return self._write_here(item)
 
     def read(self, key: str) -> Block | None:
         """Read and verify a block from disk; None on a miss or damage (damage is counted, file removed)."""
+        return self._with_file(key, self._read_open_file)
+
+    def open_stored(self, key: str) -> StoredBlock | None:
+        """The block with its header verified and its payload left on disk, for a rebuild to read
+        straight into place (``direct.read_stored``, which verifies the payload); None on a miss
+        or damage (counted, file removed)."""
+        return self._with_file(key, self._stored_open_file)
+
+    def _with_file(self, key: str, use: Any) -> Any:
+        """``use(fan_fd, fd, name, key)`` on the block's file (which ``use`` closes), or None."""
         check_key(key)
         fan_fd = self._open_fan(key, create=False)
         if fan_fd is None:
@@ -149,7 +213,7 @@ class SSDTier:
                 except OSError as exc:  # ELOOP: a symlink planted under our name
                     self._damaged(fan_fd, name, None, f"cannot open safely: {exc.strerror}", key)
                     return None
-                return self._read_open_file(fan_fd, fd, name, key)
+                return use(fan_fd, fd, name, key)
         finally:
             os.close(fan_fd)
         self._count("misses")
@@ -177,12 +241,17 @@ class SSDTier:
         file and its manifest row are removed, so ``contains`` is False once this returns."""
         check_key(key)
         with self._cond:
+            self._discarding.add(key)  # no write of it starts until this returns
             item = self._pending.pop(key, None)
             if item is not None:
                 item.cancelled = True
-                while self._writing is item:
-                    self._cond.wait()
-        self._forget(key)
+            while self._writing.get(key):
+                self._cond.wait()
+        try:
+            self._forget(key)
+        finally:
+            with self._cond:
+                self._discarding.discard(key)
 
     def touch(self, key: str) -> None:
         """Mark the block used now (LRU); kept in memory and written to the manifest in batches."""
@@ -206,6 +275,7 @@ class SSDTier:
             self._closed = True
             self._cond.notify_all()
         self._thread.join()
+        self.release_written()
         self._flush_deferred()
         LIVE_WRITERS.discard(self._writer_id)
         self._manifest.close()
@@ -276,6 +346,59 @@ class SSDTier:
         self.touch(key)
         return Block(key, arrays, meta)
 
+    def _stored_open_file(self, fan_fd: int, fd: int, name: str, key: str) -> StoredBlock | None:
+        limit = None
+        try:
+            st = os.fstat(fd)
+            limit = 255 * st.st_size + (1 << 16)
+            if not stat.S_ISREG(st.st_mode):
+                reason = "not a regular file"
+            elif st.st_size > self.max_bytes:
+                reason = f"{st.st_size} bytes exceeds the tier budget"
+            else:
+                reason = None
+                head = os.pread(fd, min(st.st_size, 4), 0)
+                whole = read_exact(fd, st.st_size) if head == fmt.LZ4_MAGIC else None
+                read_at = ((lambda off, n: whole[off:off + n]) if whole is not None
+                           else (lambda off, n: os.pread(fd, n, off)))
+        except OSError as exc:
+            os.close(fd)
+            self._count("read_errors")
+            log.warning("block %s: read failed: %s", key[:16], exc)
+            return None
+        if reason is None:
+            try:
+                header = fmt.read_header_only(read_at, st.st_size, limit)
+                fmt.verify_header(header, key)
+            except (OSError, ValueError) as exc:
+                reason = str(exc)
+        if reason is not None:
+            os.close(fd)
+            self._damaged(fan_fd, name, st.st_ino, reason, key)
+            return None
+        block = StoredBlock(key, {k: v for k, v in header.meta.items() if k not in fmt.RESERVED_META},
+                            fd, 8 + header.header_len, header.data_bytes,
+                            header.meta.get(fmt.META_CHECKSUM, ""),
+                            lambda why: self._damaged_later(key, name, st.st_ino, why),
+                            compressed=whole)
+        block.arrays = {n: StoredTensor(block, dtype, shape, begin)
+                        for n, dtype, shape, begin, _ in header.tensors}
+        self._count("hits")
+        self.touch(key)
+        return block
+
+    def _damaged_later(self, key: str, name: str, ino: int, reason: str) -> None:
+        """``_damaged`` for a file found damaged after it was opened (its directory reopened)."""
+        fan_fd = self._open_fan(key, create=False)
+        if fan_fd is None:
+            self._count("damaged")
+            self._defer_forget(key)
+            return
+        try:
+            self._damaged(fan_fd, name, ino, reason, key)
+        finally:
+            os.close(fan_fd)
+
     def _damaged(self, fan_fd: int, name: str, ino: int | None, reason: str, key: str) -> None:
         """Count a damaged file, remove it (only if it is still the file we read) and its row."""
         self._count("damaged")
@@ -305,15 +428,16 @@ class SSDTier:
                     item = None
                 else:
                     item = self._queue[0]
-                    self._writing = item
+                    item.cancelled = item.cancelled or item.key in self._discarding
+                    self._writing[item.key] = self._writing.get(item.key, 0) + 1
             if item is None:
                 self._flush_deferred()
                 continue
             if not item.cancelled:
                 self._write(item)
             with self._cond:
-                self._writing = None
-                self._queue.popleft()
+                self._done_writing(item.key)
+                self._written.append(self._queue.popleft())  # released on a caller thread
                 if self._pending.get(item.key) is item:
                     del self._pending[item.key]
                 self._queue_bytes -= item.nbytes
