@@ -1,7 +1,7 @@
 """Lookup time for a 128k-token prompt given as a numpy array (goal <= 5 ms): convert it
-(``token_ids``), hash it into its block chain and ask the manager where each block is
-(``chain_keys`` + one batched ``tiers_of``: what ``fetch`` does before it loads anything), with
-the blocks in the hot tier and on SSD. Baseline: restoring the same prompt
+(``token_ids``), hash it into its block chain and ask the manager where each block is and which
+children the root and every held block have (``chain_keys`` + one ``manager.chain`` lookup: what
+``fetch`` does before it plans and loads anything), with the blocks in the hot tier and on SSD. Baseline: restoring the same prompt
 from the hot tier (``fetch``), to show the lookup's share of a hit.
 
 The model is a 1-layer llama with 1 KV head of 16 dims (fp16: 64 B of KV per token), filled with
@@ -27,7 +27,7 @@ def _lookup(prefix: BlockAwarePrefixCache, tokens: np.ndarray, expect: str) -> N
     ids = token_ids(tokens)
     full = len(ids) // BLOCK * BLOCK
     keys = chain_keys(prefix.fingerprint, prefix.namespace, ids[:full], BLOCK)
-    tiers = prefix.manager.tiers_of(keys, until_miss=True)
+    tiers, _ = prefix.manager.chain(keys, prefix.fingerprint, prefix.namespace)
     if any(t != expect for t in tiers):
         raise AssertionError(f"lookup: expected every block in {expect}, got {set(tiers)}")
 
