@@ -160,3 +160,23 @@ def test_checkpoints_argument_is_checked() -> None:
             sched.submit([1, 2, 3], checkpoints=[4])
         with pytest.raises(ValueError, match="checkpoints"):
             sched.submit([1, 2, 3], checkpoints=["a"])
+
+
+def test_inspect_counts_checkpoints(tmp_path: Path) -> None:
+    """`paged-cache inspect --json` shows how many of a model's blocks are checkpoints, and
+    counts their tokens once (in the blocks that hold them)."""
+    import json
+    import subprocess
+    import sys
+
+    model = tiny_model("mamba")
+    long = prompt(60, seed=4)
+    with manager_for(tmp_path, ssd=True) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        segment_store(model, prefix, long)
+        segment_store(model, prefix, long[:32])
+        assert prefix.stats()["checkpoints_written"] == 1
+    out = subprocess.run([sys.executable, "-m", "paged_cache.cli.main", "inspect", str(tmp_path),
+                          "--json"], capture_output=True, text=True, check=True)
+    (model_row,) = json.loads(out.stdout)["models"]
+    assert model_row["checkpoints"] == 1 and model_row["tokens"] == len(long)

@@ -24,6 +24,7 @@ class ModelSummary:
 
     fingerprint: str
     blocks: int = 0
+    checkpoints: int = 0  # of the blocks, checkpoint nodes (state at a position, no new tokens)
     tokens: int = 0
     file_bytes: int = 0
     raw_bytes: int = 0
@@ -55,7 +56,10 @@ def model_summaries(rows: Iterable[Row]) -> list[ModelSummary]:
             s.reserved += 1
             continue
         s.blocks += 1
-        s.tokens += row.tokens or 0
+        if row.checkpoint:
+            s.checkpoints += 1
+        else:
+            s.tokens += row.tokens or 0
         s.file_bytes += row.file_bytes
         s.raw_bytes += row.raw_bytes
         s.compression[row.compression] = s.compression.get(row.compression, 0) + 1
