@@ -27,14 +27,21 @@ def _stored(model, prefix: BlockAwarePrefixCache, tokens: list[int]) -> None:
     prefix.store(tokens, cache, consume=True)
 
 
-def test_concurrent_fetches_of_one_prefix_all_hit_exactly() -> None:
+def _lent(blocks: int, more: list[int]) -> tuple:
+    """A stored ``blocks``-block history fetched (+ ``more``): every block handed over, one loan
+    open. Returns (model, prefix, history, the fetched cache)."""
     model = tiny_model("llama")
     prefix = _prefix(model)
-    history = prompt(5 * BLOCK)
+    history = prompt(blocks * BLOCK)
     _stored(model, prefix, history)
-    first, n = prefix.fetch(history + [1, 2])
+    cache, n = prefix.fetch(history + more)
     assert n == len(history) and prefix.stats()["loans_open"] == 1
     assert prefix.manager.hot_bytes == 0          # handed over: the live cache is the only copy
+    return model, prefix, history, cache
+
+
+def test_concurrent_fetches_of_one_prefix_all_hit_exactly() -> None:
+    model, prefix, history, first = _lent(5, [1, 2])
     model(mx.array([[1, 2]]), cache=first)        # the first request moves on meanwhile
     for tail in ([3, 4], [5, 6, 7]):              # two more requests for the same prefix
         assert assert_exact(model, prefix, history + tail) == len(history)
@@ -45,12 +52,7 @@ def test_concurrent_fetches_of_one_prefix_all_hit_exactly() -> None:
 
 
 def test_a_dropped_request_gives_its_blocks_back() -> None:
-    model = tiny_model("llama")
-    prefix = _prefix(model)
-    history = prompt(4 * BLOCK)
-    _stored(model, prefix, history)
-    cache, n = prefix.fetch(history + [9])
-    assert n == len(history) and prefix.manager.hot_bytes == 0
+    model, prefix, history, cache = _lent(4, [9])
     del cache                                     # the client went away: no store
     gc.collect()
     other = prompt(2 * BLOCK, seed=7)              # any later call settles the orphaned loan
@@ -61,11 +63,7 @@ def test_a_dropped_request_gives_its_blocks_back() -> None:
 
 
 def test_a_request_that_stores_settles_its_loan_without_a_copy() -> None:
-    model = tiny_model("llama")
-    prefix = _prefix(model)
-    history = prompt(3 * BLOCK)
-    _stored(model, prefix, history)
-    cache, n = prefix.fetch(history + [4, 5])
+    model, prefix, history, cache = _lent(3, [4, 5])
     model(mx.array([[4, 5]]), cache=cache)
     prefix.store(history + [4, 5], cache, consume=True)
     st = prefix.stats()
