@@ -27,27 +27,45 @@ MAX_INDEXED = 1 << 18  # nodes remembered for RAM / queued blocks (LRU beyond it
 
 @dataclass(frozen=True, eq=False)
 class ChainNode:
-    """Chain fields of one stored node; ``tier`` is where it is held ("hot", "pending", "ssd")."""
+    """Chain fields of one stored node; ``tier`` is where it is held ("hot", "pending", "ssd",
+    "remote"). ``ids`` is the token id array, or its meta text form, decoded on first use (a
+    lookup lists whole chains whose ids it mostly never reads)."""
 
     key: str
     parent: str
     fingerprint: str
     start: int
-    token_ids: np.ndarray
+    ids: np.ndarray | str
     checkpoint: bool = False
     restorable: bool = True
     tier: str | None = None
+    ntokens: int = -1  # len(token_ids); given with the text form
+
+    def __post_init__(self) -> None:
+        if self.ntokens < 0:
+            object.__setattr__(self, "ntokens", len(self.token_ids))
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        """The node's token ids (empty when its stored text form is malformed: it matches nothing)."""
+        if isinstance(self.ids, str):
+            try:
+                ids = decode_token_ids(self.ids)
+            except ValueError:
+                ids = np.zeros(0, dtype="<i8")
+            object.__setattr__(self, "ids", ids)
+        return self.ids
 
     @property
     def end(self) -> int:
         """Position after the node's last token."""
-        return self.start + len(self.token_ids)
+        return self.start + self.ntokens
 
     def to_meta(self) -> dict[str, str]:
         """The node's fields as block meta (the form the block file and the manifest carry)."""
         return {META_PARENT: self.parent, META_FINGERPRINT: self.fingerprint,
-                META_START: str(self.start), META_TOKENS: str(len(self.token_ids)),
-                META_TOKEN_IDS: encode_token_ids(self.token_ids),
+                META_START: str(self.start), META_TOKENS: str(self.ntokens),
+                META_TOKEN_IDS: self.ids if isinstance(self.ids, str) else encode_token_ids(self.ids),
                 META_CHECKPOINT: "1" if self.checkpoint else "0",
                 META_RESTORABLE: "1" if self.restorable else "0"}
 
@@ -55,16 +73,15 @@ class ChainNode:
     def from_meta(cls, key: str, meta: Mapping[str, str], tier: str | None = None) -> "ChainNode | None":
         """The node a block's meta describes, or None when its chain fields are missing or malformed."""
         try:
-            ids = decode_token_ids(meta[META_TOKEN_IDS])
-            start = int(meta[META_START])
+            text, start, ntokens = meta[META_TOKEN_IDS], int(meta[META_START]), int(meta[META_TOKENS])
             parent, fingerprint = meta[META_PARENT], meta[META_FINGERPRINT]
         except (KeyError, ValueError, TypeError):
             return None
-        if start < 0 or not len(ids) or not isinstance(parent, str):
+        if start < 0 or ntokens < 1 or not isinstance(parent, str) or not isinstance(text, str):
             return None
-        return cls(key, parent, fingerprint, start, ids,
+        return cls(key, parent, fingerprint, start, text,
                    checkpoint=meta.get(META_CHECKPOINT) == "1",
-                   restorable=meta.get(META_RESTORABLE, "1") == "1", tier=tier)
+                   restorable=meta.get(META_RESTORABLE, "1") == "1", tier=tier, ntokens=ntokens)
 
     def keyed_by(self, namespace: str) -> bool:
         """True when the node's key is the one ``namespace`` gives its parent and tokens."""
@@ -73,8 +90,8 @@ class ChainNode:
 
     def with_tier(self, tier: str | None) -> "ChainNode":
         """The same node, held in ``tier``."""
-        return ChainNode(self.key, self.parent, self.fingerprint, self.start, self.token_ids,
-                         self.checkpoint, self.restorable, tier)
+        return ChainNode(self.key, self.parent, self.fingerprint, self.start, self.ids,
+                         self.checkpoint, self.restorable, tier, self.ntokens)
 
 
 class ChainIndex:

@@ -49,7 +49,7 @@ class Candidate:
     @property
     def whole(self) -> bool:
         """True when every token of the node is the request's (its end state is usable)."""
-        return self.shared == len(self.node.token_ids)
+        return self.shared == self.node.ntokens
 
 
 @dataclass
@@ -95,6 +95,9 @@ def find(pc: Any, ids: np.ndarray) -> Found:
         for node in kids.get(parent, ()):
             if node.start != depth * bs:
                 continue  # not where this parent's children start: another chain's meta
+            if depth < held and node.key == keys[depth]:
+                cands.append(Candidate(node, bs))  # a path block: its key says its tokens
+                continue
             shared = shared_prefix(node.token_ids, ids[node.start:])
             if shared > 0:
                 cands.append(Candidate(node, shared))
@@ -261,8 +264,8 @@ def _shared(search: _Search, node: ChainNode, nxt: str | None) -> bool:
     for kid in search.kids.get(node.key, ()):
         if kid.key == nxt:
             continue
-        theirs = search.ids[kid.start:kid.start + len(kid.token_ids)]
-        if len(theirs) < len(kid.token_ids) or not np.array_equal(theirs, kid.token_ids):
+        theirs = search.ids[kid.start:kid.start + kid.ntokens]
+        if len(theirs) < kid.ntokens or not np.array_equal(theirs, kid.token_ids):
             return True
     return False
 

@@ -496,7 +496,9 @@ class PagedSSDCacheManager:
             if node is not None:
                 on_disk.setdefault(node.parent, []).append(node)
         flat = [n for nodes in merge_children(local, on_disk).values() for n in nodes]
-        where = self.tiers_of([n.key for n in flat])
+        known = {k: t for k, t in zip(keys, tiers) if t is not None}  # the path: looked up once
+        others = iter(self.tiers_of([n.key for n in flat if n.key not in known]))
+        where = [known[n.key] if n.key in known else next(others) for n in flat]
         out: dict[str, list[ChainNode]] = {}
         for node, tier in zip(flat, where):
             if node.parent == ROOT_PARENT and not node.keyed_by(namespace):
@@ -506,7 +508,7 @@ class PagedSSDCacheManager:
                 if node.tier is None:
                     self._index.remove(node.key)  # left every tier meanwhile
                 continue
-            out.setdefault(node.parent, []).append(node.with_tier(tier))
+            out.setdefault(node.parent, []).append(node if tier == node.tier else node.with_tier(tier))
         return tiers, out
 
     @staticmethod

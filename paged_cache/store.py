@@ -124,7 +124,7 @@ def _covered_by_sibling(siblings: Any, ids: np.ndarray, span: tuple[int, int]) -
     start with this partial block's tokens."""
     s, e = span
     mine = ids[s:e]
-    return any(not k.checkpoint and len(k.token_ids) > len(mine)
+    return any(not k.checkpoint and k.ntokens > len(mine)
                and np.array_equal(k.token_ids[:len(mine)], mine) for k in siblings)
 
 
@@ -139,8 +139,8 @@ def _dominated_tails(kids: dict, parents: list[str], ids: np.ndarray,
         s, e = spans[j]
         mine = ids[s:e]
         out += [kid for kid in kids.get(parents[j], ())
-                if not kid.checkpoint and len(kid.token_ids) < len(mine)
-                and np.array_equal(mine[:len(kid.token_ids)], kid.token_ids)]
+                if not kid.checkpoint and kid.ntokens < len(mine)
+                and np.array_equal(mine[:kid.ntokens], kid.token_ids)]
     return out
 
 

@@ -61,7 +61,8 @@ CREATE TRIGGER IF NOT EXISTS blocks_upd AFTER UPDATE OF file_bytes ON blocks BEG
 _COLUMNS = ("key", "state", "compression", "file_bytes", "raw_bytes", "tokens", "fingerprint",
             "parent", "layers", "start", "token_ids", "checkpoint", "restorable", "created",
             "last_access", "writer")
-NODE_COLUMNS = ("key", "parent", "fingerprint", "start", "token_ids", "checkpoint", "restorable")
+NODE_COLUMNS = ("key", "parent", "fingerprint", "start", "tokens", "token_ids", "checkpoint",
+                "restorable")
 
 
 @dataclass
@@ -452,9 +453,10 @@ class _Txn:
 
 
 def _node_meta(r: tuple) -> dict[str, str]:
-    key, parent, fingerprint, start, token_ids, checkpoint, restorable = r
+    key, parent, fingerprint, start, tokens, token_ids, checkpoint, restorable = r
     return {"key": key, fmt.META_PARENT: parent or "", fmt.META_FINGERPRINT: fingerprint or "",
-            fmt.META_START: "" if start is None else str(start), fmt.META_TOKEN_IDS: token_ids or "",
+            fmt.META_START: "" if start is None else str(start),
+            fmt.META_TOKENS: "" if tokens is None else str(tokens), fmt.META_TOKEN_IDS: token_ids or "",
             fmt.META_CHECKPOINT: "1" if checkpoint else "0",
             fmt.META_RESTORABLE: "0" if restorable == 0 else "1"}
 
