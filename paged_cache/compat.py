@@ -1,5 +1,8 @@
 """Every private name of mlx-lm / mlx-vlm that paged-cache relies on, checked once at import.
 
+It also holds every difference between the supported mlx-lm releases, as one small function per
+difference chosen once at import, so no other module asks which version is installed.
+
 mlx-lm's cache classes and server have no public hooks for what paged-cache does (reading a
 rotating window in temporal order, restoring its write slot, allocating its buffer once, swapping
 the server's prompt cache and HTTP handler). This module is the only one that touches those
@@ -12,12 +15,13 @@ from __future__ import annotations
 
 import types
 from importlib import metadata
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import mlx.core as mx
-from mlx_lm.models.cache import RotatingKVCache
+from mlx_lm.models.cache import ChunkedKVCache, RotatingKVCache
+from mlx_lm.sample_utils import make_sampler
 
-MLX_LM_RANGE = (">=0.32.0", "<0.33")      # kept equal to the mlx-lm requirement in pyproject.toml
+MLX_LM_RANGE = (">=0.31.3", "<0.33")      # kept equal to the mlx-lm requirement in pyproject.toml
 MLX_VLM_RANGE = (">=0.7.9", "<0.8")      # the turboquant extra's requirement
 
 # RotatingKVCache: _idx (write slot), _temporal_order (buffer in position order), and the two
@@ -91,6 +95,63 @@ def _check_mlx_lm() -> None:
 
 
 _check_mlx_lm()
+
+# mlx-lm 0.31.x: BatchGenerator stops on SequenceStateMachine transitions (0.32: StopSequences)
+# and loses track of per-sequence samplers (see batch_options), ChunkedKVCache trims its front by
+# buffer capacity (see _trim_front).
+_BEFORE_0_32 = _version("mlx-lm") < (0, 32)
+
+
+# ----------------------------------------------------------------------------- BatchGenerator
+
+GREEDY = make_sampler(temp=0.0)  # argmax, the sampler mlx-lm falls back to (0.31.x names it not)
+
+if _BEFORE_0_32:
+    def batch_options(sampler: Callable[[mx.array], mx.array] | None,
+                      stop_tokens: Iterable[int]) -> dict[str, list[Any]]:
+        """``BatchGenerator.insert`` keyword arguments for one sequence: its sampler, and an end
+        at any of ``stop_tokens``.
+
+        0.31.x keeps its per-sequence sampler list aligned only while some sequence has a
+        sampler (a batch of ``None`` is not filtered when sequences finish), so ``None`` is
+        given as the greedy sampler the generator would fall back to.
+        """
+        from mlx_lm.generate import SequenceStateMachine
+
+        edges = [([t], None) for t in sorted(stop_tokens)]
+        return {"samplers": [sampler or GREEDY],
+                "state_machines": [SequenceStateMachine({"normal": edges} if edges else {})]}
+else:
+    def batch_options(sampler: Callable[[mx.array], mx.array] | None,
+                      stop_tokens: Iterable[int]) -> dict[str, list[Any]]:
+        """``BatchGenerator.insert`` keyword arguments for one sequence: its sampler, and an end
+        at any of ``stop_tokens``."""
+        from mlx_lm.generate import StopSequences
+
+        return {"samplers": [sampler],
+                "stop_sequences": [StopSequences([[t] for t in sorted(stop_tokens)] or None)]}
+
+
+# ----------------------------------------------------------------------------- ChunkedKVCache
+
+if _BEFORE_0_32:
+    def _trim_front(self: ChunkedKVCache) -> None:
+        """Keep the last ``chunk_size`` written rows (the front trim mlx-lm 0.32 ships).
+
+        mlx-lm 0.31.x trims by buffer capacity, which counts the unwritten rows of its 256-row
+        allocation step as written: any ``chunk_size`` that is not a multiple of 256 then moves
+        ``start_position`` past ``offset`` and the next update fails to broadcast.
+        """
+        if self.keys is None:
+            return
+        valid = self.offset - self.start_position
+        if valid > self.chunk_size:
+            trim = valid - self.chunk_size
+            self.start_position += trim
+            self.keys = self.keys[..., trim:valid, :]
+            self.values = self.values[..., trim:valid, :]
+
+    ChunkedKVCache.maybe_trim_front = _trim_front
 
 
 # ----------------------------------------------------------------------------- RotatingKVCache

@@ -10,10 +10,10 @@ from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
-from mlx_lm.sample_utils import greedy_sampler
 
+from paged_cache import compat
 from scheduler.request import Request
 
 
@@ -53,7 +53,7 @@ class SequentialDecoder:
             try:
                 logits = self.model(mx.array([[token]]), cache=req.cache)[:, -1, :]
                 logprobs = logits - mx.logsumexp(logits, keepdims=True)
-                nxt = int((req.sampler or greedy_sampler)(logprobs).item())
+                nxt = int((req.sampler or compat.GREEDY)(logprobs).item())
             except Exception as exc:  # reported per request: the others keep decoding
                 out.append((req, exc))
                 continue
@@ -103,10 +103,9 @@ class BatchDecoder:
         return self._gen
 
     def add(self, req: Request) -> None:
-        stop = StopSequences([[t] for t in sorted(req.stop_tokens)] or None)
         (uid,) = self._generator().insert(
             [[req.prompt[-1]]], max_tokens=[req.max_tokens], caches=[req.cache],
-            samplers=[req.sampler], stop_sequences=[stop])
+            **compat.batch_options(req.sampler, req.stop_tokens))
         req.cache = None
         req.covered += 1  # the generator feeds the last prompt token before its first report
         self._by_uid[uid] = req

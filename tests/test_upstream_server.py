@@ -92,10 +92,11 @@ def run_upstream(test_file: Path, variant: str, tmp_path: Path) -> dict[str, str
 
 def test_upstream_server_tests_pass_with_paged_cache(adapted, tmp_path):
     plain = run_upstream(adapted, "plain", tmp_path)
-    assert len(plain) >= 30 and set(EXCLUDED) <= set(plain) and set(UNCOMPARED) <= set(plain)
+    # The file ran (mlx-lm 0.31.3's holds 20 tests, 13 of them compared; later releases more).
+    assert len(plain) >= 20 and set(EXCLUDED) <= set(plain) and set(UNCOMPARED) <= set(plain)
     compared = set(plain) - set(UNCOMPARED) - set(EXCLUDED)
     want = {name for name in compared if plain[name] == "passed"}
-    assert len(want) >= 25, plain
+    assert len(want) >= 13, plain
     for variant in ("hot", str(tmp_path / "ssd")):
         paged = run_upstream(adapted, variant, tmp_path)
         assert set(paged) == set(plain)

@@ -68,10 +68,11 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     ),
     "nemotron_h": dict(
         model_type="nemotron_h", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-        max_position_embeddings=4096, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        attention_bias=False, mamba_num_heads=4, mamba_head_dim=16, mamba_proj_bias=False,
-        ssm_state_size=16, conv_kernel=4, n_groups=1, mlp_bias=False, layer_norm_epsilon=1e-5,
-        use_bias=False, use_conv_bias=True, hybrid_override_pattern=["M", "*", "-", "M"],
+        num_hidden_layers=4, max_position_embeddings=4096, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, attention_bias=False, mamba_num_heads=4,
+        mamba_head_dim=16, mamba_proj_bias=False, ssm_state_size=16, conv_kernel=4, n_groups=1,
+        mlp_bias=False, layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True,
+        hybrid_override_pattern=["M", "*", "-", "M"],
     ),
     "falcon_h1": dict(
         model_type="falcon_h1", hidden_size=64, head_dim=16, intermediate_size=128,
@@ -87,6 +88,7 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         layer_types=["mamba", "attention", "mamba"], rms_norm_eps=1e-5,
         shared_intermediate_size=128, mamba_n_heads=4, mamba_d_head=32, mamba_proj_bias=False,
         mamba_d_state=16, mamba_d_conv=4, mamba_n_groups=1, mamba_conv_bias=True,
+        rope_theta=10000.0,
     ),
     "jamba": dict(
         model_type="jamba", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
