@@ -63,6 +63,34 @@ def test_ring_slot_helpers_follow_mlx_lm() -> None:
     assert compat.temporal_order(layer, layer.keys).shape[2] == 4
 
 
+def test_batch_options_give_each_sequence_its_sampler_and_stop_tokens() -> None:
+    """A sequence without a sampler finishes first; the next ones must still get their own
+    sampler and stop tokens (0.31.x misaligns a sampler list that held only None)."""
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+
+    from paged_cache.testing import tiny_model
+
+    gen = BatchGenerator(tiny_model("llama"), completion_batch_size=4, prefill_batch_size=4)
+
+    def run(*requests: tuple) -> dict[int, tuple[list[int], str]]:
+        uids = [gen.insert([[1, 2, 3]], max_tokens=[n], **compat.batch_options(sampler, stop))[0]
+                for sampler, stop, n in requests]
+        out: dict[int, tuple[list[int], str]] = {uid: ([], None) for uid in uids}
+        while any(reason is None for _, reason in out.values()):
+            for r in gen.next_generated():
+                out[r.uid] = (out[r.uid][0] + [r.token], r.finish_reason)
+        return {i: out[uid] for i, uid in enumerate(uids)}
+
+    assert run((None, [], 2))[0][1] == "length"
+    always_7 = lambda logprobs: mx.full(logprobs.shape[:-1], 7, dtype=mx.uint32)  # noqa: E731
+    got = run((None, [], 3), (always_7, [], 3), (None, [7], 4), (always_7, [7], 5))
+    assert got[0][1] == "length" and len(got[0][0]) == 3 and 7 not in got[0][0]
+    assert got[1] == ([7, 7, 7], "length") and got[3] == ([7], "stop")
+    assert got[2][1] == "length" and len(got[2][0]) == 4 and 7 not in got[2][0]
+    gen.close()
+
+
 @pytest.mark.turboquant
 def test_unsupported_mlx_vlm_fails_loudly_not_as_a_missing_extra() -> None:
     pytest.importorskip("mlx_vlm.turboquant")
