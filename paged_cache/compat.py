@@ -104,7 +104,7 @@ _BEFORE_0_32 = _version("mlx-lm") < (0, 32)
 
 # ----------------------------------------------------------------------------- BatchGenerator
 
-GREEDY = make_sampler(temp=0.0)  # argmax, the sampler mlx-lm falls back to (0.31.x names it not)
+GREEDY = make_sampler(temp=0.0)  # argmax, mlx-lm's fallback sampler (0.31.x has no greedy_sampler)
 
 if _BEFORE_0_32:
     def batch_options(sampler: Callable[[mx.array], mx.array] | None,
