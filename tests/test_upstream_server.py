@@ -52,7 +52,7 @@ def upstream_test_file(cache_dir: Path) -> Path:
     subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                     f"mlx-lm=={release}", "-d", str(download)], check=True,
                    capture_output=True, timeout=300)
-    sdist = next(download.glob("mlx_lm-*.tar.gz"))
+    sdist = download / f"mlx_lm-{release}.tar.gz"  # the folder may hold other releases' too
     with tarfile.open(sdist) as tar:
         member = next(m for m in tar.getmembers() if m.name.endswith("/tests/test_server.py"))
         target.write_bytes(tar.extractfile(member).read())
