@@ -24,6 +24,7 @@ from paged_cache.chain_index import ChainNode, shared_prefix
 from paged_cache.handlers import Part, Span
 from paged_cache.handlers.base import clipped, copies_on_host, rebuild_pipeline
 from paged_cache.hashing import ROOT_PARENT, chain_keys
+from paged_cache.tiers.format import META_FINGERPRINT
 
 logger = logging.getLogger("paged_cache.fetch")
 
@@ -83,24 +84,24 @@ def find(pc: Any, ids: np.ndarray) -> Found:
     keys = chain_keys(layout.fingerprint, pc.namespace, ids[:total - total % bs], bs)
     tiers, kids = pc.manager.chain(keys, layout.fingerprint, pc.namespace)
     held = tiers.index(None) if None in tiers else len(keys)
-    path = []
-    for j in range(held):
-        parent = keys[j - 1] if j else ROOT_PARENT
-        node = next((k for k in kids.get(parent, ()) if k.key == keys[j]), None)
-        path.append(node if node is not None else ChainNode(
-            keys[j], parent, layout.fingerprint, j * bs, ids[j * bs:(j + 1) * bs],
-            restorable=False, tier=tiers[j]))
+    parents = [ROOT_PARENT, *keys[:held]]
+    listed: dict[str, ChainNode] = {}  # path blocks as the lookup listed them
     cands = []
-    for depth, parent in enumerate([ROOT_PARENT, *keys[:held]]):
+    for depth, parent in enumerate(parents):
         for node in kids.get(parent, ()):
             if node.start != depth * bs:
                 continue  # not where this parent's children start: another chain's meta
             if depth < held and node.key == keys[depth]:
+                listed[node.key] = node
                 cands.append(Candidate(node, bs))  # a path block: its key says its tokens
                 continue
             shared = shared_prefix(node.token_ids, ids[node.start:])
             if shared > 0:
                 cands.append(Candidate(node, shared))
+    # a path block the lookup did not list (meta without chain fields) is known by its key alone
+    path = [listed.get(keys[j]) or ChainNode(keys[j], parents[j], layout.fingerprint, j * bs,
+                                             ids[j * bs:(j + 1) * bs], restorable=False,
+                                             tier=tiers[j]) for j in range(held)]
     search = _Search(pc, ids, path, cands, kids)
     shared_max = max((c.end for c in cands), default=0)
     for n in _candidate_ends(layout, cands, min(limit, shared_max)):
@@ -121,8 +122,8 @@ def _candidate_ends(layout: Any, cands: list[Candidate], limit: int) -> list[int
     if layout.exact_end:
         ends = {c.end for c in cands if c.whole and c.node.restorable and c.end <= rows_end}
     else:
-        ends = {rows_end} | {c.end for c in cands if c.end <= rows_end and not c.node.checkpoint}
-        ends |= {c.end for c in cands if c.node.checkpoint and c.whole and c.end <= rows_end}
+        ends = {rows_end} | {c.end for c in cands
+                             if c.end <= rows_end and (c.whole or not c.node.checkpoint)}
     return sorted((e for e in ends if e > 0), reverse=True)
 
 
@@ -177,7 +178,7 @@ def _try(search: _Search, n: int) -> Found | None:
             # an SSD block handed over is read without promotion (taken)
             take = node.key in handover and node.tier != "hot"
             block = manager.get(node.key, take=take, in_place=in_place)
-            if block is not None and block.meta.get("fingerprint") != layout.fingerprint:
+            if block is not None and block.meta.get(META_FINGERPRINT) != layout.fingerprint:
                 block = None
             search.blocks[node.key] = block
         if search.blocks[node.key] is None:
@@ -200,7 +201,6 @@ def _try(search: _Search, n: int) -> Found | None:
             got = manager.get(node.key, take=True)
             if got is not None:
                 blocks[j] = got
-    taken = {node.key for node, _ in chosen if node.key in handover}
     capacity = math.ceil((len(search.ids) + pc.headroom) / GROWTH_STEP) * GROWTH_STEP
     by_layer = [_group_by_layer(b.arrays) for b in blocks]
     with rebuild_pipeline():  # a layer's buffers fill while the one before is copied
@@ -208,7 +208,7 @@ def _try(search: _Search, n: int) -> Found | None:
             parts = []
             for j in plans[i]:
                 names = by_layer[j].get(i, [])
-                if chosen[j][0].key in taken:  # handed over: the arrays leave the block as written
+                if chosen[j][0].key in handover:  # handed over: the arrays leave the block as written
                     local = {short: blocks[j].arrays.pop(full) for full, short in names}
                 else:
                     local = {short: blocks[j].arrays[full] for full, short in names}
@@ -222,7 +222,7 @@ def _try(search: _Search, n: int) -> Found | None:
         f" {node.tier}" for node, used in chosen))
     tier_set = {node.tier if node.tier in ("ssd", "remote") else "hot" for node, _ in chosen}
     tier = tier_set.pop() if len(tier_set) == 1 else "mixed"
-    return Found(template, n, tier, len(chosen), n, taken=sorted(taken))
+    return Found(template, n, tier, len(chosen), n, taken=sorted(handover))
 
 
 def _handover(search: _Search, chosen: list[tuple[ChainNode, int]]) -> set[str]:

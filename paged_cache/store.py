@@ -67,12 +67,11 @@ def store_chain(pc: Any, tokens: np.ndarray, cache: list, snaps: dict, consume: 
     else:
         for kid in dominated:
             _tail_to_checkpoint(pc, kid)
-        promote = [keys[j] for j in on_disk]
-        promote += _disk_checkpoints(kids, parents, ids, spans, snaps, n)
+        restoring = {p: _restoring(kids, parents, ids, spans, p) for p in _positions(snaps, n)}
+        promote = [keys[j] for j in on_disk] + _disk_checkpoints(restoring)
         for key in promote:
             manager.get(key)  # read and promoted into RAM
-        ckpts += _checkpoint_positions(kids, parents, ids, spans, new, snaps, n,
-                                       exclude={p for p, _ in ckpts})
+        ckpts += _checkpoint_positions(restoring, spans, new, exclude={p for p, _ in ckpts})
     types = [type(layer).__name__ for layer in cache]
     block_cuts, ckpt_cuts = [], []
     for i, h in enumerate(layout.handlers):
@@ -186,27 +185,25 @@ def _restoring(kids: dict, parents: list[str], ids: np.ndarray, spans: list[tupl
                and k.start == s and np.array_equal(k.token_ids, ids[s:p])]
 
 
-def _disk_checkpoints(kids: dict, parents: list[str], ids: np.ndarray,
-                      spans: list[tuple[int, int]], snaps: dict, n: int) -> list[str]:
+def _disk_checkpoints(restoring: dict[int, tuple[int, list[ChainNode]]]) -> list[str]:
     """Checkpoints held only on disk at this store's positions (to read back into RAM)."""
     out = []
-    for p in _positions(snaps, n):
-        _, held = _restoring(kids, parents, ids, spans, p)
+    for _, held in restoring.values():
         if held and all(k.tier in ON_DISK for k in held):
             out += [k.key for k in held if k.checkpoint][:1]
     return out
 
 
-def _checkpoint_positions(kids: dict, parents: list[str], ids: np.ndarray,
-                          spans: list[tuple[int, int]], new: list[int], snaps: dict, n: int,
+def _checkpoint_positions(restoring: dict[int, tuple[int, list[ChainNode]]],
+                          spans: list[tuple[int, int]], new: list[int],
                           exclude: set[int]) -> list[tuple[int, int]]:
-    """Positions (the store's end and every snapshot) where no held or new node already
-    restores every layer: (position, index of the block holding the position's last token)."""
+    """Of this store's positions (``restoring``: its end and every snapshot, ascending), those
+    where no held or new node already restores every layer: (position, index of the block
+    holding the position's last token)."""
     out = []
-    for p in _positions(snaps, n):
+    for p, (j, held) in restoring.items():
         if p in exclude:
             continue
-        j, held = _restoring(kids, parents, ids, spans, p)
         if (spans[j][1] == p and j in new) or held:
             continue  # the new block ending here carries the state, or a held node does
         out.append((p, j))
