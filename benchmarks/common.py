@@ -7,6 +7,9 @@ Every figure is a ratio against a baseline measured in the same run on the same 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import json
 import os
 import platform
@@ -61,7 +64,8 @@ class Timing:
 def repeat(fn: Callable[[], Any], repeats: int, setup: Callable[[], Any] | None = None,
            teardown: Callable[[Any], None] | None = None) -> Timing:
     """Time ``fn`` ``repeats`` times (``setup`` before and ``teardown(result)`` after each run,
-    both untimed)."""
+    both untimed). A run's result is dropped before the next run starts, so a restore is never
+    timed while the previous restore's buffers are still alive."""
     runs = []
     for _ in range(repeats):
         if setup is not None:
@@ -71,6 +75,7 @@ def repeat(fn: Callable[[], Any], repeats: int, setup: Callable[[], Any] | None 
         runs.append(time.perf_counter() - started)
         if teardown is not None:
             teardown(out)
+        del out
     return Timing.of(runs)
 
 
@@ -272,6 +277,26 @@ def settle() -> None:
     """Free MLX's buffer cache so active-memory readings mean live arrays only."""
     mx.synchronize()
     mx.clear_cache()
+
+
+def _libc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (macOS): freed pages already go back
+        return None
+
+
+_MALLOC_TRIM = _libc_trim()
+
+
+def return_pages() -> None:
+    """Free MLX's buffer cache and hand the freed heap pages back to the OS (glibc's
+    ``malloc_trim``; glibc otherwise keeps them and reuses them), so the next allocations fault
+    fresh pages in."""
+    gc.collect()
+    settle()
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 # ------------------------------------------------------------------------------ output

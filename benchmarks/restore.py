@@ -2,8 +2,9 @@
 
 - hot: ``prefix.fetch`` from the hot tier vs a plain numpy copy of the same bytes (goal >= 0.5),
   twice: warm (MLX's buffer cache may keep freed buffers, ``mx.set_cache_limit`` raised as a
-  server would, vs a copy into a reused buffer) and with fresh pages (MLX's default 32 MiB cache
-  limit on CPU: the rebuilt buffers are faulted in, vs a copy into freshly mapped memory);
+  server would, vs a copy into a reused buffer) and with fresh pages (MLX's default cache limit,
+  and every freed page handed back to the OS before each run, so the rebuilt buffers are faulted
+  in, vs a copy into freshly mapped memory);
 - SSD: ``prefix.fetch`` with the page cache dropped (POSIX_FADV_DONTNEED on every block file) vs
   a raw sequential read of the same files, dropped the same way (goal >= 0.7); with lz4 vs the
   bare read + lz4 decompression of the same files (goal >= 0.7); and the restore at 1, 2 and 4
@@ -20,7 +21,8 @@ import mlx.core as mx
 import numpy as np
 
 from benchmarks.common import (KIB, Context, block_files, bar_plot, drop_page_cache, eval_cache,
-                               figure, filled_cache, io_model, read_files, repeat, settle)
+                               figure, filled_cache, io_model, read_files, repeat, return_pages,
+                               settle)
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
 from paged_cache.config import READ_THREADS_DEFAULT
 
@@ -82,8 +84,12 @@ def _fetch(prefix: BlockAwarePrefixCache, tokens: list[int], expect: int, tier: 
 
 
 def _hot(ctx: Context, model, cache, tokens, n, payload, repeats, warm: bool):
+    """Hot restores: warm (MLX's cache limit raised as a server would, so a restore reuses the
+    previous one's freed buffers) or onto fresh pages (every freed page handed back to the OS
+    before each run, untimed, so the rebuilt buffers are faulted in)."""
     config = CacheConfig(block_size=BLOCK, hot_cache_only=True, hot_cache_max_bytes=3 * payload)
     limit = mx.set_cache_limit(2 * payload) if warm else None  # else MLX's default
+    setup = None if warm else return_pages
     try:
         with PagedSSDCacheManager(config) as manager:
             prefix = BlockAwarePrefixCache(manager, model)
@@ -91,8 +97,9 @@ def _hot(ctx: Context, model, cache, tokens, n, payload, repeats, warm: bool):
             # A hot hit hands the unshared blocks over to the new cache (take): store them back
             # (untimed) so every repeat restores from the hot tier; one untimed warm-up run.
             put_back = lambda c: prefix.store(tokens[:n], c)  # noqa: E731
-            repeat(lambda: _fetch(prefix, tokens, n, "hot"), 1, teardown=put_back)
-            timing = repeat(lambda: _fetch(prefix, tokens, n, "hot"), repeats, teardown=put_back)
+            fetch = lambda: _fetch(prefix, tokens, n, "hot")  # noqa: E731
+            repeat(fetch, 1, setup=setup, teardown=put_back)
+            timing = repeat(fetch, repeats, setup=setup, teardown=put_back)
     finally:
         if limit is not None:
             mx.set_cache_limit(limit)

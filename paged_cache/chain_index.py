@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping
 
 import numpy as np
 
@@ -25,35 +24,36 @@ from paged_cache.tiers.format import (META_CHECKPOINT, META_FINGERPRINT, META_PA
 MAX_INDEXED = 1 << 18  # nodes remembered for RAM / queued blocks (LRU beyond it)
 
 
-@dataclass(frozen=True, eq=False)
 class ChainNode:
     """Chain fields of one stored node; ``tier`` is where it is held ("hot", "pending", "ssd",
     "remote"). ``ids`` is the token id array, or its meta text form, decoded on first use (a
-    lookup lists whole chains whose ids it mostly never reads)."""
+    lookup lists whole chains whose ids it mostly never reads). Read-only by contract: a plain
+    slotted class rather than a frozen dataclass, since a lookup builds one per listed node
+    (about 5x cheaper to construct)."""
 
-    key: str
-    parent: str
-    fingerprint: str
-    start: int
-    ids: np.ndarray | str
-    checkpoint: bool = False
-    restorable: bool = True
-    tier: str | None = None
-    ntokens: int = -1  # len(token_ids); given with the text form
+    __slots__ = ("key", "parent", "fingerprint", "start", "ids", "checkpoint", "restorable",
+                 "tier", "ntokens")
 
-    def __post_init__(self) -> None:
-        if self.ntokens < 0:
-            object.__setattr__(self, "ntokens", len(self.token_ids))
+    def __init__(self, key: str, parent: str, fingerprint: str, start: int, ids: np.ndarray | str,
+                 checkpoint: bool = False, restorable: bool = True, tier: str | None = None,
+                 ntokens: int = -1) -> None:
+        self.key, self.parent, self.fingerprint, self.start = key, parent, fingerprint, start
+        self.ids, self.checkpoint, self.restorable, self.tier = ids, checkpoint, restorable, tier
+        self.ntokens = len(self.token_ids) if ntokens < 0 else ntokens  # len(token_ids)
+
+    def __repr__(self) -> str:
+        return (f"ChainNode({self.key[:12]}.., parent={self.parent[:12]!r}, start={self.start}, "
+                f"ntokens={self.ntokens}, checkpoint={self.checkpoint}, "
+                f"restorable={self.restorable}, tier={self.tier!r})")
 
     @property
     def token_ids(self) -> np.ndarray:
         """The node's token ids (empty when its stored text form is malformed: it matches nothing)."""
         if isinstance(self.ids, str):
             try:
-                ids = decode_token_ids(self.ids)
+                self.ids = decode_token_ids(self.ids)
             except ValueError:
-                ids = np.zeros(0, dtype="<i8")
-            object.__setattr__(self, "ids", ids)
+                self.ids = np.zeros(0, dtype="<i8")
         return self.ids
 
     @property
@@ -73,15 +73,25 @@ class ChainNode:
     def from_meta(cls, key: str, meta: Mapping[str, str], tier: str | None = None) -> "ChainNode | None":
         """The node a block's meta describes, or None when its chain fields are missing or malformed."""
         try:
-            text, start, ntokens = meta[META_TOKEN_IDS], int(meta[META_START]), int(meta[META_TOKENS])
-            parent, fingerprint = meta[META_PARENT], meta[META_FINGERPRINT]
+            start, ntokens = int(meta[META_START]), int(meta[META_TOKENS])
+            return cls.from_fields(key, meta[META_PARENT], meta[META_FINGERPRINT], start, ntokens,
+                                   meta[META_TOKEN_IDS], meta.get(META_CHECKPOINT) == "1",
+                                   meta.get(META_RESTORABLE, "1") == "1", tier)
         except (KeyError, ValueError, TypeError):
             return None
-        if start < 0 or ntokens < 1 or not isinstance(parent, str) or not isinstance(text, str):
+
+    @classmethod
+    def from_fields(cls, key: str, parent: object, fingerprint: object, start: object,
+                    ntokens: object, text: object, checkpoint: bool, restorable: bool,
+                    tier: str | None = None) -> "ChainNode | None":
+        """The node of typed chain fields as an index (the manifest) holds them, or None when
+        one is missing or malformed (ids stay in their text form until read)."""
+        if (type(start) is not int or type(ntokens) is not int or start < 0 or ntokens < 1
+                or not isinstance(parent, str) or not isinstance(fingerprint, str)
+                or not isinstance(text, str)):
             return None
-        return cls(key, parent, fingerprint, start, text,
-                   checkpoint=meta.get(META_CHECKPOINT) == "1",
-                   restorable=meta.get(META_RESTORABLE, "1") == "1", tier=tier, ntokens=ntokens)
+        return cls(key, parent, fingerprint, start, text, bool(checkpoint), bool(restorable),
+                   tier, ntokens)
 
     def keyed_by(self, namespace: str) -> bool:
         """True when the node's key is the one ``namespace`` gives its parent and tokens."""
@@ -97,8 +107,9 @@ class ChainNode:
 class ChainIndex:
     """Nodes held in RAM or queued for SSD, by key and by parent; thread-safe and bounded.
 
-    Entries are added by every put and promotion and removed when the block leaves every tier;
-    the manager checks presence when it answers, so an entry that outlived its block is harmless.
+    Entries are added by every put and promotion and removed once the block is in neither RAM nor
+    the write queue (on SSD the manifest lists it; elsewhere it is gone); the manager checks
+    presence when it answers, so an entry that outlived its block is harmless.
     """
 
     def __init__(self, max_nodes: int = MAX_INDEXED) -> None:
@@ -146,10 +157,12 @@ class ChainIndex:
         out: dict[str, list[ChainNode]] = {}
         with self._lock:
             for parent in parents:
-                kids = [self._nodes[k] for k in self._children.get(parent, ())]
-                kids = [n for n in kids if n.fingerprint == fingerprint]
-                if kids:
-                    out[parent] = kids
+                keys = self._children.get(parent)
+                if keys:
+                    kids = [n for n in map(self._nodes.__getitem__, keys)
+                            if n.fingerprint == fingerprint]
+                    if kids:
+                        out[parent] = kids
         return out
 
     def __len__(self) -> int:
@@ -164,14 +177,3 @@ def shared_prefix(ids: np.ndarray, tokens: np.ndarray) -> int:
         return 0
     diff = np.flatnonzero(ids[:n] != tokens[:n])
     return int(diff[0]) if diff.size else n
-
-
-def merge_children(*sources: Mapping[str, Sequence[ChainNode]]) -> dict[str, list[ChainNode]]:
-    """Union of parent -> children maps, the first source's node winning for a key."""
-    out: dict[str, dict[str, ChainNode]] = {}
-    for source in sources:
-        for parent, nodes in source.items():
-            slot = out.setdefault(parent, {})
-            for node in nodes:
-                slot.setdefault(node.key, node)
-    return {p: list(d.values()) for p, d in out.items()}

@@ -21,12 +21,12 @@ from __future__ import annotations
 import logging
 import sqlite3
 import threading
-from typing import Any, Callable, Iterable, Literal, Sequence
+from typing import AbstractSet, Any, Callable, Iterable, Literal, Sequence
 
 import mlx.core as mx
 
-from paged_cache.block import Block, check_key, is_key
-from paged_cache.chain_index import ChainIndex, ChainNode, merge_children
+from paged_cache.block import Block, are_keys, check_key
+from paged_cache.chain_index import ChainIndex, ChainNode
 from paged_cache.config import CacheConfig, filesystem_space, format_size
 from paged_cache.hashing import ROOT_PARENT
 from paged_cache.stats import nested_gauges
@@ -190,11 +190,21 @@ class PagedSSDCacheManager:
             del item
         released = self._ssd.release_written()
         if released:
-            self._hot.released(released)
+            self._hot.released(sum(nbytes for _, nbytes in released))
+            with self._lock:
+                for key, _ in released:
+                    self._unindex_if_on_disk(key)
+
+    def _unindex_if_on_disk(self, key: str) -> None:
+        """Drop ``key``'s node from the chain index once neither RAM nor the write queue holds
+        it (under the lock): the manifest lists it from then on."""
+        if key not in self._hot and (self._ssd is None or not self._ssd.has_pending(key)):
+            self._index.remove(key)
 
     def _on_evict(self, block: Block, persisted: bool) -> None:
         """Hot-tier eviction: spill an unpersisted block to SSD, or drop it (counted)."""
         if persisted:
+            self._unindex_if_on_disk(block.key)
             return
         if self._ssd is not None and self._persist(block):
             self.counters["spills"] += 1
@@ -297,25 +307,21 @@ class PagedSSDCacheManager:
         A chain walk also asks the remote tier, in one round trip, for the keys held nowhere
         locally, and plans their reads; without ``until_miss`` (a store deciding what to put) it is
         not asked."""
-        if isinstance(keys, str):
-            raise TypeError("keys: expected a sequence of keys, got a single str")
-        keys = list(keys)
-        for key in keys:
-            if not is_key(key):
-                check_key(key)  # raises with the standard message
-        out: list[Tier | None] = [None] * len(keys)
+        return self._tiers(_checked_keys(keys), until_miss, frozenset())
+
+    def _tiers(self, keys: list[str], until_miss: bool, on_ssd: AbstractSet[str]) -> list[Tier | None]:
+        """``tiers_of`` of checked keys; a key in ``on_ssd`` (complete rows the manifest has just
+        listed) is known to have its file, any other is looked for on disk (a stat)."""
         with self._lock:
             self._check_open()
-            hot, ssd = self._hot, self._ssd
-            for i, key in enumerate(keys):
-                if key in hot:
-                    out[i] = "hot"
+            ssd = self._ssd
+            out: list[Tier | None] = ["hot" if h else None for h in self._hot.holds(keys)]
         for i, key in enumerate(keys):
             if out[i] is not None:
                 continue
             if ssd is not None and ssd.has_pending(key):
                 out[i] = "pending"
-            elif ssd is not None and ssd.contains(key):
+            elif key in on_ssd or (ssd is not None and ssd.contains(key)):
                 out[i] = "ssd"
             elif until_miss and self._remote is None:
                 break
@@ -480,27 +486,35 @@ class PagedSSDCacheManager:
         """One batched chain lookup: the tiers of ``keys`` (a chain of block keys, up to the first
         held nowhere) and, for the root and every held key, its held child nodes of
         ``fingerprint``: RAM and write queue (the index), SSD files of any process (one manifest
-        query) and the remote tier's listings (pipelined, cached briefly). Every namespace's
-        chains start at the same root: a root child is listed only when its key is the one
-        ``namespace`` gives its tokens."""
-        tiers = self.tiers_of(keys, until_miss=True)
-        held = [k for k, t in zip(keys, tiers) if t is not None]
-        parents = [ROOT_PARENT, *held]
+        query, which also says which keys of the chain are on SSD: no file is looked at unless
+        the manifest misses it) and the remote tier's listings (pipelined, cached briefly). Every
+        namespace's chains start at the same root: a root child is listed only when its key is
+        the one ``namespace`` gives its tokens."""
+        keys = _checked_keys(keys)
+        parents = [ROOT_PARENT, *keys]
         with self._lock:
             self._check_open()
             ssd, remote = self._ssd, self._remote
         local = self._index.children(parents, fingerprint)
-        on_disk: dict[str, list[ChainNode]] = {}
-        for meta, tier in self._listed(ssd, remote, parents, fingerprint):
-            node = ChainNode.from_meta(meta["key"], meta, tier=tier)
-            if node is not None:
-                on_disk.setdefault(node.parent, []).append(node)
-        flat = [n for nodes in merge_children(local, on_disk).values() for n in nodes]
-        known = {k: t for k, t in zip(keys, tiers) if t is not None}  # the path: looked up once
-        others = iter(self.tiers_of([n.key for n in flat if n.key not in known]))
-        where = [known[n.key] if n.key in known else next(others) for n in flat]
+        listed = [] if ssd is None else ssd.child_nodes(parents, fingerprint)
+        on_ssd = {node.key for node in listed}
+        tiers = self._tiers(keys, True, on_ssd)
+        held = tiers.index(None) if None in tiers else len(keys)
+        parents = parents[:held + 1]
+        nodes: dict[str, ChainNode] = {}  # the index's node first: it knows the RAM tier
+        for parent in parents:
+            for node in local.get(parent, ()):
+                nodes.setdefault(node.key, node)
+        wanted = set(parents)
+        for node in listed + ([] if remote is None else self._remote_nodes(remote, parents,
+                                                                            fingerprint)):
+            if node.parent in wanted:
+                nodes.setdefault(node.key, node)
+        known = dict(zip(keys[:held], tiers))  # the path: looked up once
+        others = iter(self._tiers([k for k in nodes if k not in known], False, on_ssd))
         out: dict[str, list[ChainNode]] = {}
-        for node, tier in zip(flat, where):
+        for key, node in nodes.items():
+            tier = known[key] if key in known else next(others)
             if node.parent == ROOT_PARENT and not node.keyed_by(namespace):
                 continue
             tier = tier or ("remote" if node.tier == "remote" else None)  # not asked again
@@ -512,18 +526,28 @@ class PagedSSDCacheManager:
         return tiers, out
 
     @staticmethod
-    def _listed(ssd: Any, remote: Any, parents: list[str],
-                fingerprint: str) -> list[tuple[dict[str, str], str]]:
-        """(meta with "key", tier) of the children of ``parents`` the SSD and remote tiers list."""
-        out = [] if ssd is None else [(m, "ssd") for m in ssd.child_nodes(parents, fingerprint)]
-        if remote is not None:
-            for parent in parents:
-                for key in remote.children(parent, fingerprint):
-                    meta = remote.meta(key)
-                    if meta is not None:
-                        out.append(({**meta, "key": key}, "remote"))
+    def _remote_nodes(remote: Any, parents: list[str], fingerprint: str) -> list[ChainNode]:
+        """The nodes (tier "remote") the remote tier lists as children of ``parents``."""
+        out = []
+        for parent in parents:
+            for key in remote.children(parent, fingerprint):
+                meta = remote.meta(key)
+                node = None if meta is None else ChainNode.from_meta(key, meta, tier="remote")
+                if node is not None:
+                    out.append(node)
         return out
 
     def parent_of(self, key: str) -> str | None:
         """The parent of a block held in RAM or queued (None for a root or an unknown key)."""
         return self._index.parent_of(key)
+
+
+def _checked_keys(keys: Sequence[str]) -> list[str]:
+    """``keys`` as a list, each checked to be a block key (TypeError / ValueError naming it)."""
+    if isinstance(keys, str):
+        raise TypeError("keys: expected a sequence of keys, got a single str")
+    keys = list(keys)
+    if not are_keys(keys):
+        for key in keys:
+            check_key(key)  # raises with the standard message for the first bad one
+    return keys

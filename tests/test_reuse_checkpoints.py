@@ -17,6 +17,7 @@ from paged_cache.hashing import chain_keys
 from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
+from paged_cache.tiers.ssd import SSDTier
 from scheduler import Scheduler
 from test_prefix_cache_support import assert_exact, prefill, prompt
 
@@ -79,21 +80,56 @@ def test_store_through_a_stateless_block_end_leaves_a_checkpoint(arch: str) -> N
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
-def test_fetch_after_restart_costs_one_manifest_query(tmp_path: Path, arch: str) -> None:
-    """Whatever the chain length, a fetch in a new process asks the manifest once."""
+def test_fetch_after_restart_costs_one_manifest_query(tmp_path: Path, arch: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the chain length, a fetch in a new process asks the manifest once, and looks at
+    no block file to learn where the chain is (the manifest's rows say it); only the first key
+    past the stored chain is looked for on disk."""
     model = tiny_model(arch)
     tokens = prompt(20 * BLOCK + 5, seed=6)
     with manager_for(tmp_path, ssd=True) as manager:
         segment_store(model, BlockAwarePrefixCache(manager, model), tokens)
+    looked = []
+    contains = SSDTier.contains
+    monkeypatch.setattr(SSDTier, "contains", lambda t, key: looked.append(key) or contains(t, key))
     with manager_for(tmp_path, ssd=True) as manager:
         prefix = BlockAwarePrefixCache(manager, model)
         before = manager.stats()["ssd"]["chain_lookups"]
         cache, n = prefix.fetch(tokens + [3])
         assert n == len(tokens)
         assert manager.stats()["ssd"]["chain_lookups"] - before == 1
+        assert looked == []
         before = manager.stats()["ssd"]["chain_lookups"]
         prefix.fetch(tokens[:5 * BLOCK + 3] + [9])
         assert manager.stats()["ssd"]["chain_lookups"] - before == 1
+        assert looked == []
+        other = tokens[:3 * BLOCK] + prompt(2 * BLOCK, seed=7)
+        prefix.fetch(other + [1])
+        assert looked == chain_keys(prefix.fingerprint, "", other, BLOCK)[3:4]
+
+
+def test_block_file_removed_behind_the_manifest(tmp_path: Path) -> None:
+    """The manifest says where a chain is; a block file deleted behind its back (by hand, or by
+    a crash between unlink and row delete) costs one failed read: the fetch restores exactly up
+    to the missing block, and from the next flush its row is gone, so lookups stop listing it."""
+    model = tiny_model("llama")
+    tokens = prompt(4 * BLOCK, seed=8)
+    config = CacheConfig(block_size=BLOCK, ssd_dir=tmp_path, hot_cache_max_bytes="1KiB")
+    with PagedSSDCacheManager(config) as manager:  # every block on SSD only
+        prefix = BlockAwarePrefixCache(manager, model)
+        segment_store(model, prefix, tokens)
+        manager.flush()
+        keys = chain_keys(prefix.fingerprint, "", tokens, BLOCK)
+        assert manager.chain(keys, prefix.fingerprint)[0] == ["ssd"] * 4
+        (path,) = (tmp_path / "blocks" / keys[2][:2]).glob(keys[2] + "*")
+        path.unlink()
+        misses = manager.stats()["ssd"]["misses"]
+        assert assert_exact(model, prefix, tokens + [5]) == 2 * BLOCK
+        assert manager.stats()["ssd"]["misses"] == misses + 1
+        manager.flush()
+        tiers, kids = manager.chain(keys, prefix.fingerprint)
+        assert tiers[2:] == [None, None]
+        assert keys[2] not in {n.key for n in kids.get(keys[1], [])}
 
 
 def test_namespaces_do_not_share_root_nodes(tmp_path: Path) -> None:

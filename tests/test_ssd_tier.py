@@ -20,7 +20,9 @@ import pytest
 from safetensors import safe_open
 
 from paged_cache.block import Block
+from paged_cache.hashing import encode_token_ids
 from paged_cache.tiers import format as fmt
+from paged_cache.tiers.manifest import CHILD_ROWS_SQL
 from paged_cache.tiers.ssd import MANIFEST_NAME, SSDTier
 
 
@@ -35,6 +37,15 @@ def make_block(label: object, n: int = 256, dtype=mx.float16, model: str = "m1")
     return Block(key_of(label), {"keys": values, "values": values[::-1] + 1},
                  {"fingerprint": model, "tokens": "16", "parent": key_of(f"parent-{label}"),
                   "layers": '[{"type": "KVCache"}]'})
+
+
+def chained_block(label: object, parent: str | None = None, model: str = "m1") -> Block:
+    """``make_block`` with the chain fields a chain lookup lists (start, token ids)."""
+    block = make_block(label, model=model)
+    block.meta.update({"start": "0", "token_ids": encode_token_ids(list(range(16)))})
+    if parent is not None:
+        block.meta["parent"] = parent
+    return block
 
 
 def same(a: Block, b: Block) -> bool:
@@ -342,7 +353,7 @@ def manifest_fds(root: Path) -> int:
 
 def test_short_lived_threads_do_not_leak_manifest_connections(tmp_path: Path) -> None:
     root = tmp_path / "c"
-    block = make_block("shared")
+    block = chained_block("shared")
     with tier(root) as t:
         put(t, block)
         t.flush()
@@ -350,7 +361,7 @@ def test_short_lived_threads_do_not_leak_manifest_connections(tmp_path: Path) ->
         listed = []
         for _ in range(50):  # a thread-per-request caller: each thread queries the manifest once
             worker = threading.Thread(target=lambda: listed.append(
-                [m["key"] for m in t.child_nodes([block.meta["parent"]], "m1")]))
+                [n.key for n in t.child_nodes([block.meta["parent"]], "m1")]))
             worker.start()
             worker.join()
         assert listed == [[block.key]] * 50
@@ -359,6 +370,23 @@ def test_short_lived_threads_do_not_leak_manifest_connections(tmp_path: Path) ->
         # closing it while other connections of the process hold POSIX locks on the file
         assert manifest_fds(root) <= before + 2
     assert manifest_fds(root) == 0  # close() still closes every connection
+
+
+def test_chain_listing_uses_the_parent_index(tmp_path: Path) -> None:
+    """The children of a chain are found through the parent index, not a scan of every complete
+    row: listing 2 parents among 300 others' blocks visits only their rows."""
+    root = tmp_path / "c"
+    parents = [key_of(f"p{i}") for i in range(2)]
+    with tier(root) as t:
+        for i in range(300):
+            put(t, chained_block(i, parent=parents[i % 2] if i < 4 else key_of(f"other{i}")))
+        t.flush()
+        listed = sorted(n.key for n in t.child_nodes(parents, "m1"))
+        assert listed == sorted(key_of(i) for i in range(4))
+        plan = t._manifest._db.execute("EXPLAIN QUERY PLAN " + CHILD_ROWS_SQL,
+                                       (0, "m1", "[]")).fetchall()
+        assert any("INDEX blocks_parent" in row[-1] for row in plan), plan
+        assert not any("blocks_lru" in row[-1] for row in plan), plan
 
 
 CHILD = textwrap.dedent("""

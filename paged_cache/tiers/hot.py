@@ -20,7 +20,7 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import mlx.core as mx
 
@@ -308,6 +308,11 @@ class HotTier:
     def __contains__(self, key: str) -> bool:
         with self._lock:
             return key in self._entries
+
+    def holds(self, keys: Sequence[str]) -> list[bool]:
+        """``key in self`` for every key, under one lock acquisition."""
+        with self._lock:
+            return list(map(self._entries.__contains__, keys))
 
     def __len__(self) -> int:
         with self._lock:

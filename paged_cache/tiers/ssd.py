@@ -27,11 +27,13 @@ import stat
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from paged_cache.block import Block, check_key, is_key
+from paged_cache.chain_index import ChainNode
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.direct import StoredBlock, StoredTensor
 from paged_cache.tiers.files import (DIR_FLAGS, LIVE_WRITERS, MANIFEST_FILES, MANIFEST_NAME,
@@ -82,6 +84,7 @@ class SSDTier:
         self._count_lock = threading.Lock()
         self._touches: dict[str, float] = {}    # access times not yet in the manifest
         self._forgets: set[str] = set()          # rows to drop (their files are already gone)
+        self._applying: set[str] = set()         # forgets taken by a transaction not yet done
         self._incomplete: set[str] = set()       # renamed files whose row completion failed
         self._deferred_lock = threading.Lock()
         self._cond = threading.Condition()
@@ -171,14 +174,14 @@ class SSDTier:
             del self._writing[key]
         self._cond.notify_all()
 
-    def release_written(self) -> int:
+    def release_written(self) -> list[tuple[str, int]]:
         """Drop, on the calling thread, the buffers of blocks the writer has finished with (the
-        writer never releases the last reference to an MLX array); returns their bytes."""
+        writer never releases the last reference to an MLX array); returns (key, bytes) of each."""
         with self._cond:
             done, self._written = self._written, []
-        nbytes = sum(item.nbytes for item in done)
+        out = [(item.key, item.nbytes) for item in done]
         done.clear()
-        return nbytes
+        return out
 
     def write_sync(self, key: str, raw: fmt.RawTensors, meta: dict[str, str]) -> bool:
         """Write a block on the calling thread; False when it could not be written (counted)."""
@@ -201,7 +204,7 @@ class SSDTier:
         check_key(key)
         fan_fd = self._open_fan(key, create=False)
         if fan_fd is None:
-            self._count("misses")
+            self._missing(key)
             return None
         try:
             for comp in self._compression_order():
@@ -216,8 +219,15 @@ class SSDTier:
                 return use(fan_fd, fd, name, key)
         finally:
             os.close(fan_fd)
-        self._count("misses")
+        self._missing(key)
         return None
+
+    def _missing(self, key: str) -> None:
+        """A read found no file: counted, and a row the manifest may still have for it (a file
+        removed behind its back, a crash between unlink and row delete) goes at the next flush
+        (if the file is still gone then), so chain lookups stop listing it."""
+        self._count("misses")
+        self._defer_forget(key)
 
     def has_pending(self, key: str) -> bool:
         """True while the block is queued or being written."""
@@ -309,14 +319,23 @@ class SSDTier:
         return out
 
     # ---- chain lookup --------------------------------------------------------------------
-    def child_nodes(self, parents: Sequence[str], fingerprint: str) -> list[dict[str, str]]:
-        """Chain fields of the complete blocks (any process's) stored under ``parents`` for
-        ``fingerprint``, in one manifest query; [] if the manifest cannot be read now (logged)."""
+    def child_nodes(self, parents: Sequence[str], fingerprint: str) -> list[ChainNode]:
+        """The nodes (tier "ssd") of the complete blocks (any process's) stored under
+        ``parents`` for ``fingerprint``, in one manifest query; rows without valid chain fields
+        and rows of files this process removed (their deletion is deferred) are left out; [] if
+        the manifest cannot be read now (logged)."""
         try:
-            return self._manifest.child_nodes(parents, fingerprint)
+            rows = self._manifest.child_rows(parents, fingerprint)
         except sqlite3.Error as exc:
             log.warning("chain lookup of %d parents failed: %s", len(parents), exc)
             return []
+        out, gone = [], self._gone()
+        for key, parent, fp, start, tokens, token_ids, checkpoint, restorable in rows:
+            node = ChainNode.from_fields(key, parent, fp, start, tokens, token_ids,
+                                         bool(checkpoint), restorable != 0, "ssd")
+            if node is not None and key not in gone:
+                out.append(node)
+        return out
 
     # ---- reading -------------------------------------------------------------------------
     def _read_open_file(self, fan_fd: int, fd: int, name: str, key: str) -> Block | None:
@@ -472,8 +491,9 @@ class SSDTier:
             return False
         row = row_from_meta(key, RESERVED, encoded.file_bytes, encoded.raw_bytes,
                             encoded.compression, item.meta, now(), self._writer_id)
-        status, victims = self._manifest.reserve(row, self.max_bytes, self._take_deferred(),
-                                                 self._remove_file, self._file_exists)
+        with self._deferred() as deferred:
+            status, victims = self._manifest.reserve(row, self.max_bytes, deferred,
+                                                     self._remove_file, self._file_exists)
         self._count_evicted(victims)
         if status == "exists":
             return True
@@ -610,23 +630,40 @@ class SSDTier:
                     self._incomplete.update(pending[n:])
                 return
 
-    def _take_deferred(self) -> tuple[dict[str, float], set[str]]:
+    @contextmanager
+    def _deferred(self) -> Iterator[tuple[dict[str, float], set[str]]]:
+        """The deferred updates, for one manifest transaction to apply (kept for the next one if
+        it fails); until it is done their removed keys still count as gone (``_gone``)."""
         with self._deferred_lock:
-            deferred = (self._touches, self._forgets)
+            touches, forgets = self._touches, self._forgets
             self._touches, self._forgets = {}, set()
-        return deferred
-
-    def _flush_deferred(self) -> None:
-        self._retry_completions()
-        touches, forgets = self._take_deferred()
+            self._applying |= forgets
         try:
-            self._manifest.apply(touches, forgets, self._file_exists)
-        except (sqlite3.Error, ManifestError) as exc:
-            self._deferred_failed(f"{len(touches)} access times, {len(forgets)} removed rows", exc)
+            yield touches, forgets
+        except BaseException:  # not applied: kept for the next transaction
             with self._deferred_lock:
                 for key, t in touches.items():
                     self._touches.setdefault(key, t)
                 self._forgets |= forgets
+            raise
+        finally:
+            with self._deferred_lock:
+                self._applying -= forgets
+
+    def _gone(self) -> set[str]:
+        """Keys whose files this process removed and whose rows may still be listed."""
+        with self._deferred_lock:
+            return self._forgets | self._applying
+
+    def _flush_deferred(self) -> None:
+        self._retry_completions()
+        sizes = (0, 0)
+        try:
+            with self._deferred() as (touches, forgets):
+                sizes = (len(touches), len(forgets))
+                self._manifest.apply(touches, forgets, self._file_exists)
+        except (sqlite3.Error, ManifestError) as exc:
+            self._deferred_failed(f"{sizes[0]} access times, {sizes[1]} removed rows", exc)
             return
         if self._deferred_failing:
             self._deferred_failing = False
