@@ -188,3 +188,31 @@ def test_consuming_store_holds_at_most_one_layer_twice(consume: bool) -> None:
     else:
         assert all(layer is not None for layer in cache)
         assert extra >= live * 0.9, (extra, live)   # every block cut beside the live cache
+
+
+@pytest.mark.parametrize("arch,kv_heads", [("llama", 1), ("llama", None), ("qwen3_next", None),
+                                           ("mamba", None), ("gemma3_text", None),
+                                           ("baichuan_m1", None)])
+def test_stored_blocks_hold_exactly_their_bytes(arch: str, kv_heads: int | None) -> None:
+    """The hot tier's byte count is the memory its blocks hold: once the live cache is gone,
+    active memory is up by the hot bytes plus a constant (the prefix cache's own state, < 2 KiB),
+    whatever the stored length. A block cut with ``mx.contiguous`` kept the live buffer of a
+    single-KV-head layer or a conv state whenever that buffer was at most 16 KiB larger than the
+    cut (llama with one KV head: 40 KiB more than the hot bytes at 100 tokens)."""
+    model = tiny_model(arch, **({} if kv_heads is None else {"num_key_value_heads": kv_heads}))
+    residual = []
+    for n in (100, 300):
+        tokens = prompt(n, seed=3)
+        with PagedSSDCacheManager(CacheConfig(block_size=16, hot_cache_only=True)) as manager:
+            prefix = BlockAwarePrefixCache(manager, model)
+            warm = prefix.make_cache()  # the model's own lazily built arrays, before the baseline
+            prefill(model, warm, tokens, 0, 16)
+            del warm
+            base = _settle()
+            cache = prefix.make_cache()
+            prefill(model, cache, tokens, 0, 16)
+            _settle()  # no freed buffer to reuse: MLX may hand a cut a larger one from its cache
+            prefix.store(tokens, cache)
+            del cache
+            residual.append(_settle() - base - manager.hot_bytes)
+    assert residual[0] == residual[1] and 0 <= residual[0] < 2048, residual

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 from mlx_lm.models.cache import ArraysCache
 
 from paged_cache.handlers.base import (Arrays, Captured, LayerHandler, Part, Span, detached,
-                                       owned)
+                                       kept)
 
 
 class ArraysHandler(LayerHandler):
@@ -31,7 +31,7 @@ class ArraysHandler(LayerHandler):
                 "entries": [None if a is None else [a.ndim, str(a.dtype)] for a in layer.cache]}
 
     def _copy(self, layer: Any) -> Arrays:
-        return {f"s{i}": owned(a) for i, a in enumerate(layer.cache) if a is not None}
+        return {f"s{i}": kept(a) for i, a in enumerate(layer.cache) if a is not None}
 
     def capture(self, layer: Any, since: int, boundary: int) -> Captured | None:
         if layer.cache[0] is None:

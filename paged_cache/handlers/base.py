@@ -89,9 +89,25 @@ class LayerHandler:
         raise NotImplementedError
 
 
+# mx.contiguous() keeps a row-contiguous array's buffer when that buffer is at most 16 KiB larger
+# than the array (else it copies), so a small cut could keep up to 16 KiB it does not count.
+SHARE_MIN = 1 << 20  # states from this size on are kept by mx.contiguous (slack <= 1.6%)
+_UINT = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+
+
 def owned(x: mx.array) -> mx.array:
-    """A copy that owns its memory (a strict slice is copied, so it never pins its source)."""
-    return mx.contiguous(x)
+    """A copy of ``x`` in a new buffer of exactly its size, bit for bit (an OR with 0 on its bits):
+    rows cut from a live buffer must not pin it, nor the up to 16 KiB past them that
+    ``mx.contiguous`` would keep (the hot tier's byte budget counts ``nbytes``)."""
+    bits = x.view(_UINT[x.dtype.size])
+    return (bits | mx.array(0, dtype=bits.dtype)).view(x.dtype)
+
+
+def kept(x: mx.array) -> mx.array:
+    """A state array to store: ``owned`` below SHARE_MIN bytes (a small state sliced from a
+    larger buffer would pin up to 16 KiB more); a larger one is shared with the live cache
+    when it is contiguous (no transient copy of a large state; slack at most 1.6%)."""
+    return owned(x) if x.nbytes < SHARE_MIN else mx.contiguous(x)
 
 
 def detached(x: mx.array) -> mx.array:

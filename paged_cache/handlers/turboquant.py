@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 from paged_cache import compat
-from paged_cache.handlers.base import Arrays, Part, Span, detached, owned
+from paged_cache.handlers.base import Arrays, Part, Span, detached
 from paged_cache.handlers.rows import RowsHandler
 
 tq = compat.turboquant()
@@ -91,7 +91,8 @@ class TurboQuantHandler(RowsHandler):
         codecs = {}
         for side in SIDES:
             codec_arrays, codecs[side] = _codec_parts(getattr(layer, f"{side[:-1]}_codec"), side)
-            arrays.update({k: owned(v) for k, v in codec_arrays.items()})
+            # the codec's whole arrays, shared with the live codec by every block (not copied)
+            arrays.update({k: mx.contiguous(v) for k, v in codec_arrays.items()})
         mx.eval(list(arrays.values()))
         digest = hashlib.blake2b(json.dumps([self._meta(layer), codecs]).encode(), digest_size=16)
         for name in sorted(arrays):
