@@ -322,18 +322,22 @@ class SSDTier:
     def child_nodes(self, parents: Sequence[str], fingerprint: str) -> list[ChainNode]:
         """The nodes (tier "ssd") of the complete blocks (any process's) stored under
         ``parents`` for ``fingerprint``, in one manifest query; rows without valid chain fields
-        and rows of files this process removed (their deletion is deferred) are left out; [] if
-        the manifest cannot be read now (logged)."""
+        are left out, and so are rows of files this process removed or found missing (their
+        deletion is deferred) unless the file is back (stored again meanwhile: one stat each);
+        [] if the manifest cannot be read now (logged)."""
+        # Taken before the query: a removal whose row delete commits while the query reads an
+        # older snapshot is still in ``_applying`` now (taken after, it could be missed).
+        gone = self._gone()
         try:
             rows = self._manifest.child_rows(parents, fingerprint)
         except sqlite3.Error as exc:
             log.warning("chain lookup of %d parents failed: %s", len(parents), exc)
             return []
-        out, gone = [], self._gone()
+        out = []
         for key, parent, fp, start, tokens, token_ids, checkpoint, restorable in rows:
             node = ChainNode.from_fields(key, parent, fp, start, tokens, token_ids,
                                          bool(checkpoint), restorable != 0, "ssd")
-            if node is not None and key not in gone:
+            if node is not None and (key not in gone or self._file_compression(key) is not None):
                 out.append(node)
         return out
 
