@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.manifest import COMPLETE, Manifest, Row
+from paged_cache.tiers.manifest import COMPLETE, Manifest, row_from_meta
 from paged_cache.tiers.ssd import MANIFEST_NAME, SSDTier
 
 
@@ -42,8 +42,8 @@ def build(root: Path, blocks: int) -> None:
         fd = os.open(fan / (key + ".safetensors"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         os.write(fd, b"".join(bytes(fmt.byte_view(c)) for c in enc.chunks))
         os.close(fd)
-        rows.append(Row(key, COMPLETE, "none", enc.file_bytes, enc.raw_bytes, 16, meta["fingerprint"],
-                        None, fmt.layers_summary(meta), now + i * 1e-6, now + i * 1e-6, "bench"))
+        rows.append(row_from_meta(key, COMPLETE, enc.file_bytes, enc.raw_bytes, "none", meta,
+                                  now + i * 1e-6, "bench"))
     manifest = Manifest(root / MANIFEST_NAME)
     manifest.adopt(rows)
     manifest.close()
