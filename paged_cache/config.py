@@ -328,11 +328,44 @@ class CacheConfig:
         self._check_consistency()
 
     def _check_consistency(self) -> None:
+        ram = physical_memory_bytes()
+        if ram and self.hot_cache_max_bytes > ram:
+            raise ValueError(
+                f"hot_cache_max_bytes: {format_size(self.hot_cache_max_bytes)} (from "
+                f"{self.sources['hot_cache_max_bytes']}) exceeds this machine's RAM "
+                f"({format_size(ram)}): the hot tier could never stay in memory; give a size "
+                f"below RAM (the default is {format_size(default_hot_cache_max_bytes())})")
         if not self.hot_cache_only and self.ssd_max_bytes == 0:
             raise ValueError(
                 f"ssd_max_bytes: 0 (from {self.sources['ssd_max_bytes']}) leaves no SSD space with "
                 f"hot_cache_only=False (from {self.sources['hot_cache_only']}); give a size or "
                 "'auto', or set hot_cache_only=True")
+
+    def beside_model(self, model_bytes: int, ram: int | None = None) -> "CacheConfig":
+        """This configuration for a process that also holds a model of ``model_bytes`` weights,
+        on a machine of ``ram`` bytes (default: physical RAM). When the hot budget and the
+        weights together exceed RAM, a default hot budget is capped to what the weights leave
+        (logged); an explicit one raises ValueError naming RAM, the weights and the budget."""
+        ram = physical_memory_bytes() if ram is None else ram
+        hot = self.hot_cache_max_bytes
+        if not ram or hot + model_bytes <= ram:
+            return self
+        room = max(0, ram - model_bytes)
+        source = self.sources["hot_cache_max_bytes"]
+        if "hot_cache_max_bytes" in self.explicit:
+            raise ValueError(
+                f"hot_cache_max_bytes: {format_size(hot)} (from {source}) plus the model's "
+                f"weights ({format_size(model_bytes)}) exceed this machine's RAM "
+                f"({format_size(ram)}); give at most {format_size(room)}")
+        log.warning("hot_cache_max_bytes: the default %s plus the model's weights (%s) exceed "
+                    "RAM (%s); capping the hot tier at %s", format_size(hot),
+                    format_size(model_bytes), format_size(ram), format_size(room))
+        capped = dataclasses.replace(self, hot_cache_max_bytes=room)
+        object.__setattr__(capped, "explicit", self.explicit)
+        object.__setattr__(capped, "sources",
+                           dict(self.sources, hot_cache_max_bytes=f"{source}, capped beside the "
+                                                                  "model's weights"))
+        return capped
 
     def inactive_fields(self) -> tuple[str, ...]:
         """The SSD fields hot_cache_only makes inert (compression still applies to a remote tier)."""

@@ -14,7 +14,8 @@ import pytest
 
 from paged_cache.cli.main import main as cli_main
 from paged_cache.cli.options import add_config_arguments, config_from_args
-from paged_cache.config import CacheConfig, filesystem_space, parse_size
+from paged_cache.config import (CacheConfig, filesystem_space, format_size, parse_size,
+                                 physical_memory_bytes)
 
 
 def parse_cli(argv: list[str], environ: dict[str, str] | None = None) -> CacheConfig:
@@ -291,6 +292,42 @@ def test_env_hot_cache_only_over_a_toml_ssd_dir(tmp_path, caplog):
         env=env, capture_output=True, text=True, check=True).stdout)
     assert shown["ssd_dir"] == {"value": str(ssd), "source": f"toml:{toml}", "active": False}
     assert not ssd.exists()
+
+
+def test_a_hot_budget_above_ram_is_refused_naming_ram_and_the_source(tmp_path):
+    ram = physical_memory_bytes()
+    assert ram, "physical RAM must be readable here"
+    with pytest.raises(ValueError, match=r"^hot_cache_max_bytes: .* \(from constructor\) exceeds "
+                                         r"this machine's RAM \(.+\)"):
+        CacheConfig(hot_cache_max_bytes=ram + 1)
+    assert CacheConfig(hot_cache_max_bytes=ram).hot_cache_max_bytes == ram
+    # the typo of the report: a 100x size on the command line, and the same from the environment
+    env = dict(os.environ, PAGED_CACHE_HOT_CACHE_MAX_BYTES=str(ram * 2))
+    for argv, environ, source in (
+            (["--hot-cache-max-bytes", f"{ram * 100}"], os.environ, "flag:--hot-cache-max-bytes"),
+            ([], env, "env:PAGED_CACHE_HOT_CACHE_MAX_BYTES")):
+        run = subprocess.run([sys.executable, "-m", "paged_cache.cli.main", "config", *argv],
+                             env=environ, capture_output=True, text=True)
+        assert run.returncode == 2 and run.stdout == ""
+        assert run.stderr.startswith("paged-cache config: error: hot_cache_max_bytes: ")
+        assert f"(from {source}) exceeds this machine's RAM ({format_size(ram)})" in run.stderr
+
+
+def test_a_hot_budget_beside_the_model_weights(caplog):
+    gib = 2**30
+    explicit = CacheConfig(hot_cache_max_bytes="8GiB")
+    assert explicit.beside_model(10 * gib, ram=24 * gib) is explicit          # fits: unchanged
+    with pytest.raises(ValueError, match=r"^hot_cache_max_bytes: 8 GiB \(from constructor\) plus "
+                                         r"the model's weights \(20 GiB\) exceed this machine's "
+                                         r"RAM \(24 GiB\); give at most 4 GiB$"):
+        explicit.beside_model(20 * gib, ram=24 * gib)
+    default = CacheConfig()
+    capped = default.beside_model(24 * gib - default.hot_cache_max_bytes + gib, ram=24 * gib)
+    assert capped.hot_cache_max_bytes == default.hot_cache_max_bytes - gib
+    assert capped.sources["hot_cache_max_bytes"] == "default, capped beside the model's weights"
+    assert capped.explicit == frozenset() and capped.ssd_dir == default.ssd_dir
+    assert "capping the hot tier at" in caplog.text
+    assert default.beside_model(30 * gib, ram=24 * gib).hot_cache_max_bytes == 0
 
 
 def test_cli_bad_size_raises_value_error():
