@@ -257,6 +257,9 @@ class BlockAwarePrefixCache:
 
     # ------------------------------------------------------------------ stats
 
+    STAT_GAUGES = frozenset({"loans_open"})  # stats(): the rest are counters
+
     def stats(self) -> dict:
-        """Counters: hits/misses, tokens requested/matched/saved/lost, blocks, loans, timings."""
+        """Counters: hits/misses, tokens requested/matched/saved/lost, blocks, loans, timings;
+        and the loans open now (a gauge)."""
         return {**self._stats, **self._loans.counters, "loans_open": len(self._loans)}

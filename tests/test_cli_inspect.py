@@ -347,7 +347,8 @@ def test_stats_of_a_running_server(tmp_path):
         prefix.fetch(tokens + [7, 8])
         prefix.fetch([999, 998, 997])
         sections = lambda: {"manager": manager.stats(), "prefix": prefix.stats()}  # noqa: E731
-        gauges = nested_gauges("manager", PagedSSDCacheManager.STAT_GAUGES)
+        gauges = (nested_gauges("manager", PagedSSDCacheManager.STAT_GAUGES)
+                  | nested_gauges("prefix", BlockAwarePrefixCache.STAT_GAUGES))
         server, url = serve_stats(sections, gauges)
         try:
             doc = cli_json("stats", "--url", url)
@@ -368,8 +369,24 @@ def test_stats_of_a_running_server(tmp_path):
             assert status == 0 and out == render_prometheus(sections(), gauges=gauges)
             assert "# TYPE paged_cache_manager_ssd_open_seconds gauge" in out
             assert "paged_cache_prefix_tokens_matched_total 50" in out
-            status, out, _ = run_cli("stats", "--url", url)
-            assert status == 0 and "token hit ratio" in out and "tokens_matched" in out
+            assert "# TYPE paged_cache_prefix_loans_open gauge" in out and "loans_open_total" not in out
+            # The summary first: hits, tokens saved, the tiers; every counter only with --all,
+            # in human units (no raw float seconds).
+            status, summary, _ = run_cli("stats", "--url", url)
+            assert status == 0 and "tokens_matched" not in summary
+            lines = summary.splitlines()
+            assert lines[0].startswith(f"{url}: server pid {os.getpid()}, up ")
+            assert "2: 1 hit, 1 miss; hit rate 50.0%" in lines[1]
+            assert "50 of 55 prompt tokens came from the cache (90.9%)" in lines[2]
+            assert "SSD tier" in summary and "written" in summary and len(lines) <= 8
+            status, every, _ = run_cli("stats", "--url", url, "--all")
+            assert status == 0 and every.splitlines()[1:len(lines) - 1] == lines[1:-1]
+            assert "tokens_matched" in every and "hot_max_bytes" in every
+            restore = next(line for line in every.splitlines() if "restore_seconds" in line)
+            assert restore.split()[-1] in ("ms", "us", "s"), restore
+            # The OpenAI base URL a client already has works as well as the server's root.
+            for given in (url + "/", url + "/v1", url + "/v1/"):
+                assert cli_json("stats", "--url", given)["prefix"] == doc["prefix"]
             status, _, err = run_cli("stats", "--url", url + "/nothing-here")
             assert status == 1 and "HTTP 404" in err
             # Every request runs on a new server thread; the sources are read on one thread, so

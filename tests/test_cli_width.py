@@ -104,6 +104,9 @@ def test_stats_table_fits(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> No
         server, url = serve_stats(lambda: {"manager": manager.stats()})
         try:
             status, out, err = run80(monkeypatch, "stats", "--url", url)
+            assert status == 0, err
+            check_fits(out)
+            status, out, err = run80(monkeypatch, "stats", "--url", url, "--all")
         finally:
             server.shutdown()
             server.server_close()

@@ -123,6 +123,24 @@ def size(nbytes: int | None) -> str:
     return "-" if nbytes is None else format_size(int(nbytes))
 
 
+def duration(seconds: float | None) -> str:
+    """A time span in the unit that reads best: '850 us', '15.1 ms', '2.35 s', '3m 05s', '2.1h'."""
+    if seconds is None:
+        return "-"
+    def three(x: float) -> str:  # three significant digits, never an exponent
+        return f"{x:.2f}" if x < 10 else f"{x:.1f}" if x < 100 else f"{x:.0f}"
+
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} us"
+    if seconds < 1:
+        return f"{three(seconds * 1e3)} ms"
+    if seconds < 60:
+        return f"{three(seconds)} s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)}m {int(seconds % 60):02d}s"
+    return f"{seconds / 3600:.1f}h"
+
+
 def ago(when: float | None, now: float | None = None) -> str:
     """'3m ago' style age of a wall-clock time."""
     if when is None:

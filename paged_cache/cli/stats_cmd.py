@@ -13,6 +13,7 @@ from paged_cache.integrations.stats_http import METRICS_PATH, STATS_PATH
 from paged_cache.stats import flatten
 
 DEFAULT_URL = "http://127.0.0.1:8080"  # mlx_lm.server's default --host / --port
+OPENAI_SUFFIX = "/v1"                  # the base URL OpenAI clients are given ends with it
 EXIT_UNREACHABLE = 1
 
 
@@ -21,13 +22,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "stats", help="live cache counters of a running server",
         description=f"GET URL{STATS_PATH} (JSON) or, with --prometheus, URL{METRICS_PATH} from a "
-                    "running `paged-cache serve` and print them.")
-    p.add_argument("--url", default=DEFAULT_URL, help=f"server base URL (default {DEFAULT_URL})")
+                    "running `paged-cache serve` and print a short summary (hits, tokens and "
+                    "time to first token saved, what each tier holds); --all adds every counter.")
+    p.add_argument("--url", default=DEFAULT_URL,
+                   help=f"server base URL, with or without the OpenAI /v1 suffix (default "
+                        f"{DEFAULT_URL})")
     p.add_argument("--timeout", type=float, default=5.0, metavar="S", help="seconds (default 5)")
     fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--all", action="store_true",
+                     help="after the summary, every counter of every section")
     fmt.add_argument("--json", action="store_true", help="print the server's JSON document")
     fmt.add_argument("--prometheus", action="store_true", help="print the Prometheus text exposition")
     p.set_defaults(func=run)
+
+
+def server_root(url: str) -> str:
+    """The server's root URL from what a user has: ``http://h:8080``, ``http://h:8080/`` or the
+    OpenAI base URL ``http://h:8080/v1`` all give ``http://h:8080``."""
+    url = url.rstrip("/")
+    return url[:-len(OPENAI_SUFFIX)] if url.endswith(OPENAI_SUFFIX) else url
 
 
 def fetch(url: str, path: str, timeout: float) -> bytes:
@@ -42,10 +55,11 @@ def run(args: argparse.Namespace) -> int:
     if not args.url.startswith(("http://", "https://")):
         return render.fail("stats", f"--url: expected http://HOST:PORT, got {args.url!r}")
     path = METRICS_PATH if args.prometheus else STATS_PATH
+    url = server_root(args.url)
     try:
-        body = fetch(args.url, path, args.timeout)
+        body = fetch(url, path, args.timeout)
     except urllib.error.HTTPError as exc:
-        return render.fail("stats", f"{args.url}{path}: HTTP {exc.code}; is this a `paged-cache "
+        return render.fail("stats", f"{url}{path}: HTTP {exc.code}; is this a `paged-cache "
                                     "serve` server?", EXIT_UNREACHABLE)
     except OSError as exc:
         reason = getattr(exc, "reason", exc)
@@ -54,49 +68,112 @@ def run(args: argparse.Namespace) -> int:
     try:
         doc = None if args.prometheus else json.loads(body)
     except ValueError as exc:
-        return render.fail("stats", f"{args.url}{path} did not return a stats document ({exc})",
+        return render.fail("stats", f"{url}{path} did not return a stats document ({exc})",
                            EXIT_UNREACHABLE)
     if args.prometheus:
         print(body.decode(), end="")
     elif args.json:
         render.print_json(doc)
     else:
-        _print(doc)
+        _print(doc, url, every=args.all)
     return render.EXIT_OK
 
 
 def headline(doc: dict[str, Any]) -> dict[str, Any]:
-    """Hit ratios and tier bytes derived from the document's manager / prefix sections (and the
-    remote tier's stats when the server has one)."""
+    """The summary figures of a stats document: requests (or prefix-cache fetches) and their hit
+    ratio, prompt tokens served from the cache, time to first token and the prefill time the
+    cache saved (when the server times them), and each tier's bytes, budget and writes."""
     manager, prefix = doc.get("manager") or {}, doc.get("prefix") or {}
-    fetches = (prefix.get("hits") or 0) + (prefix.get("misses") or 0)
-    requested = prefix.get("tokens_requested") or 0
+    requests = doc.get("requests") or {}
+    if requests:
+        total, misses = requests.get("requests", 0), requests.get("requests_miss", 0)
+        prompt, cached = requests.get("prompt_tokens", 0), requests.get("cached_tokens", 0)
+        by_tier = {t: requests.get(f"requests_{t}", 0) for t in ("hot", "ssd", "remote", "mixed")}
+    else:
+        misses = prefix.get("misses", 0)
+        total = prefix.get("hits", 0) + misses
+        prompt, cached = prefix.get("tokens_requested", 0), prefix.get("tokens_saved", 0)
+        by_tier = {}
+    timed, ttft = requests.get("ttft_requests", 0), requests.get("ttft_seconds", 0.0)
+    prefilled, prefill_s = requests.get("prefill_tokens", 0), requests.get("prefill_seconds", 0.0)
+    per_token = prefill_s / prefilled if prefilled else None
     return {
-        "fetch_hit_ratio": prefix.get("hits", 0) / fetches if fetches else None,
-        "token_hit_ratio": prefix.get("tokens_matched", 0) / requested if requested else None,
-        "hot_bytes": (manager.get("hot") or {}).get("bytes"),
-        "ssd_bytes": (manager.get("ssd") or {}).get("bytes"),
+        "requests": total, "hits": total - misses, "misses": misses, "hits_by_tier": by_tier,
+        "hit_ratio": (total - misses) / total if total else None,
+        "prompt_tokens": prompt, "cached_tokens": cached,
+        "token_hit_ratio": cached / prompt if prompt else None,
+        "ttft_mean_seconds": ttft / timed if timed else None,
+        "prefill_seconds_per_token": per_token,
+        "ttft_saved_seconds": cached * per_token if per_token is not None else None,
+        "hot": _tier(manager.get("hot")), "ssd": _tier(manager.get("ssd")),
         "remote": manager.get("remote"),
+        "errors": sum(requests.get(k, 0) for k in ("cache_errors", "store_errors")),
     }
 
 
-def _print(doc: dict[str, Any]) -> None:
-    out = render.console()
-    head = doc.get("paged_cache", {})
+def _tier(stats: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A tier's bytes, budget, blocks and bytes written (``bytes_written`` where the tier counts
+    every byte it writes, else the bytes of the blocks it wrote)."""
+    if not stats:
+        return None
+    written = stats.get("bytes_written", stats.get("write_bytes"))
+    return {"bytes": stats.get("bytes"), "max_bytes": stats.get("max_bytes"),
+            "blocks": stats.get("blocks"), "written": written}
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
+    """The summary as (label, text) rows."""
     h = headline(doc)
-    ratio = lambda v: "-" if v is None else f"{v:.1%}"  # noqa: E731
-    out.print(f"[bold]server pid {head.get('pid', '?')}[/], up {head.get('uptime_seconds', 0):.0f}s: "
-              f"fetch hit ratio {ratio(h['fetch_hit_ratio'])}, token hit ratio "
-              f"{ratio(h['token_hit_ratio'])}, hot tier {render.size(h['hot_bytes'])}, "
-              f"SSD tier {render.size(h['ssd_bytes'])}")
+    tiers = ", ".join(f"{n} {name}" for name, n in h["hits_by_tier"].items() if n)
+    rows = [["requests", f"{h['requests']}: {h['hits']} hit{'s' * (h['hits'] != 1)}"
+                         f"{f' ({tiers})' if tiers else ''}, {h['misses']} "
+                         f"miss{'es' * (h['misses'] != 1)}; hit rate {_ratio(h['hit_ratio'])}"],
+            ["tokens saved", f"{h['cached_tokens']} of {h['prompt_tokens']} prompt tokens came "
+                             f"from the cache ({_ratio(h['token_hit_ratio'])})"]]
+    if h["ttft_mean_seconds"] is not None:
+        per_token = h["prefill_seconds_per_token"]
+        saved = "prefill rate not measured yet" if per_token is None else (
+            f"saved ~{render.duration(h['ttft_saved_seconds'])} of prefill (cached tokens x this "
+            f"server's {render.duration(per_token)}/token)")
+        rows.append(["TTFT", f"mean {render.duration(h['ttft_mean_seconds'])}; {saved}"])
+    for name, label in (("hot", "hot tier"), ("ssd", "SSD tier")):
+        tier = h[name]
+        if tier is None:
+            continue
+        used = tier["bytes"] / tier["max_bytes"] if tier["max_bytes"] else None
+        text = (f"{render.size(tier['bytes'])} of {render.size(tier['max_bytes'])} "
+                f"({_ratio(used)}), {tier['blocks']} blocks")
+        if name == "ssd":
+            text += f"; {render.size(tier['written'])} written"
+        rows.append([label, text])
     remote = h["remote"]
     if remote:
         reads = remote.get("reads") or 0
-        mean = f"{remote.get('read_seconds', 0) / reads * 1e3:.2f} ms" if reads else "-"
-        out.print(f"remote tier {remote.get('url')}: {'up' if remote.get('available') else 'DOWN'}, "
-                  f"{remote.get('hits', 0)} hits, {render.size(remote.get('read_bytes'))} read, "
-                  f"{render.size(remote.get('write_bytes'))} written, {remote.get('errors', 0)} "
-                  f"errors, {remote.get('damaged', 0)} damaged, mean round trip {mean}")
+        mean = render.duration(remote.get("read_seconds", 0) / reads) if reads else "-"
+        rows.append(["remote tier",
+                     f"{remote.get('url')}: {'up' if remote.get('available') else 'DOWN'}, "
+                     f"{remote.get('hits', 0)} hits, {render.size(remote.get('read_bytes'))} read, "
+                     f"{render.size(remote.get('write_bytes'))} written, {remote.get('errors', 0)} "
+                     f"errors, {remote.get('damaged', 0)} damaged, mean round trip {mean}"])
+    if h["errors"]:
+        rows.append(["cache errors", f"{h['errors']} (logged by the server; requests went on "
+                                     "uncached)"])
+    return rows
+
+
+def _print(doc: dict[str, Any], url: str, *, every: bool) -> None:
+    out = render.console()
+    head = doc.get("paged_cache", {})
+    out.print(f"[bold]{url}[/]: server pid {head.get('pid', '?')}, up "
+              f"{render.duration(head.get('uptime_seconds', 0))}")
+    out.print(render.table(None, ["", ""], summary_rows(doc), header=False))
+    if not every:
+        out.print("[dim]every counter: paged-cache stats --all (or --json, --prometheus)[/]")
+        return
     for name, section in doc.items():
         if name == "paged_cache" or not isinstance(section, dict):
             continue
@@ -107,7 +184,9 @@ def _print(doc: dict[str, Any]) -> None:
 
 
 def _number(name: str, value: float) -> str:
-    """A counter's value; byte counts in the size unit of every other output (format_size)."""
+    """A counter's value in human units: bytes as sizes (format_size), seconds as durations."""
     if name.endswith("bytes") and float(value).is_integer():
         return render.size(int(value))
+    if name.endswith("seconds") or name.endswith("seconds_max"):
+        return render.duration(value)
     return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
