@@ -359,23 +359,65 @@ def pyplot() -> Any:
     return plt
 
 
+LABEL_WIDTH = 16   # characters per line of a bar group's label (longer labels wrap)
+# Line styles cycled per series so that series lying on top of each other all stay visible:
+# the first is drawn widest, later ones thinner and dashed over it.
+LINE_STYLES = (dict(ls="-", lw=4.5, marker="o", ms=7, alpha=0.55),
+               dict(ls="--", lw=2.0, marker="x", ms=7),
+               dict(ls=":", lw=1.8, marker="s", ms=4),
+               dict(ls="-.", lw=1.5, marker="^", ms=4))
+
+
+def as_json(data: dict[str, Any]) -> dict[str, Any]:
+    """A family's result as its JSON file holds it (Figures and Timings as dicts): what
+    ``plots`` functions read, so a plot is the same from a live run or a stored file."""
+    return json.loads(json.dumps(data, default=_jsonable))
+
+
+def figures_by_name(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The figures of a family's JSON result, by name."""
+    return {f["name"]: f for f in data["figures"]}
+
+
+def short_number(value: float) -> str:
+    """A bar's value label: three significant digits, no exponent for 0.001 .. 99999."""
+    if value == 0:
+        return "0"
+    if abs(value) >= 100:
+        return f"{value:.0f}"
+    return f"{value:.3g}" if abs(value) >= 0.001 else f"{value:.1e}"
+
+
 def bar_plot(path: Path, title: str, groups: Sequence[str], series: dict[str, Sequence[float]],
              ylabel: str, *, goal: float | None = None, log: bool = False) -> Path:
-    """Grouped bars: one group per label in ``groups``, one bar per series."""
+    """Grouped bars, one group per label in ``groups`` (labels wrapped so neighbours never
+    overlap), one bar per series, each bar labelled with its value. With a single series, each
+    group is one bar in its own colour and no legend is needed."""
+    import textwrap
+
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4))
+    fig, ax = plt.subplots(figsize=(max(7.5, 1.6 * len(groups) + 1.5), 4.5))
     width = 0.8 / max(len(series), 1)
+    single = len(series) == 1
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (label, values) in enumerate(series.items()):
         xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
-        ax.bar(xs, values, width, label=label)
-    ax.set_xticks(range(len(groups)), groups)
+        colour = [colours[g % len(colours)] for g in range(len(groups))] if single else None
+        bars = ax.bar(xs, values, width, label=label, color=colour)
+        ax.bar_label(bars, labels=[short_number(v) for v in values],
+                     fontsize=8 if len(series) <= 2 else 7, padding=2)
+    ax.set_xticks(range(len(groups)), [textwrap.fill(g, LABEL_WIDTH) for g in groups], fontsize=9)
     if goal is not None:
         ax.axhline(goal, color="k", ls="--", lw=1, label=f"goal {goal:g}")
     if log:
         ax.set_yscale("log")
+    ax.margins(y=0.15)   # room above the tallest bar for its label
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=11)
+    if not single or goal is not None:
+        handles = [h for h in ax.get_legend_handles_labels()[0]
+                   if not single or h.get_label().startswith("goal")]
+        ax.legend(handles=handles, fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -385,14 +427,15 @@ def bar_plot(path: Path, title: str, groups: Sequence[str], series: dict[str, Se
 
 def line_plot(path: Path, title: str, series: dict[str, tuple[Sequence[float], Sequence[float]]],
               xlabel: str, ylabel: str) -> Path:
-    """One line per series: name -> (xs, ys)."""
+    """One line per series: name -> (xs, ys); each series in its own style (LINE_STYLES), so
+    one lying exactly on another still shows."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4))
-    for label, (xs, ys) in series.items():
-        ax.plot(xs, ys, marker=".", label=label)
+    for i, (label, (xs, ys)) in enumerate(series.items()):
+        ax.plot(xs, ys, label=label, **LINE_STYLES[i % len(LINE_STYLES)])
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set_title(title, fontsize=11)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()

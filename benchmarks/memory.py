@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import random
 import shutil
+from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache
 
-from benchmarks.common import MIB, Context, figure, line_plot, settle
+from benchmarks.common import MIB, Context, as_json, figure, line_plot, settle
 from benchmarks.peers import turn
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
 from paged_cache.testing import build_model, model_config
@@ -85,16 +86,6 @@ def run(ctx: Context) -> dict:
     runs = {"paged-cache, hot_cache_only": _paged(ctx, model, system, users, gen, True),
             "paged-cache, hot + SSD": _paged(ctx, model, system, users, gen, False),
             "mlx-lm LRUPromptCache": _lru(model, system, users, gen)}
-    xs = list(range(1, turns + 1))
-    plot = line_plot(ctx.results / "memory.png",
-                     f"Active memory after each turn, hybrid qwen3_next tiny, {turns} turns "
-                     f"(hot budget {HOT_BUDGET // MIB} MiB)",
-                     {name: (xs, [a / MIB for a in r["active"]]) for name, r in runs.items()},
-                     "turn", "MiB above weights")
-    peak_plot = line_plot(ctx.results / "memory_peak.png",
-                          "Peak memory during each turn (same session)",
-                          {name: (xs, [a / MIB for a in r["peaks"]]) for name, r in runs.items()},
-                          "turn", "MiB above weights")
     lru = runs["mlx-lm LRUPromptCache"]
     figures = []
     for name in ("paged-cache, hot_cache_only", "paged-cache, hot + SSD"):
@@ -106,6 +97,25 @@ def run(ctx: Context) -> dict:
                               growth_second_half=r["active"][-1] - r["active"][half - 1],
                               baseline_growth_second_half=lru["active"][-1] - lru["active"][half - 1],
                               cached_tokens=r["cached"], baseline_cached_tokens=lru["cached"]))
-    return {"figures": figures, "notes": [], "plots": [plot.name, peak_plot.name],
-            "series": {name: {k: v for k, v in r.items()} for name, r in runs.items()},
-            "hot_budget_bytes": HOT_BUDGET, "block_size": BLOCK}
+    out = {"figures": figures, "notes": [],
+           "series": {name: {k: v for k, v in r.items()} for name, r in runs.items()},
+           "hot_budget_bytes": HOT_BUDGET, "block_size": BLOCK}
+    return dict(out, plots=plots(as_json(out), ctx.results))
+
+
+def plots(data: dict, results: Path) -> list[str]:
+    """memory.png (active memory after each turn) and memory_peak.png (peak during each turn)
+    from a result (live or stored)."""
+    runs = data["series"]
+    turns = len(next(iter(runs.values()))["active"])
+    xs = list(range(1, turns + 1))
+    plot = line_plot(results / "memory.png",
+                     f"Active memory after each turn, hybrid qwen3_next tiny, {turns} turns "
+                     f"(hot budget {data['hot_budget_bytes'] // MIB} MiB)",
+                     {name: (xs, [a / MIB for a in r["active"]]) for name, r in runs.items()},
+                     "turn", "MiB above weights")
+    peak_plot = line_plot(results / "memory_peak.png",
+                          "Peak memory during each turn (same session)",
+                          {name: (xs, [a / MIB for a in r["peaks"]]) for name, r in runs.items()},
+                          "turn", "MiB above weights")
+    return [plot.name, peak_plot.name]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 import shutil
+from pathlib import Path
 import statistics
 import time
 from typing import Any
@@ -25,8 +26,8 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
-from benchmarks.common import (MIB, Context, Timing, bar_plot, figure, kv_model, settle,
-                               weights_bytes)
+from benchmarks.common import (MIB, Context, Timing, as_json, bar_plot, figure, kv_model,
+                               settle, weights_bytes)
 from paged_cache import CacheConfig, PagedSSDCacheManager
 from paged_cache.integrations.mlx_lm import PagedPromptCache
 
@@ -273,20 +274,29 @@ def _report(ctx: Context, results: dict, workload: dict) -> dict:
                  "insert's peak; prefill activations are not caching overhead (with them the "
                  "whole-turn ratios are in the JSON: recompute, i.e. activations alone, "
                  f"{results['recompute']['overhead_with_activations']:.2f}).")
-    names = list(results)
-    plots = [
-        bar_plot(ctx.results / "peers_ttft.png", "Multi-turn hit TTFT (median of turns 2..)",
-                 ["hit TTFT (ms)"], {n: [results[n]["hit_ttft"].median * 1e3] for n in names},
-                 "ms").name,
-        bar_plot(ctx.results / "peers_resident.png",
-                 f"Resident cache, {workload['conversations']} conversations sharing a "
-                 f"{workload['system']}-token system prompt", ["resident cache"],
-                 {n: [results[n]["resident"] / MIB] for n in names if n != "recompute"}, "MiB").name,
-        bar_plot(ctx.results / "peers_overhead.png", "Caching overhead of a hit turn: "
-                 "(peak - weights - live KV) / live KV", ["overhead ratio"],
-                 {n: [results[n]["overhead"]] for n in names}, "ratio", goal=0.1).name,
-    ]
     table = {n: {k: (v.__dict__ if isinstance(v, Timing) else v) for k, v in r.items() if k != "tokens"}
              for n, r in results.items()}
-    return {"figures": figures, "notes": notes, "plots": plots, "workload": workload,
-            "contenders": table}
+    out = {"figures": figures, "notes": notes, "workload": workload, "contenders": table}
+    return dict(out, plots=plots(as_json(out), ctx.results))
+
+
+def plots(data: dict, results: Path) -> list[str]:
+    """peers_ttft.png, peers_resident.png and peers_overhead.png from a result (live or stored):
+    one bar per contender, labelled with its value."""
+    contenders, workload = data["contenders"], data["workload"]
+    names = list(contenders)
+    cached = [n for n in names if n != "recompute"]
+    return [
+        bar_plot(results / "peers_ttft.png", "Multi-turn hit TTFT (median of turns 2..)", names,
+                 {"hit TTFT (ms)": [contenders[n]["hit_ttft"]["median"] * 1e3 for n in names]},
+                 "ms").name,
+        bar_plot(results / "peers_resident.png",
+                 f"Resident cache, {workload['conversations']} conversations sharing a "
+                 f"{workload['system']}-token system prompt", cached,
+                 {"resident cache (MiB)": [contenders[n]["resident"] / MIB for n in cached]},
+                 "MiB").name,
+        bar_plot(results / "peers_overhead.png", "Caching overhead of a hit turn: "
+                 "(peak - weights - live KV) / live KV", names,
+                 {"overhead ratio": [contenders[n]["overhead"] for n in names]}, "ratio",
+                 goal=0.1).name,
+    ]

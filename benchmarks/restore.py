@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import mmap
 import shutil
+from pathlib import Path
 
 import lz4.frame
 import mlx.core as mx
 import numpy as np
 
-from benchmarks.common import (KIB, Context, block_files, bar_plot, drop_page_cache, eval_cache,
-                               figure, filled_cache, io_model, read_files, repeat, return_pages,
-                               settle)
+from benchmarks.common import (KIB, Context, as_json, block_files, bar_plot, drop_page_cache,
+                               eval_cache, figure, figures_by_name, filled_cache, io_model,
+                               read_files, repeat, return_pages, settle)
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
 from paged_cache.config import READ_THREADS_DEFAULT
 
@@ -194,13 +195,25 @@ def run(ctx: Context) -> dict:
     del cache
     settle()
 
-    plot = bar_plot(ctx.results / "restore.png", f"Restore throughput, 8B-shaped KV, {n} tokens "
-                    f"({payload >> 20} MiB)",
-                    ["hot warm (vs memcpy)", "hot fresh pages (vs memcpy)", "SSD (vs raw read)",
-                     "SSD lz4 (vs read+decompress)"],
-                    {"paged-cache": [gib_s(t) for t in (hot[True], hot[False], ssd["none"][0],
-                                                        ssd["lz4"][0])],
-                     "baseline": [gib_s(t) for t in (warm_copy, fresh_copy, ssd["none"][1],
-                                                     ssd["lz4"][1])]},
+    out = {"figures": figures, "notes": notes}
+    return dict(out, plots=plots(as_json(out), ctx.results))
+
+
+def plots(data: dict, results: Path) -> list[str]:
+    """restore.png from a result (live or stored): throughput of each restore path beside its
+    baseline's."""
+    fig = figures_by_name(data)
+    warm = fig["hot restore vs memcpy (warm)"]
+    n, payload = warm["details"]["tokens"], warm["details"]["bytes"]
+    paths = [("hot, warm pages (vs memcpy)", fig["hot restore vs memcpy (warm)"]),
+             ("hot, fresh pages (vs memcpy)", fig["hot restore vs memcpy (fresh pages)"]),
+             ("SSD (vs raw read)", fig["SSD restore vs raw read (none)"]),
+             ("SSD lz4 (vs read + decompress)", fig["SSD restore vs read + lz4 decompress (lz4)"])]
+    gib_s = lambda seconds: payload / seconds / 2**30  # noqa: E731
+    plot = bar_plot(results / "restore.png",
+                    f"Restore throughput, 8B-shaped KV, {n} tokens ({payload >> 20} MiB)",
+                    [label for label, _ in paths],
+                    {"paged-cache": [gib_s(f["measured"]) for _, f in paths],
+                     "baseline": [gib_s(f["baseline"]) for _, f in paths]},
                     "GiB/s (payload bytes)")
-    return {"figures": figures, "notes": notes, "plots": [plot.name]}
+    return [plot.name]

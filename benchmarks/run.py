@@ -1,4 +1,4 @@
-"""Run the benchmarks: ``python -m benchmarks.run [--quick] [--only NAME ...]``.
+"""Run the benchmarks: ``python -m benchmarks.run [--quick] [--only NAME ...] [--plots-only]``.
 
 Each family (one module) measures its figures against baselines measured in the same run and
 writes ``benchmarks/results/<family>.json`` and its PNG plots; the runner then writes
@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Sequence
 
 from benchmarks.common import RESULTS_DIR, Context, machine, markdown_table, write_json
 
@@ -31,7 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scratch", type=Path, default=None,
                         help="directory for SSD-tier files (on the disk to measure; default: a "
                              "temp dir under $TMPDIR)")
+    parser.add_argument("--plots-only", action="store_true",
+                        help="measure nothing: redraw the plots of the selected families from "
+                             "their stored JSON in --results")
     args = parser.parse_args(argv)
+    if args.plots_only:
+        return replot(args.results, args.only or FAMILIES)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     scratch = Path(tempfile.mkdtemp(prefix="paged-cache-bench-", dir=args.scratch))
     ctx = Context(quick=args.quick, results=args.results, scratch=scratch)
@@ -55,6 +61,20 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     summarize(args.results)
+    return 0
+
+
+def replot(results: Path, names: Sequence[str]) -> int:
+    """Redraw each family's plots from ``results/<family>.json`` (families without plots or
+    without a stored result are skipped, and said so)."""
+    for name in names:
+        path = results / f"{name}.json"
+        module = importlib.import_module(f"benchmarks.{name}")
+        if not hasattr(module, "plots") or not path.exists():
+            print(f"== {name}: {'no plots' if path.exists() else f'no {path}'}", flush=True)
+            continue
+        data = json.loads(path.read_text())
+        print(f"== {name}: {', '.join(module.plots(data, results))}", flush=True)
     return 0
 
 

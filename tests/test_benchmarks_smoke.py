@@ -24,3 +24,24 @@ def test_startup_builds_and_opens_a_tier(tmp_path: Path) -> None:
     build(tmp_path / "c", 50)
     seconds, stats = open_seconds(tmp_path / "c")
     assert seconds > 0 and stats["blocks"] == 50, stats
+
+
+def test_plots_redraw_from_the_stored_results(tmp_path: Path) -> None:
+    """`python -m benchmarks.run --plots-only` redraws every family's plots from its stored JSON
+    (the committed results), measuring nothing; each PNG it names is written."""
+    import shutil
+    import subprocess
+    import sys
+
+    from benchmarks.common import RESULTS_DIR
+
+    for stored in RESULTS_DIR.glob("*.json"):
+        shutil.copy(stored, tmp_path)
+    run = subprocess.run([sys.executable, "-m", "benchmarks.run", "--plots-only", "--results",
+                          str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    drawn = [name.strip() for line in run.stdout.splitlines() if ".png" in line
+             for name in line.split(":", 1)[1].split(",")]
+    assert set(drawn) >= {"restore.png", "memory.png", "peers_ttft.png", "ttft.png"}, run.stdout
+    for name in drawn:
+        assert (tmp_path / name).stat().st_size > 10_000, name
