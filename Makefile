@@ -1,29 +1,42 @@
 # Two entry points do all set-up on a fresh machine: `make demo` and `make test`.
 # `make test-lowest` runs the suite against the lowest supported mlx-lm / mlx-vlm (.ci/lowest.txt).
+# pip prints each package it collects (no --quiet): a first install takes minutes and shows it.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
+DEMO_STAMP = $(VENV)/.installed-demo
 LOWEST  ?= .venv-lowest
 LOW_STAMP = $(LOWEST)/.installed
+PIP_INSTALL = pip install --progress-bar on --disable-pip-version-check
 
 .PHONY: install server demo test test-long test-lowest bench clean
 
-$(STAMP): pyproject.toml
+$(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e ".[dev,turboquant,remote]"
-	touch $(STAMP)
+
+# The demo needs the library and matplotlib (its plot) only: no test tools, no mlx-vlm.
+$(DEMO_STAMP): pyproject.toml | $(BIN)/python
+	@echo "make demo: installing paged-cache, mlx, mlx-lm and matplotlib into $(VENV)"
+	$(BIN)/$(PIP_INSTALL) -e ".[plot]"
+	touch $(DEMO_STAMP)
+
+# Everything the tests need: the test tools, the turboquant (mlx-vlm) and remote extras.
+$(STAMP): pyproject.toml | $(BIN)/python
+	@echo "make test: installing paged-cache with its test tools and every extra into $(VENV)"
+	$(BIN)/$(PIP_INSTALL) -e ".[dev,turboquant,remote]"
+	touch $(STAMP) $(DEMO_STAMP)
 
 $(LOW_STAMP): pyproject.toml .ci/lowest.txt
 	$(PYTHON) -m venv $(LOWEST)
 	$(LOWEST)/bin/pip install --quiet --upgrade pip
-	$(LOWEST)/bin/pip install --quiet -c .ci/lowest.txt ".[dev,turboquant,remote]"
+	$(LOWEST)/bin/$(PIP_INSTALL) -c .ci/lowest.txt ".[dev,turboquant,remote]"
 	touch $(LOW_STAMP)
 
 install: $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/paged-cache demo
 
 # The remote tier's tests need valkey-server or redis-server on PATH: installed here when missing
@@ -44,6 +57,7 @@ server:
 		{ echo "make server: cannot install valkey-server or redis-server; install one" >&2; exit 1; }
 
 test: $(STAMP) server
+	@echo "make test: running the suite (pytest prints a dot per test)"
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 test-long: $(STAMP) server
