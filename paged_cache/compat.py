@@ -13,6 +13,7 @@ import instead of at store or fetch time (or, for an override, by silently not r
 
 from __future__ import annotations
 
+import argparse
 import types
 from importlib import metadata
 from typing import Any, Callable, Iterable
@@ -201,6 +202,30 @@ def set_server_hooks(generator: type, run_http_server: Callable[..., None]) -> N
 
     server.ResponseGenerator = generator
     server._run_http_server = run_http_server
+
+
+class _ParserBuilt(Exception):
+    """Raised from inside mlx_lm.server.main to hand over the parser it just built."""
+
+
+def server_parser() -> argparse.ArgumentParser:
+    """mlx_lm.server's own option parser. No function returns it: ``server.main`` builds it and
+    parses the command line at once, so main is run with ``parse_args`` raising, and stopped
+    there (nothing before it has effects)."""
+    from mlx_lm import server
+
+    def stop(parser: argparse.ArgumentParser, *_: Any, **__: Any) -> None:
+        raise _ParserBuilt(parser)
+
+    original = argparse.ArgumentParser.parse_args
+    argparse.ArgumentParser.parse_args = stop  # type: ignore[method-assign]
+    try:
+        server.main()
+    except _ParserBuilt as built:
+        return built.args[0]
+    finally:
+        argparse.ArgumentParser.parse_args = original  # type: ignore[method-assign]
+    raise _fail("mlx-lm", MLX_LM_RANGE, ["mlx_lm.server.main parsing its options"])
 
 
 # ----------------------------------------------------------------------------- mlx-vlm

@@ -305,6 +305,32 @@ def test_console_script_subprocess(synthetic):
     assert result.returncode == 2 and "not a paged-cache directory" in result.stderr
 
 
+def test_a_closed_pipe_ends_quietly(tmp_path):
+    """`paged-cache ls DIR --json | head -1`: the reader leaves after one line, far more than a
+    pipe buffer is still to come; the command stops without a traceback, with the status of a
+    tool SIGPIPE ended (the shell's 141)."""
+    store(tmp_path, chain("long", FP_A, [16] * 300))
+    for _ in range(3):
+        proc = subprocess.Popen([sys.executable, "-m", "paged_cache.cli.main", "ls", str(tmp_path),
+                                 "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert proc.stdout.readline().strip() == b"["
+        proc.stdout.close()
+        assert proc.wait(timeout=120) == 141
+        err = proc.stderr.read().decode()
+        proc.stderr.close()
+        assert err == "", err
+
+
+@pytest.mark.parametrize("command", ["ls", "inspect", "verify", "prune", "stats", "config"])
+def test_a_typo_shows_the_subcommands_own_usage(tmp_path, command):
+    done = subprocess.run([sys.executable, "-m", "paged_cache.cli.main", command, "--jsno"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith(f"usage: paged-cache {command} "), done.stderr
+    assert done.stderr.strip().splitlines()[-1] == \
+        f"paged-cache {command}: error: unrecognized arguments: --jsno"
+
+
 # ---- stats of a running server ---------------------------------------------------------------
 class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True

@@ -128,6 +128,13 @@ def run_serve(*argv: str, env_extra: dict | None = None) -> subprocess.Completed
                           capture_output=True, text=True, timeout=120, env=env)
 
 
+def free_port() -> str:
+    """A TCP port nothing listens on now (a server asked for port 0 could not be reached)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return str(probe.getsockname()[1])
+
+
 def test_startup_failures_exit_fast_and_create_nothing(model_dir, tmp_path):
     ssd, xdg = tmp_path / "ssd", tmp_path / "xdg"
     env = {"XDG_CACHE_HOME": str(xdg)}
@@ -140,9 +147,9 @@ def test_startup_failures_exit_fast_and_create_nothing(model_dir, tmp_path):
         busy.listen()
         port = str(busy.getsockname()[1])
         cases = {
-            "hub id, offline": (["--model", "org/missing-model", "--port", "0"],
+            "hub id, offline": (["--model", "org/missing-model", "--port", free_port()],
                                 "--model 'org/missing-model' could not be loaded"),
-            "unloadable directory": (["--model", str(broken), "--port", "0"],
+            "unloadable directory": (["--model", str(broken), "--port", free_port()],
                                      f"--model '{broken}' could not be loaded"),
             "port in use": (["--model", str(model_dir), "--port", port],
                             f"HTTP server on 127.0.0.1:{port} failed: [Errno 98] Address already in use"),
@@ -160,7 +167,34 @@ def test_startup_failures_exit_fast_and_create_nothing(model_dir, tmp_path):
     # An SSD directory that cannot be created: the same one-line error, after the model loaded.
     blocker = tmp_path / "file"
     blocker.write_text("")
-    done = run_serve("--model", str(model_dir), "--port", "0", "--ssd-dir", str(blocker / "ssd"))
+    done = run_serve("--model", str(model_dir), "--port", free_port(), "--ssd-dir",
+                     str(blocker / "ssd"))
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1].startswith(
         f"paged-cache serve: error: cannot open the SSD tier at {blocker / 'ssd'}: "), done.stderr
+
+
+def test_option_mistakes_show_serves_own_usage_and_start_nothing(model_dir, tmp_path):
+    """A typo in a flag, a bad value of an mlx_lm.server option and a port outside 1-65535
+    exit 2 with `paged-cache serve`'s usage (which lists paged-cache's flags, unlike
+    mlx_lm.server's), before any model loads or directory is made."""
+    ssd = tmp_path / "ssd"
+    cases = {
+        "typo of a paged-cache flag": (["--hot-cache-max-bites", "4GB"],
+                                       "unrecognized arguments: --hot-cache-max-bites 4GB"),
+        "typo of an mlx_lm.server option": (["--max-tokns", "5"],
+                                            "unrecognized arguments: --max-tokns 5"),
+        "bad value of an mlx_lm.server option": (["--max-tokens", "many"],
+                                                 "argument --max-tokens: invalid int value: 'many'"),
+        "port above 65535": (["--port", "99999"], "--port: expected a TCP port in 1-65535, got 99999"),
+        "port 0": (["--port", "0"], "--port: expected a TCP port in 1-65535, got 0"),
+        "negative port": (["--port", "-1"], "--port: expected a TCP port in 1-65535, got -1"),
+    }
+    for name, (argv, message) in cases.items():
+        done = run_serve("--model", str(model_dir), "--ssd-dir", str(ssd), *argv)
+        assert done.returncode == 2, (name, done.stderr[-2000:])
+        assert done.stderr.startswith("usage: paged-cache serve "), (name, done.stderr)
+        assert "--hot-cache-max-bytes SIZE" in done.stderr and "--ssd-dir DIR" in done.stderr
+        assert done.stderr.strip().splitlines()[-1].startswith(
+            f"paged-cache serve: error: {message}"), (name, done.stderr)
+        assert "Traceback" not in done.stderr and not ssd.exists(), name

@@ -9,8 +9,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from typing import Sequence
+
+EXIT_BROKEN_PIPE = 128 + 13   # what a shell reports for a process SIGPIPE ended
 
 COMMAND_MODULES: list[str] = [
     # appended by the modules that add subcommands, e.g. "paged_cache.cli.config_cmd"
@@ -35,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
+    for command in subparsers.choices.values():
+        # A subcommand's own parser: its usage (and flags) is what a typo in its options shows.
+        command.set_defaults(command_parser=command)
     return parser
 
 
@@ -42,15 +48,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the process exit status."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if not getattr(args, "func", None):
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        parser.print_help()
+        return 2
     if extra and not getattr(args, "accepts_extra_args", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.extra_args = extra   # passed through by subcommands that set accepts_extra_args
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("paged_cache").setLevel(args.log_level)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
-    return int(args.func(args) or 0)
+    try:
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`paged-cache ls --json | head -1`): stop quietly, as a tool
+        # killed by SIGPIPE does, and send what is still buffered nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    return status
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ _CHOICES = {"compression": COMPRESSIONS, "write_policy": WRITE_POLICIES,
 _METAVARS = {"block_size": "TOKENS", "hot_cache_max_bytes": "SIZE", "ssd_dir": "DIR",
              "ssd_max_bytes": "SIZE|auto", "write_queue_max_bytes": "SIZE",
              "remote_url": "URL", "remote_ttl": "SECONDS", "remote_timeout": "SECONDS",
-             "remote_queue_max_bytes": "SIZE"}
+             "remote_queue_max_bytes": "SIZE", "ssd_read_threads": "N"}
 
 
 def flag_of(name: str) -> str:

@@ -12,6 +12,7 @@ from paged_cache.cli.options import add_config_arguments, config_from_args
 from paged_cache.cli.render import fail
 
 SERVER_LOG_DEFAULT = "INFO"   # mlx_lm.server's own --log-level default
+MAX_PORT = 65535
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -26,6 +27,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="mlx-lm model directory or Hugging Face repo (as mlx_lm.server)")
     add_config_arguments(parser)
     parser.set_defaults(func=run, accepts_extra_args=True)
+
+
+def check_server_options(serve: argparse.ArgumentParser, server_argv: list[str]) -> None:
+    """Check the options passed through with mlx_lm.server's own parser, before anything
+    starts: an option neither takes, a bad value of one of mlx_lm.server's options or a port
+    outside 1-65535 exits (status 2) with `paged-cache serve`'s usage, which lists paged-cache's
+    flags, instead of mlx_lm.server's, which lists none of them."""
+    from paged_cache import compat
+
+    server = compat.server_parser()
+    server.prog = serve.prog
+    server.error = serve.error  # type: ignore[method-assign]  # its value errors, our usage
+    known, unknown = server.parse_known_args(server_argv)
+    if unknown:
+        serve.error(f"unrecognized arguments: {' '.join(unknown)} (neither a paged-cache flag "
+                    "above nor an option of `mlx_lm.server --help`)")
+    port = getattr(known, "port", None)
+    if isinstance(port, int) and not 1 <= port <= MAX_PORT:
+        serve.error(f"--port: expected a TCP port in 1-{MAX_PORT}, got {port}")
 
 
 def _server_log_level(server_argv: list[str]) -> str:
@@ -60,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         return fail("serve", problem)
     model = os.path.expanduser(args.model) if args.model.startswith("~") else args.model
     server_argv = ["--model", model, *args.extra_args]
+    check_server_options(args.command_parser, server_argv)
     # mlx_lm.server's logging.basicConfig is a no-op once ours ran: apply its level here, and let
     # the per-request cache lines (INFO, paged_cache) show at that level.
     level = logging.getLevelName(_server_log_level(args.extra_args))
