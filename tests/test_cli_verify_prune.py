@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sqlite3
 import time
 from pathlib import Path
@@ -99,7 +100,10 @@ def test_verify_finds_every_planted_damage_and_repair_fixes_it(cache, tmp_path):
     assert "payload checksum" in reasons[flipped.key] and "header checksum" in reasons[header.key]
     assert data["counts"] == {"damaged": 3, "orphaned": 3, "unindexed": 1}
     status, out, _ = run_cli("verify", str(d))
-    assert status == 1 and "3 damaged" in out and "--repair" in out
+    assert status == 1 and "3 damaged" in out
+    # The hint names this directory: pasted, it repairs it, not the default ssd_dir.
+    hint = next(line for line in out.splitlines() if line.startswith("run `"))
+    assert shlex.split(hint.split("`")[1]) == ["paged-cache", "verify", "--repair", str(d)]
 
     status, data = verify_json(d, "--repair")
     assert status == 0 and data["repaired"] and all(f["action"] for f in data["findings"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 from rich.console import Console
@@ -62,5 +63,8 @@ def run(args: argparse.Namespace, cache: CacheDir) -> int:
         [[f.kind, f.what, render.short(f.key), f.path or "-", render.size(f.bytes), f.reason,
           f.action or "-"] for f in report.findings], right=("size",), optional=("what",)))
     if unrepaired:
-        out.print("run `paged-cache verify --repair` to fix these")
+        # The directory named, so the line pasted repairs this one (not the default ssd_dir);
+        # never wrapped, never read as markup.
+        repair_line = shlex.join(["paged-cache", "verify", "--repair", str(cache.path)])
+        out.print(f"run `{repair_line}` to fix these", markup=False, soft_wrap=True)
     return status
