@@ -33,12 +33,21 @@ PIPE_WIDTH = 160  # columns when stdout is not a terminal and COLUMNS is not set
 Handler = Callable[[argparse.Namespace, CacheDir], int]
 
 
+class _Console(Console):
+    """rich's Console, leaving a closed pipe to the command's entry point (one exit status for
+    every output, see cli.main) instead of exiting 1 itself."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError
+
+
 def console() -> Console:
     """A console on the current sys.stdout (so redirection and capture work); the terminal's (or
     $COLUMNS) width, PIPE_WIDTH when piped without COLUMNS."""
     tty = getattr(sys.stdout, "isatty", lambda: False)()
-    return Console(file=sys.stdout, highlight=False, soft_wrap=False,
-                   width=None if tty or os.environ.get("COLUMNS", "").isdigit() else PIPE_WIDTH)
+    return _Console(file=sys.stdout, highlight=False, soft_wrap=False,
+                    width=None if tty or os.environ.get("COLUMNS", "").isdigit() else PIPE_WIDTH)
 
 
 DIR_HELP = "cache directory (default: the effective ssd_dir, see `paged-cache config`)"
