@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from paged_cache import CacheConfig, PagedSSDCacheManager
-from paged_cache.tiers.inventory import CacheDir
+from paged_cache.cachedir.inventory import CacheDir
 from test_cli_inspect import FP_A, FP_B, chain, disk_files, run_cli, store
 
 

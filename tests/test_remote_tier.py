@@ -16,6 +16,7 @@ import mlx.core as mx
 import pytest
 
 from paged_cache.block import Block
+from paged_cache.cli.remote_summary import server_summary
 from paged_cache.config import REMOTE_PASSWORD_ENV, CacheConfig
 from paged_cache.hashing import chain_keys
 from paged_cache.manager import PagedSSDCacheManager
@@ -24,7 +25,7 @@ from paged_cache.stats import nested_gauges, render_prometheus
 from paged_cache.testing import tiny_model
 from paged_cache.testing.server import ServerCluster, ValkeyServer, client, free_port
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.remote import KEY_PREFIX, block_name, children_name, server_summary
+from paged_cache.tiers.remote_client import KEY_PREFIX, block_name, children_name
 
 from test_prefix_cache_support import assert_exact, prompt, store_prompt
 

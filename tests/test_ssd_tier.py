@@ -22,8 +22,9 @@ from safetensors import safe_open
 from paged_cache.block import Block
 from paged_cache.hashing import encode_token_ids
 from paged_cache.tiers import format as fmt
+from paged_cache.tiers.files import MANIFEST_NAME
 from paged_cache.tiers.manifest import CHILD_ROWS_SQL
-from paged_cache.tiers.ssd import MANIFEST_NAME, SSDTier
+from paged_cache.tiers.ssd import SSDTier
 
 
 def key_of(label: object) -> str:

@@ -1,4 +1,4 @@
-"""`paged-cache demo`: the multi-turn chat workload with the tiered cache (see paged_cache.demo)."""
+"""`paged-cache demo`: the multi-turn chat workload with the tiered cache (see paged_cache.cli.demo_workload)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model is not None and not (args.model / "config.json").is_file():
         return fail("demo", f"--model: {args.model} is not an mlx-lm model directory "
                             "(no config.json)")
-    from paged_cache.demo import run_demo
+    from paged_cache.cli.demo_workload import run_demo
 
     run_demo(config, output=args.output, model_dir=args.model, short=args.short)
     return 0

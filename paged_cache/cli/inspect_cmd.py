@@ -8,15 +8,15 @@ import json
 from dataclasses import asdict
 from typing import Any
 
+from paged_cache.block import HEX, is_key
+from paged_cache.cachedir.inventory import CacheDir, check_file, read_header
+from paged_cache.cachedir.maintenance import quarantine_files
+from paged_cache.cachedir.summary import (ModelSummary, layer_counts, model_of, model_summaries,
+                                          prefix_forests, resolve_model)
 from paged_cache.cli import render
 from paged_cache.cli.options import config_from_args
 from paged_cache.tiers import format as fmt
-from paged_cache.block import HEX, is_key
-from paged_cache.tiers.inventory import CacheDir, check_file, read_header
-from paged_cache.tiers.maintenance import quarantine_files
 from paged_cache.tiers.manifest import COMPLETE, Row
-from paged_cache.tiers.summary import (ModelSummary, layer_counts, model_of, model_summaries,
-                                       prefix_forests, resolve_model)
 
 SORTS = ("age", "size")
 
@@ -122,7 +122,7 @@ def _remote(args: argparse.Namespace) -> dict[str, Any] | None:
     config = config_from_args(args)
     if config.remote_url is None:
         return None
-    from paged_cache.tiers.remote import server_summary
+    from paged_cache.cli.remote_summary import server_summary
 
     try:
         return server_summary(config.remote_url, cluster=config.remote_cluster)

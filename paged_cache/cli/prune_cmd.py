@@ -6,12 +6,12 @@ import argparse
 import re
 from typing import Any
 
+from paged_cache.cachedir.inventory import CacheDir
+from paged_cache.cachedir.maintenance import (Victim, delete_blocks, quarantine_files, select_prune,
+                                              select_purge)
+from paged_cache.cachedir.summary import UNKNOWN_MODEL, resolve_model
 from paged_cache.cli import render
 from paged_cache.config import parse_size
-from paged_cache.tiers.inventory import CacheDir
-from paged_cache.tiers.maintenance import (Victim, delete_blocks, quarantine_files, select_prune,
-                                           select_purge)
-from paged_cache.tiers.summary import UNKNOWN_MODEL, resolve_model
 
 DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([smhdw])\s*$")

@@ -17,10 +17,10 @@ from typing import Any, Callable, Iterable
 from rich.console import Console
 from rich.table import Table
 
+from paged_cache.cachedir.inventory import CacheDir, NotACacheError, read_header
 from paged_cache.cli.options import add_config_arguments, config_from_args
 from paged_cache.config import format_size
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.inventory import CacheDir, NotACacheError, read_header
 from paged_cache.tiers.manifest import COMPLETE, ManifestError, Row
 
 EXIT_OK, EXIT_DAMAGE, EXIT_USAGE = 0, 1, 2

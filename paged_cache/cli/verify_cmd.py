@@ -9,9 +9,9 @@ import sys
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
+from paged_cache.cachedir.inventory import CacheDir
+from paged_cache.cachedir.maintenance import KINDS, repair, verify
 from paged_cache.cli import render
-from paged_cache.tiers.inventory import CacheDir
-from paged_cache.tiers.maintenance import KINDS, repair, verify
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -27,7 +27,7 @@ import numpy as np
 from paged_cache.block import Block
 from paged_cache.config import CacheConfig
 from paged_cache.manager import PagedSSDCacheManager
-from paged_cache.tiers.ssd import MANIFEST_NAME
+from paged_cache.tiers.files import MANIFEST_NAME
 
 HERE = Path(__file__).resolve().parent
 MODEL_TAG = "reliability-model"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from paged_cache.tiers.inventory import CacheDir
-from paged_cache.tiers.maintenance import delete_blocks, select_prune
+from paged_cache.cachedir.inventory import CacheDir
+from paged_cache.cachedir.maintenance import delete_blocks, select_prune
 from reliability_support import (audit, block_for, key_of, manager_at, printed_indices, progress,
                                  same_block, spawn, wait_for_line)
 

@@ -20,7 +20,7 @@ from paged_cache.hashing import chain_keys
 from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
-from paged_cache.tiers.ssd import MANIFEST_NAME
+from paged_cache.tiers.files import MANIFEST_NAME
 from reliability_support import (DAMAGE_KINDS, audit, block_files, block_for, damage, key_of,
                                  manager_at, manifest_rows, same_block)
 from test_prefix_cache_support import assert_exact, prompt, store_prompt

@@ -14,7 +14,7 @@ import mlx.core as mx
 import pytest
 
 from paged_cache.block import Block
-from paged_cache.tiers.ssd import MANIFEST_NAME
+from paged_cache.tiers.files import MANIFEST_NAME
 from reliability_support import audit, block_files, block_for, key_of, manager_at, same_block
 
 HOT = 256 << 10

@@ -26,10 +26,11 @@ import numpy as np
 import pytest
 
 from paged_cache.block import Block
+from paged_cache.cachedir.inventory import CacheDir
+from paged_cache.cachedir.maintenance import verify
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.inventory import CacheDir
-from paged_cache.tiers.maintenance import verify
-from paged_cache.tiers.ssd import MANIFEST_NAME, SSDTier
+from paged_cache.tiers.files import MANIFEST_NAME
+from paged_cache.tiers.ssd import SSDTier
 from reliability_support import (audit, block_files, block_for, key_of, manager_at,
                                  manifest_rows, same_block)
 from test_cli_inspect import run_cli

@@ -25,13 +25,13 @@ import xxhash
 import paged_cache
 import scheduler
 from paged_cache.block import Block
+from paged_cache.cachedir.inventory import CacheDir
+from paged_cache.cachedir.maintenance import delete_blocks, select_prune
 from paged_cache.hashing import block_key, chain_keys
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.inventory import CacheDir
-from paged_cache.tiers.maintenance import delete_blocks, select_prune
-from paged_cache.tiers.ssd import MANIFEST_NAME
+from paged_cache.tiers.files import MANIFEST_NAME
 from reliability_support import (KEY_RE, audit, block_files, block_for, key_of, manager_at,
                                  same_block)
 from test_prefix_cache_support import prompt, store_prompt

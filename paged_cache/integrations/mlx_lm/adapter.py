@@ -1,5 +1,4 @@
-"""Drop-in for mlx_lm.server's ``LRUPromptCache`` backed by the tiered block cache, and the
-one patch point that puts it into ``mlx_lm.server`` (see docs/integration.md).
+"""Drop-in for mlx_lm.server's ``LRUPromptCache`` backed by the tiered block cache.
 
 ``PagedPromptCache`` has LRUPromptCache's interface (``fetch_nearest_cache``, ``insert_cache``
 with ``cache_type``, ``trim_to``, ``nbytes``, ``__len__``, ``stats_by_type``) plus ``stats()``.
@@ -10,25 +9,18 @@ the hot (RAM) tier: demoted blocks move to SSD, or are dropped with ``hot_cache_
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import logging
-import os
-import signal
-import socket
-import sys
 import threading
 import time
 from collections import OrderedDict
-from contextlib import ExitStack
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Hashable, Sequence
 
-from paged_cache import compat
-from paged_cache.config import CacheConfig, format_size
-from paged_cache.hashing import chain_keys, model_identity
+from paged_cache.config import format_size
+from paged_cache.hashing import chain_keys
+from paged_cache.integrations.mlx_lm.binding import (ModelBinding, Resolver, plain_layout,
+                                                     quantized_layout)
 from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache, as_tokens
 from paged_cache.stats import nested_gauges
@@ -39,32 +31,6 @@ CACHE_TYPES = ("assistant", "user", "system")  # LRUPromptCache's types, in its 
 # Requests fetched and not yet finished by their "assistant" insert (a request the client dropped
 # never gets one): beyond this many, the oldest is logged and forgotten.
 MAX_OPEN_REQUESTS = 256
-
-
-@dataclass(frozen=True)
-class ModelBinding:
-    """The live model behind a server model key, and how its cache list is laid out / namespaced.
-
-    ``kv_quantization``: ``(bits, group_size)`` when the server turns KV layers into
-    QuantizedKVCache during generation (``--kv-bits``); such caches are stored and fetched as
-    quantized layers, under their own layout fingerprint.
-    """
-
-    model: Any
-    make_cache: Callable[[], list] | None = None
-    namespace: str | None = None
-    model_id: str | None = None
-    kv_quantization: tuple[int, int] | None = None
-    name: str | None = None  # the model as the user gave it (stored with the blocks, for people)
-
-    def same_as(self, other: "ModelBinding") -> bool:
-        """The same live model (by identity: an mlx Module compares as a dict) and settings."""
-        return self.model is other.model and (
-            (self.make_cache, self.namespace, self.model_id, self.kv_quantization)
-            == (other.make_cache, other.namespace, other.model_id, other.kv_quantization))
-
-
-Resolver = Callable[[Hashable], "ModelBinding | None"]
 
 
 def _serialized(method: Callable) -> Callable:
@@ -180,11 +146,11 @@ class PagedPromptCache:
             if key == model_key and current.same_as(binding):
                 return prefixes
         # A new model: drop the old prefix caches (and the model reference); blocks stay stored.
-        make_plain = binding.make_cache or _plain_layout(binding.model)
+        make_plain = binding.make_cache or plain_layout(binding.model)
         layouts = [make_plain]
         if binding.kv_quantization is not None:
             bits, group_size = binding.kv_quantization
-            layouts.append(lambda: _quantized(make_plain(), bits, group_size))
+            layouts.append(lambda: quantized_layout(make_plain(), bits, group_size))
         prefixes = [BlockAwarePrefixCache(self.manager, binding.model, model_id=binding.model_id,
                                           namespace=binding.namespace, make_cache=make,
                                           model_name=binding.name)
@@ -409,21 +375,6 @@ class PagedPromptCache:
             k for k in seq.keys if k not in shared)
 
 
-# ---------------------------------------------------------------------------- mlx_lm.server
-
-
-def model_id_for(model_path: str) -> str | None:
-    """A model id that changes when the weights do: for a local directory the resolved path plus
-    the weight files' names, sizes and modification times. None for a Hugging Face repo id (its
-    revision can change under the same name), so the prefix cache falls back to its default
-    identity: model config + weights digest (hashing.model_identity)."""
-    path = Path(model_path)
-    if not path.exists():
-        return None
-    weights = sorted(path.resolve().glob("*.safetensors"))
-    stamp = ";".join(f"{w.name}:{w.stat().st_size}:{w.stat().st_mtime_ns}" for w in weights)
-    return f"path:{path.resolve()}|{stamp}"
-
 
 def _covered(cache: list, n_tokens: int) -> int:
     """How many of the ``n_tokens`` inserted tokens ``cache`` holds: one fewer when every layer
@@ -432,244 +383,3 @@ def _covered(cache: list, n_tokens: int) -> int:
     offsets = {getattr(layer, "offset", None) for layer in cache}
     offsets.discard(None)
     return n_tokens - 1 if offsets == {n_tokens - 1} else n_tokens
-
-
-def _plain_layout(model: Any) -> Callable[[], list]:
-    """The cache list mlx-lm builds for ``model`` (``make_prompt_cache``)."""
-    from mlx_lm.models.cache import make_prompt_cache
-    return lambda: make_prompt_cache(model)
-
-
-def _quantized(cache: list, bits: int, group_size: int) -> list:
-    """``cache`` with every layer that can be quantized turned into a QuantizedKVCache, as
-    mlx-lm's generation does once a cache reaches ``quantized_kv_start`` tokens (a layer whose
-    ``to_quantized`` is not implemented, e.g. RotatingKVCache, stays as it is)."""
-    out = []
-    for layer in cache:
-        try:
-            out.append(layer.to_quantized(group_size=group_size, bits=bits)
-                       if hasattr(layer, "to_quantized") else layer)
-        except NotImplementedError:
-            out.append(layer)
-    return out
-
-
-class ModelWithDraft:
-    """A model and its draft model over one cache list, the model's layers then the draft's (the
-    layout mlx_lm.server builds for speculative decoding): calling it runs both on their own
-    layers, so the prefix cache's 1-token layout probe fills every layer."""
-
-    def __init__(self, model: Any, draft: Any) -> None:
-        self.model = model
-        self.draft = draft
-        self.split = len(_plain_layout(model)())
-
-    def make_cache(self) -> list:
-        """A fresh cache list: the model's layers followed by the draft model's."""
-        return _plain_layout(self.model)() + _plain_layout(self.draft)()
-
-    def __call__(self, inputs: Any, cache: list) -> Any:
-        out = self.model(inputs, cache=cache[:self.split])
-        self.draft(inputs, cache=cache[self.split:])
-        return out
-
-
-def provider_binding(provider: Any, model_key: Hashable) -> ModelBinding:
-    """How the model ``provider`` holds now is cached under ``model_key``: the draft model's
-    layers are part of the layout and of the identity; any part of the key after the model path
-    (mlx_lm.server's adapter and draft paths) names the namespace; ``--kv-bits`` adds the
-    quantized layout. Any key shape works (a tuple's first string is the model path)."""
-    parts = model_key if isinstance(model_key, tuple) else (model_key,)
-    path = parts[0] if parts and isinstance(parts[0], str) else None
-    model_id = model_id_for(path) if path is not None else None
-    extra = [None if p is None else str(p) for p in parts[1:]]
-    namespace = f"key={json.dumps(extra)}" if any(p is not None for p in extra) else None
-    model, make_cache = provider.model, None
-    draft = getattr(provider, "draft_model", None)
-    args = getattr(provider, "cli_args", None)
-    if draft is not None:
-        draft_path = parts[2] if len(parts) > 2 else getattr(args, "draft_model", None)
-        draft_id = model_id_for(draft_path) if isinstance(draft_path, str) else None
-        model_id = (f"{model_identity(model, model_id)}+draft:"
-                    f"{model_identity(draft, draft_id)}")
-        model = ModelWithDraft(model, draft)
-        make_cache = model.make_cache
-    bits = getattr(args, "kv_bits", None)
-    quantization = None if bits is None else (bits, getattr(args, "kv_group_size", 64))
-    return ModelBinding(model, make_cache, namespace, model_id, quantization, path)
-
-
-def provider_resolver(provider: Any) -> Resolver:
-    """Resolve mlx_lm.server model keys to the model its ``ModelProvider`` holds now (None for
-    any other key, or while no model is loaded)."""
-    last: list = []   # [(model_key, model, draft), binding]: one binding per loaded model
-
-    def resolve(model_key: Hashable) -> ModelBinding | None:
-        model = getattr(provider, "model", None)
-        if model is None or model_key != getattr(provider, "model_key", None):
-            return None
-        loaded = (model_key, model, getattr(provider, "draft_model", None))
-        if not last or last[0][0] != loaded[0] or any(a is not b for a, b in
-                                                      zip(last[0][1:], loaded[1:])):
-            last[:] = [loaded, provider_binding(provider, model_key)]
-        return last[1]
-
-    return resolve
-
-
-class ServeError(RuntimeError):
-    """The server could not start (e.g. its port is in use); the message says why."""
-
-
-def patch_server(manager: PagedSSDCacheManager | Callable[[], PagedSSDCacheManager], *,
-                 load_first: bool = False) -> None:
-    """THE patch point: replace two names in ``mlx_lm.server``, both looked up by
-    ``mlx_lm.server.run`` when it starts, so this must run before ``mlx_lm.server.main()``.
-
-    - ``ResponseGenerator``: a subclass that puts a ``PagedPromptCache`` in place of the prompt
-      cache handed to it: a ``PagedPromptCache`` is kept and bound to the model provider, any
-      other (``run``'s empty ``LRUPromptCache``) is replaced by one over ``manager`` (kept as
-      ``paged_cache``). ``manager`` may be a callable opening it, called once, when the first
-      generator is built. ``load_first``: load the default model on the calling thread before
-      that, so a model that cannot be loaded raises ``ServeError`` and nothing is opened.
-    - ``_run_http_server``: the same function called with ``handler_class`` set to an
-      ``APIHandler`` subclass that also answers ``GET /paged-cache/stats`` and ``GET /metrics``
-      (``run`` passes none); a failure to listen stops the generation thread and raises
-      ``ServeError`` instead of leaving the process hanging.
-
-    Nothing else of mlx-lm is changed; patching again replaces the previous patch.
-    """
-    from mlx_lm import server
-
-    from paged_cache.integrations import stats_http
-
-    generator, run_http = compat.server_hooks()
-    base = getattr(generator, "paged_base", generator)
-    run_http_server = getattr(run_http, "paged_base", run_http)
-    opened: list[PagedSSDCacheManager] = [manager] if not callable(manager) else []
-
-    class PagedResponseGenerator(base):
-        """mlx_lm.server's ResponseGenerator with the tiered prompt cache."""
-
-        paged_base = base
-
-        def __init__(self, model_provider: Any, prompt_cache: Any) -> None:
-            if load_first:
-                _load_default(model_provider)
-            resolve = provider_resolver(model_provider)
-            if isinstance(prompt_cache, PagedPromptCache):
-                prompt_cache.bind(resolve)
-                self.paged_cache = prompt_cache
-            else:
-                if not opened:
-                    opened.append(manager())  # type: ignore[operator]
-                args = getattr(model_provider, "cli_args", None)
-                # Kept under its own name: the generation thread deletes `prompt_cache` on exit.
-                self.paged_cache = PagedPromptCache(
-                    opened[0], resolve, max_size=getattr(args, "prompt_cache_size", None),
-                    max_bytes=getattr(args, "prompt_cache_bytes", None))
-            super().__init__(model_provider, self.paged_cache)
-
-    class PagedAPIHandler(server.APIHandler):
-        """mlx_lm.server's request handler plus the `paged-cache stats` routes."""
-
-        def do_GET(self) -> None:
-            if not stats_http.answer(self, self.response_generator.paged_cache.stats,
-                                     PagedPromptCache.STAT_GAUGES):
-                super().do_GET()
-
-    def paged_run_http_server(host: str, port: int, response_generator: Any,
-                              server_class: Any = server.ThreadingHTTPServer,
-                              handler_class: Any = PagedAPIHandler) -> None:
-        try:
-            run_http_server(host, port, response_generator, server_class=server_class,
-                            handler_class=handler_class)
-        except OSError as error:
-            response_generator.stop_and_join()
-            raise ServeError(f"HTTP server on {host}:{port} failed: {error}") from error
-
-    paged_run_http_server.paged_base = run_http_server  # type: ignore[attr-defined]
-    compat.set_server_hooks(PagedResponseGenerator, paged_run_http_server)
-
-
-def _load_default(provider: Any) -> None:
-    """Load the server's default model now, on this thread; ServeError naming it if it fails."""
-    try:
-        provider.load_default()
-    except Exception as error:  # noqa: BLE001 - any loader failure means: cannot serve
-        model = getattr(getattr(provider, "cli_args", None), "model", None)
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ServeError(f"--model {model!r} could not be loaded: {first}") from error
-
-
-def check_address(host: str, port: int) -> None:
-    """Raise ServeError when ``host:port`` cannot be bound (in use, or ``host`` unresolvable),
-    as mlx_lm.server would find out only after loading the model."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        family, kind, proto, _, address = infos[0]
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as http.server does
-            probe.bind(address)
-    except OSError as error:
-        raise ServeError(f"HTTP server on {host}:{port} failed: {error}") from error
-
-
-def _server_address(server_argv: Sequence[str]) -> tuple[str, int] | None:
-    """The --host / --port mlx_lm.server will use (its defaults unless passed); None for a
-    --port that is not an int (mlx_lm.server's parser reports it)."""
-    probe = argparse.ArgumentParser(add_help=False)
-    probe.add_argument("--host", default="127.0.0.1")
-    probe.add_argument("--port", default="8080")
-    known, _ = probe.parse_known_args(list(server_argv))
-    try:
-        return known.host, int(known.port)
-    except ValueError:
-        return None
-
-
-def serve_main(config: CacheConfig, server_argv: Sequence[str]) -> int:
-    """Run ``mlx_lm.server`` with ``server_argv`` and the tiered cache; returns the exit status.
-
-    Fails fast, before anything is created on disk: the address is bound once to check it, the
-    model is loaded, and only then is the manager (and its SSD directory) opened; each failure
-    raises ServeError. SIGTERM stops the server like Ctrl-C (so the manager is flushed and
-    closed on the way out). mlx_lm.server's own argument errors exit (SystemExit 2) with its
-    usage under the name ``paged-cache serve``.
-    """
-    from mlx_lm import server
-
-    def stop(_signum: int, _frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    if (address := _server_address(server_argv)) is not None:
-        check_address(*address)
-    previous = signal.signal(signal.SIGTERM, stop)
-    argv = sys.argv
-    try:
-        with ExitStack() as stack:
-            def open_manager() -> PagedSSDCacheManager:
-                try:
-                    manager = stack.enter_context(PagedSSDCacheManager(config))
-                except (OSError, ValueError) as error:  # ValueError: a bad ssd_dir, named
-                    raise ServeError(f"cannot open the SSD tier at {config.ssd_dir}: {error}") \
-                        from error
-                logger.info("serving with paged-cache: %s", _describe(config))
-                return manager
-
-            patch_server(open_manager, load_first=True)
-            sys.argv = ["paged-cache serve", *server_argv]
-            try:
-                server.main()
-            except KeyboardInterrupt:
-                pass
-    finally:
-        sys.argv = argv
-        signal.signal(signal.SIGTERM, previous)
-    return 0
-
-
-def _describe(config: CacheConfig) -> str:
-    where = "hot tier only" if config.hot_cache_only else f"SSD tier at {os.fspath(config.ssd_dir)}"
-    return (f"block size {config.block_size}, hot tier {format_size(config.hot_cache_max_bytes)}, "
-            f"{where}")

@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from paged_cache.tiers.inventory import (QUARANTINE_DIR, BlockFile, CacheDir, OtherFile, Scan,
-                                         check_file)
+from paged_cache.cachedir.inventory import (QUARANTINE_DIR, BlockFile, CacheDir, OtherFile, Scan,
+                                            check_file)
 from paged_cache.tiers.files import DIR_FLAGS, rebuild_manifest, writer_alive
 from paged_cache.tiers.manifest import COMPLETE, RESERVED, Manifest, Row, row_from_meta
 from paged_cache.tiers.ssd import TOUCH_FLUSH_SECONDS

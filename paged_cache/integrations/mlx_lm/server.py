@@ -1,0 +1,179 @@
+"""The one patch point that puts ``PagedPromptCache`` into ``mlx_lm.server`` (``patch_server``)
+and ``paged-cache serve`` (``serve_main``: address check, model load, then the manager)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+from contextlib import ExitStack
+from typing import Any, Callable, Sequence
+
+from paged_cache import compat
+from paged_cache.config import CacheConfig, format_size
+from paged_cache.integrations.mlx_lm.adapter import PagedPromptCache
+from paged_cache.integrations.mlx_lm.binding import provider_resolver
+from paged_cache.manager import PagedSSDCacheManager
+
+logger = logging.getLogger("paged_cache.integrations.mlx_lm")
+
+
+class ServeError(RuntimeError):
+    """The server could not start (e.g. its port is in use); the message says why."""
+
+
+def patch_server(manager: PagedSSDCacheManager | Callable[[], PagedSSDCacheManager], *,
+                 load_first: bool = False) -> None:
+    """THE patch point: replace two names in ``mlx_lm.server``, both looked up by
+    ``mlx_lm.server.run`` when it starts, so this must run before ``mlx_lm.server.main()``.
+
+    - ``ResponseGenerator``: a subclass that puts a ``PagedPromptCache`` in place of the prompt
+      cache handed to it: a ``PagedPromptCache`` is kept and bound to the model provider, any
+      other (``run``'s empty ``LRUPromptCache``) is replaced by one over ``manager`` (kept as
+      ``paged_cache``). ``manager`` may be a callable opening it, called once, when the first
+      generator is built. ``load_first``: load the default model on the calling thread before
+      that, so a model that cannot be loaded raises ``ServeError`` and nothing is opened.
+    - ``_run_http_server``: the same function called with ``handler_class`` set to an
+      ``APIHandler`` subclass that also answers ``GET /paged-cache/stats`` and ``GET /metrics``
+      (``run`` passes none); a failure to listen stops the generation thread and raises
+      ``ServeError`` instead of leaving the process hanging.
+
+    Nothing else of mlx-lm is changed; patching again replaces the previous patch.
+    """
+    from mlx_lm import server
+
+    from paged_cache.integrations import stats_http
+
+    generator, run_http = compat.server_hooks()
+    base = getattr(generator, "paged_base", generator)
+    run_http_server = getattr(run_http, "paged_base", run_http)
+    opened: list[PagedSSDCacheManager] = [manager] if not callable(manager) else []
+
+    class PagedResponseGenerator(base):
+        """mlx_lm.server's ResponseGenerator with the tiered prompt cache."""
+
+        paged_base = base
+
+        def __init__(self, model_provider: Any, prompt_cache: Any) -> None:
+            if load_first:
+                _load_default(model_provider)
+            resolve = provider_resolver(model_provider)
+            if isinstance(prompt_cache, PagedPromptCache):
+                prompt_cache.bind(resolve)
+                self.paged_cache = prompt_cache
+            else:
+                if not opened:
+                    opened.append(manager())  # type: ignore[operator]
+                args = getattr(model_provider, "cli_args", None)
+                # Kept under its own name: the generation thread deletes `prompt_cache` on exit.
+                self.paged_cache = PagedPromptCache(
+                    opened[0], resolve, max_size=getattr(args, "prompt_cache_size", None),
+                    max_bytes=getattr(args, "prompt_cache_bytes", None))
+            super().__init__(model_provider, self.paged_cache)
+
+    class PagedAPIHandler(server.APIHandler):
+        """mlx_lm.server's request handler plus the `paged-cache stats` routes."""
+
+        def do_GET(self) -> None:
+            if not stats_http.answer(self, self.response_generator.paged_cache.stats,
+                                     PagedPromptCache.STAT_GAUGES):
+                super().do_GET()
+
+    def paged_run_http_server(host: str, port: int, response_generator: Any,
+                              server_class: Any = server.ThreadingHTTPServer,
+                              handler_class: Any = PagedAPIHandler) -> None:
+        try:
+            run_http_server(host, port, response_generator, server_class=server_class,
+                            handler_class=handler_class)
+        except OSError as error:
+            response_generator.stop_and_join()
+            raise ServeError(f"HTTP server on {host}:{port} failed: {error}") from error
+
+    paged_run_http_server.paged_base = run_http_server  # type: ignore[attr-defined]
+    compat.set_server_hooks(PagedResponseGenerator, paged_run_http_server)
+
+
+def _load_default(provider: Any) -> None:
+    """Load the server's default model now, on this thread; ServeError naming it if it fails."""
+    try:
+        provider.load_default()
+    except Exception as error:  # noqa: BLE001 - any loader failure means: cannot serve
+        model = getattr(getattr(provider, "cli_args", None), "model", None)
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ServeError(f"--model {model!r} could not be loaded: {first}") from error
+
+
+def check_address(host: str, port: int) -> None:
+    """Raise ServeError when ``host:port`` cannot be bound (in use, or ``host`` unresolvable),
+    as mlx_lm.server would find out only after loading the model."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as http.server does
+            probe.bind(address)
+    except OSError as error:
+        raise ServeError(f"HTTP server on {host}:{port} failed: {error}") from error
+
+
+def _server_address(server_argv: Sequence[str]) -> tuple[str, int] | None:
+    """The --host / --port mlx_lm.server will use (its defaults unless passed); None for a
+    --port that is not an int (mlx_lm.server's parser reports it)."""
+    probe = argparse.ArgumentParser(add_help=False)
+    probe.add_argument("--host", default="127.0.0.1")
+    probe.add_argument("--port", default="8080")
+    known, _ = probe.parse_known_args(list(server_argv))
+    try:
+        return known.host, int(known.port)
+    except ValueError:
+        return None
+
+
+def serve_main(config: CacheConfig, server_argv: Sequence[str]) -> int:
+    """Run ``mlx_lm.server`` with ``server_argv`` and the tiered cache; returns the exit status.
+
+    Fails fast, before anything is created on disk: the address is bound once to check it, the
+    model is loaded, and only then is the manager (and its SSD directory) opened; each failure
+    raises ServeError. SIGTERM stops the server like Ctrl-C (so the manager is flushed and
+    closed on the way out). mlx_lm.server's own argument errors exit (SystemExit 2) with its
+    usage under the name ``paged-cache serve``.
+    """
+    from mlx_lm import server
+
+    def stop(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    if (address := _server_address(server_argv)) is not None:
+        check_address(*address)
+    previous = signal.signal(signal.SIGTERM, stop)
+    argv = sys.argv
+    try:
+        with ExitStack() as stack:
+            def open_manager() -> PagedSSDCacheManager:
+                try:
+                    manager = stack.enter_context(PagedSSDCacheManager(config))
+                except (OSError, ValueError) as error:  # ValueError: a bad ssd_dir, named
+                    raise ServeError(f"cannot open the SSD tier at {config.ssd_dir}: {error}") \
+                        from error
+                logger.info("serving with paged-cache: %s", _describe(config))
+                return manager
+
+            patch_server(open_manager, load_first=True)
+            sys.argv = ["paged-cache serve", *server_argv]
+            try:
+                server.main()
+            except KeyboardInterrupt:
+                pass
+    finally:
+        sys.argv = argv
+        signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
+def _describe(config: CacheConfig) -> str:
+    where = "hot tier only" if config.hot_cache_only else f"SSD tier at {os.fspath(config.ssd_dir)}"
+    return (f"block size {config.block_size}, hot tier {format_size(config.hot_cache_max_bytes)}, "
+            f"{where}")

@@ -1,0 +1,261 @@
+"""The SSD tier's block files under ``directory``: ``blocks/<k[:2]>/<key>.safetensors[.lz4]``
+(fan-out directories opened without following links) and ``tmp/`` (files being written).
+
+``BlockFiles`` reads a file and verifies it (damage is counted, the file removed and its
+manifest row handed to ``forget``), writes temp files and renames them into place, and removes
+a block's files. It writes no manifest row itself: the SSD tier (tiers/ssd.py) does.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+from pathlib import Path
+from typing import Any, Callable
+
+from paged_cache.block import Block, check_key, is_key
+from paged_cache.tiers import format as fmt
+from paged_cache.tiers.direct import StoredBlock, StoredTensor
+from paged_cache.tiers.files import (DIR_FLAGS, READ_FLAGS, CacheDirError, file_compression,
+                                     open_cache_root, open_private_dir, read_exact)
+
+log = logging.getLogger("paged_cache.ssd")
+
+
+class BlockFiles:
+    """The block files of one cache directory (see module doc). ``count(name, n)`` counts the
+    tier's events; ``forget(key)`` defers the removal of a block's manifest row."""
+
+    def __init__(self, directory: Path, *, max_bytes: int, compression: str,
+                 count: Callable[..., None], forget: Callable[[str], None]) -> None:
+        self.directory = directory
+        self.max_bytes = max_bytes
+        self.compression = compression
+        self._count = count
+        self._forget = forget
+        self.root_fd = open_cache_root(self.directory)
+        self.blocks_fd = self.tmp_fd = -1
+        try:
+            self.blocks_fd = self._open_subdir("blocks")
+            self.tmp_fd = self._open_subdir("tmp")
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Close the directory descriptors."""
+        for fd in (self.tmp_fd, self.blocks_fd, self.root_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.tmp_fd = self.blocks_fd = self.root_fd = -1
+
+    def read(self, key: str) -> Block | None:
+        """Read and verify a block from disk; None on a miss or damage (damage is counted, file removed)."""
+        return self._with_file(key, self._read_open_file)
+
+    def open_stored(self, key: str) -> StoredBlock | None:
+        """The block with its header verified and its payload left on disk (see SSDTier.open_stored)."""
+        return self._with_file(key, self._stored_open_file)
+
+    def _with_file(self, key: str, use: Any) -> Any:
+        """``use(fan_fd, fd, name, key)`` on the block's file (which ``use`` closes), or None."""
+        check_key(key)
+        fan_fd = self.open_fan(key, create=False)
+        if fan_fd is None:
+            self._missing(key)
+            return None
+        try:
+            for comp in self.compression_order():
+                name = key + fmt.SUFFIXES[comp]
+                try:
+                    fd = os.open(name, READ_FLAGS, dir_fd=fan_fd)
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:  # ELOOP: a symlink planted under our name
+                    self._damaged(fan_fd, name, None, f"cannot open safely: {exc.strerror}", key)
+                    return None
+                return use(fan_fd, fd, name, key)
+        finally:
+            os.close(fan_fd)
+        self._missing(key)
+        return None
+
+    def _missing(self, key: str) -> None:
+        """A read found no file: counted, and a row the manifest may still have for it (a file
+        removed behind its back, a crash between unlink and row delete) goes at the next flush
+        (if the file is still gone then), so chain lookups stop listing it."""
+        self._count("misses")
+        self._forget(key)
+
+    def _read_open_file(self, fan_fd: int, fd: int, name: str, key: str) -> Block | None:
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                reason = "not a regular file"
+            elif st.st_size > self.max_bytes:
+                reason = f"{st.st_size} bytes exceeds the tier budget"
+            else:
+                reason, data = None, read_exact(fd, st.st_size)
+        except OSError as exc:
+            self._count("read_errors")
+            log.warning("block %s: read failed: %s", key[:16], exc)
+            return None
+        finally:
+            os.close(fd)
+        if reason is None:
+            try:
+                arrays, meta = fmt.decode(data, key, max_bytes=255 * st.st_size + (1 << 16))
+            except ValueError as exc:
+                reason = str(exc)
+        if reason is not None:
+            self._damaged(fan_fd, name, st.st_ino, reason, key)
+            return None
+        return Block(key, arrays, meta)
+
+    def _stored_open_file(self, fan_fd: int, fd: int, name: str, key: str) -> StoredBlock | None:
+        limit = None
+        try:
+            st = os.fstat(fd)
+            limit = 255 * st.st_size + (1 << 16)
+            if not stat.S_ISREG(st.st_mode):
+                reason = "not a regular file"
+            elif st.st_size > self.max_bytes:
+                reason = f"{st.st_size} bytes exceeds the tier budget"
+            else:
+                reason = None
+                head = os.pread(fd, min(st.st_size, 4), 0)
+                whole = read_exact(fd, st.st_size) if head == fmt.LZ4_MAGIC else None
+                read_at = ((lambda off, n: whole[off:off + n]) if whole is not None
+                           else (lambda off, n: os.pread(fd, n, off)))
+        except OSError as exc:
+            os.close(fd)
+            self._count("read_errors")
+            log.warning("block %s: read failed: %s", key[:16], exc)
+            return None
+        if reason is None:
+            try:
+                header = fmt.read_header_only(read_at, st.st_size, limit)
+                fmt.verify_header(header, key)
+            except (OSError, ValueError) as exc:
+                reason = str(exc)
+        if reason is not None:
+            os.close(fd)
+            self._damaged(fan_fd, name, st.st_ino, reason, key)
+            return None
+        block = StoredBlock(key, {k: v for k, v in header.meta.items() if k not in fmt.RESERVED_META},
+                            fd, 8 + header.header_len, header.data_bytes,
+                            header.meta.get(fmt.META_CHECKSUM, ""),
+                            lambda why: self._damaged_later(key, name, st.st_ino, why),
+                            compressed=whole)
+        block.arrays = {n: StoredTensor(block, dtype, shape, begin)
+                        for n, dtype, shape, begin, _ in header.tensors}
+        return block
+
+    def _damaged_later(self, key: str, name: str, ino: int, reason: str) -> None:
+        """``_damaged`` for a file found damaged after it was opened (its directory reopened)."""
+        fan_fd = self.open_fan(key, create=False)
+        if fan_fd is None:
+            self._count("damaged")
+            self._forget(key)
+            return
+        try:
+            self._damaged(fan_fd, name, ino, reason, key)
+        finally:
+            os.close(fan_fd)
+
+    def _damaged(self, fan_fd: int, name: str, ino: int | None, reason: str, key: str) -> None:
+        """Count a damaged file, remove it (only if it is still the file we read) and its row."""
+        self._count("damaged")
+        log.warning("block %s: damaged file removed (%s)", key[:16], reason)
+        try:
+            if ino is None or os.stat(name, dir_fd=fan_fd, follow_symlinks=False).st_ino == ino:
+                os.unlink(name, dir_fd=fan_fd)
+        except OSError:
+            pass
+        self._forget(key)
+
+    def compression_order(self) -> tuple[str, ...]:
+        return (self.compression,) + tuple(c for c in fmt.COMPRESSIONS if c != self.compression)
+
+    def open_fan(self, key: str, *, create: bool) -> int | None:
+        """An fd of blocks/<key[:2]> (never through a symlink); None if absent and not created."""
+        fan = key[:2]
+        try:
+            return os.open(fan, DIR_FLAGS, dir_fd=self.blocks_fd)
+        except FileNotFoundError:
+            if not create:
+                return None
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            log.warning("removing %r planted in blocks/: not a directory", fan)
+            os.unlink(fan, dir_fd=self.blocks_fd)
+            if not create:
+                return None
+        return open_private_dir(self.blocks_fd, fan)
+
+    def compression_of(self, key: str) -> str | None:
+        """The compression of the block's regular file if one exists (symlinks do not count)."""
+        return file_compression(self.blocks_fd, key, self.compression_order())
+
+    def exists(self, key: str) -> bool:
+        return self.compression_of(key) is not None
+
+    def remove(self, key: str) -> bool:
+        """Remove every file of the block; True once none is left. A file that cannot be removed
+        (EACCES, EIO, a read-only mount, ...) is logged and counted, and its row must stay."""
+        if not is_key(key):  # a tampered manifest row must never name a path outside blocks/
+            return False
+        gone = True
+        for comp in fmt.COMPRESSIONS:
+            name = f"{key[:2]}/{key}{fmt.SUFFIXES[comp]}"
+            try:
+                os.unlink(name, dir_fd=self.blocks_fd)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            except OSError as exc:
+                self._count("unlink_errors")
+                log.warning("block %s: file could not be removed (%s); its manifest row is kept",
+                            key[:16], exc)
+                gone = False
+        return gone
+
+    def write_temp(self, name: str, chunks: list[Any]) -> None:
+        """Write ``chunks`` to a new file ``tmp/<name>`` and fsync it."""
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600, dir_fd=self.tmp_fd)
+        try:
+            for chunk in chunks:
+                view = fmt.byte_view(chunk)
+                while view:
+                    view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def install(self, tmp_name: str, key: str, compression: str) -> None:
+        """Rename the complete ``tmp/<tmp_name>`` into ``blocks/`` as the block's file (durably)."""
+        fan_fd = self.open_fan(key, create=True)
+        try:
+            os.rename(tmp_name, key + fmt.SUFFIXES[compression],
+                      src_dir_fd=self.tmp_fd, dst_dir_fd=fan_fd)
+            os.fsync(fan_fd)
+        finally:
+            os.close(fan_fd)
+
+    def _open_subdir(self, name: str) -> int:
+        """Open blocks/ or tmp/, replacing a file that took its place (WARNING); a symlink there
+        is refused (CacheDirError), never followed nor removed."""
+        try:
+            st = os.stat(name, dir_fd=self.root_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        if st is not None and not stat.S_ISDIR(st.st_mode) and not stat.S_ISLNK(st.st_mode):
+            log.warning("%s/%s is not a directory: replaced by an empty one", self.directory, name)
+            os.unlink(name, dir_fd=self.root_fd)
+        try:
+            return open_private_dir(self.root_fd, name)
+        except CacheDirError as exc:
+            raise CacheDirError(self.directory / name, exc.reason) from None

@@ -1,0 +1,156 @@
+"""The manifest an SSD tier works on: opened (waiting for another process's write lock,
+reconciled with the block files, evicted down to the budget at startup, rebuilt from the files
+when damaged) and reopened after damage or another process's rebuild (``recover``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sqlite3
+import stat
+import threading
+import time
+from typing import Callable
+
+from paged_cache.tiers.block_files import BlockFiles
+from paged_cache.tiers.files import (MANIFEST_FILES, MANIFEST_NAME, create_manifest_file,
+                                     rebuild_manifest)
+from paged_cache.tiers.manifest import (Manifest, ManifestBusy, ManifestDamaged, ManifestError,
+                                        ManifestReplaced, is_damage)
+from paged_cache.tiers.reconcile import reconcile
+
+log = logging.getLogger("paged_cache.ssd")
+
+OPEN_WAIT_SECONDS = 120.0  # how long open waits for another process's write lock on the manifest
+
+
+class OpenManifest:
+    """The SSD tier's manifest (``current``), kept usable: see module doc. ``count`` counts the
+    tier's events, ``count_evicted`` the blocks evicted at open, ``on_reopen`` runs after a
+    reopen (the reconciliation adopted every renamed file)."""
+
+    def __init__(self, files: BlockFiles, *, max_bytes: int, count: Callable[..., None],
+                 count_evicted: Callable[[list[tuple[str, int]]], None],
+                 on_reopen: Callable[[], None]) -> None:
+        self.directory = files.directory
+        self.max_bytes = max_bytes
+        self._files = files
+        self._root_fd = files.root_fd
+        self._count = count
+        self._count_evicted = count_evicted
+        self._on_reopen = on_reopen
+        self._lock = threading.Lock()   # serializes reopening / rebuilding the manifest
+        self.current = self._open(evict=True)
+
+    def close(self) -> None:
+        """Close the manifest."""
+        self.current.close()
+
+    def _open(self, damaged: int | None = None, *, evict: bool = False) -> Manifest:
+        """Open the manifest and reconcile it with the files (then evict down to ``max_bytes`` if
+        ``evict``), waiting up to OPEN_WAIT_SECONDS for another process's write lock.
+
+        Only damage (found opening or reconciling; ``damaged``: the inode of a manifest found
+        damaged before) leads to a rebuild from the block files: a lock is waited for, then
+        reported (ManifestBusy); other errors (read-only, out of space) are raised as they are.
+        """
+        deadline = time.monotonic() + OPEN_WAIT_SECONDS
+        waiting = rebuilt = False
+        while True:
+            self._clear_entries()
+            if damaged is not None:
+                rebuild_manifest(self._root_fd, damaged)
+                damaged, rebuilt = None, True
+            create_manifest_file(self._root_fd)
+            try:
+                manifest = Manifest(self.directory / MANIFEST_NAME)
+            except ManifestBusy as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                if not waiting:
+                    waiting = True
+                    log.warning("%s; waiting up to %g s for it", exc, OPEN_WAIT_SECONDS)
+                continue
+            except ManifestDamaged as exc:
+                if rebuilt:  # damaged again right after a rebuild: not a damage a rebuild fixes
+                    raise
+                self._rebuilding(exc)
+                damaged = exc.inode
+                continue
+            try:
+                reconcile(manifest, self._files.blocks_fd, self._files.tmp_fd,
+                          compressions=self._files.compression_order(), count=self._count)
+                if evict:
+                    self._count_evicted(manifest.evict_to(self.max_bytes, self._files.remove,
+                                                          self._files.exists))
+            except BaseException as exc:
+                manifest.close()
+                if not is_damage(exc) or rebuilt:
+                    raise
+                self._rebuilding(exc)
+                damaged = manifest.inode
+                continue
+            if waiting:
+                log.info("manifest lock obtained")
+            return manifest
+
+    def _clear_entries(self) -> None:
+        """Remove whatever takes a manifest file's name without being a regular file."""
+        for name in MANIFEST_FILES:
+            try:
+                st = os.stat(name, dir_fd=self._root_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                continue
+            log.warning("removing %s/%s: not a regular file", self.directory, name)
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(name, dir_fd=self._root_fd)
+            else:
+                os.unlink(name, dir_fd=self._root_fd)
+
+    def _rebuilding(self, reason: object) -> None:
+        self._count("manifest_rebuilds")
+        log.warning("manifest damaged (%s): rebuilding it from the block files", reason)
+
+    def recover(self, exc: BaseException) -> bool:
+        """After a manifest error: reopen the manifest if it is damaged (rebuilt from the block
+        files, WARNING, counted) or was rebuilt by another process; True when the manifest is
+        usable again (reopened now, or already by another thread). Anything else: False."""
+        damaged = is_damage(exc)
+        if not damaged and not isinstance(exc, ManifestReplaced):
+            return False
+        with self._lock:
+            old = self.current
+            try:  # the error may be from a manifest another thread has replaced meanwhile
+                if damaged and old.find_damage() is None:
+                    return True
+                if not damaged:
+                    old.check_current()
+                    return True
+            except ManifestReplaced:
+                pass
+            except sqlite3.Error as again:
+                log.warning("manifest could not be checked (%s)", again)
+                return False
+            if damaged:
+                self._rebuilding(exc)
+            old.close()
+            try:
+                self.current = self._open(old.inode if damaged else None)
+            except (OSError, sqlite3.Error, ManifestError) as again:
+                log.warning("manifest could not be reopened (%s); SSD writes fail until it can", again)
+                return False
+            self._on_reopen()  # renamed files were adopted by the reconciliation
+            return True
+
+    def file_bytes(self) -> int:
+        """Bytes of the manifest's own files (database and WAL)."""
+        total = 0
+        for name in MANIFEST_FILES[:2]:
+            try:
+                total += os.stat(name, dir_fd=self._root_fd, follow_symlinks=False).st_size
+            except OSError:
+                pass
+        return total

@@ -1,0 +1,94 @@
+"""The remote tier's server side: the names of its keys on the server, the child listing entries,
+and the client connection (valkey-py, no client-side retry).
+
+Server keys (every part checked: block keys and fingerprints are 64 hex characters) are
+``paged-cache:<format version>:b:<block key>`` for a block and
+``paged-cache:<format version>:c:<fingerprint>:<parent key | root>`` for the hash of a parent's
+children (field: child key, value: the child's meta minus its layer descriptors).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from paged_cache.block import check_key, is_key
+from paged_cache.config import REMOTE_PASSWORD_ENV, RemoteURL
+from paged_cache.tiers import format as fmt
+
+KEY_PREFIX = f"paged-cache:{fmt.FORMAT_VERSION}"
+ROOT_NAME = "root"             # the child hash name part of a chain's first blocks
+
+
+def block_name(key: str) -> str:
+    """Server key of a block's value."""
+    return f"{KEY_PREFIX}:b:{check_key(key)}"
+
+
+def children_name(parent: str, fingerprint: str) -> str:
+    """Server key of the hash listing the children of ``parent`` ("" = a chain's first blocks)."""
+    if not is_key(fingerprint):
+        raise ValueError(f"fingerprint: expected 64 lower-case hex characters, got {fingerprint!r:.80}")
+    return f"{KEY_PREFIX}:c:{fingerprint}:{check_key(parent) if parent else ROOT_NAME}"
+
+
+def child_entry(meta: dict[str, str]) -> str:
+    """The child hash value of a block: its meta without the layer descriptors (JSON)."""
+    return json.dumps({k: v for k, v in meta.items() if k != fmt.META_LAYERS},
+                      sort_keys=True, separators=(",", ":"))
+
+
+def parse_child_entry(value: Any) -> dict[str, str] | None:
+    """A child hash value as meta (str -> str), or None when it is not one."""
+    try:
+        meta = json.loads(bytes(value).decode("utf-8"))
+    except (TypeError, ValueError):
+        return None
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                             for k, v in meta.items()):
+        return None
+    return meta
+
+
+
+def listing_name(meta: dict[str, str]) -> str | None:
+    """The child hash a block belongs in, or None when its meta names no valid parent and model."""
+    parent, fingerprint = meta.get(fmt.META_PARENT), meta.get(fmt.META_FINGERPRINT, "")
+    if parent is None or not is_key(fingerprint) or (parent and not is_key(parent)):
+        return None
+    return children_name(parent, fingerprint)
+
+
+def client_module() -> Any:
+    try:
+        import valkey
+    except ImportError as exc:
+        raise ImportError("remote_url: the remote tier needs the valkey client; install it with "
+                          "pip install 'paged-cache[remote]'") from exc
+    return valkey
+
+
+def connect(url: str, *, timeout: float, cluster: bool = False) -> Any:
+    """A client of ``url`` (a cluster client when ``cluster``: it connects to discover the
+    shards, so it may raise the client's errors). No client-side retry: a failure is reported at
+    once (the tier starts an outage and probes). The password comes from the URL or, without
+    one there, from REMOTE_PASSWORD_ENV."""
+    valkey = client_module()
+    from valkey.backoff import NoBackoff
+    from valkey.retry import Retry
+
+    password = None if "@" in url.partition("://")[2] else os.environ.get(REMOTE_PASSWORD_ENV)
+    options = dict(password=password, socket_timeout=timeout, socket_connect_timeout=timeout,
+                   retry=Retry(NoBackoff(), 0), client_name="paged-cache")
+    if cluster:
+        from valkey.cluster import ValkeyCluster
+
+        return ValkeyCluster.from_url(url, cluster_error_retry_attempts=1, **options)
+    return valkey.Valkey.from_url(url, health_check_interval=0, **options)
+
+
+
+def shown(url: str) -> str:
+    """``url`` with its password hidden, for logs and stats."""
+    return RemoteURL(url).redacted()
