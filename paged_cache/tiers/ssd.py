@@ -60,7 +60,7 @@ class SSDTier(WriteBehind):
         started = time.perf_counter()
         super().__init__(queue_max_bytes, "paged-cache-ssd-writer")
         self.directory = Path(directory)
-        self.max_bytes = max_bytes
+        self._max_bytes = max_bytes
         self.compression = compression
         self.queue_full_policy = queue_full_policy
         self._writer_id = f"{os.getpid()}:{secrets.token_hex(4)}"
@@ -85,6 +85,16 @@ class SSDTier(WriteBehind):
         self.open_seconds = time.perf_counter() - started
         LIVE_WRITERS.add(self._writer_id)
         self._start_writer()
+
+    @property
+    def max_bytes(self) -> int:
+        """The byte budget (the manager may set it once open: ``ssd_max_bytes="auto"``)."""
+        return self._max_bytes
+
+    @max_bytes.setter
+    def max_bytes(self, value: int) -> None:
+        _check_size("max_bytes", value, minimum=1)
+        self._max_bytes = self._files.max_bytes = value
 
     @property
     def _manifest(self) -> Manifest:
