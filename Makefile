@@ -1,6 +1,8 @@
 # Two entry points do all set-up on a fresh machine: `make demo` and `make test`.
 # `make test-lowest` runs the suite against the lowest supported mlx-lm / mlx-vlm (.ci/lowest.txt).
 # pip prints each package it collects (no --quiet): a first install takes minutes and shows it.
+# `make test-engines` runs tests/engines against serving engines from the package registry, each
+# in its own environment .venv-engine-NAME (.ci/engines/NAME.engine + NAME.txt).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
@@ -10,7 +12,9 @@ LOWEST  ?= .venv-lowest
 LOW_STAMP = $(LOWEST)/.installed
 PIP_INSTALL = pip install --progress-bar on --disable-pip-version-check
 
-.PHONY: install server demo test test-long test-lowest bench clean
+ENGINES ?= vllm-mlx openai-server
+
+.PHONY: install server demo test test-long test-lowest test-engines bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +37,16 @@ $(LOW_STAMP): pyproject.toml .ci/lowest.txt
 	$(LOWEST)/bin/pip install --quiet --upgrade pip
 	$(LOWEST)/bin/$(PIP_INSTALL) -c .ci/lowest.txt ".[dev,turboquant,remote]"
 	touch $(LOW_STAMP)
+
+# An engine's environment: paged-cache (editable) with its test extras and the modules the
+# engine's serving path imports, within the engine's own ranges (NAME.txt, which also holds the
+# engine's mlx-lm range); then the engine itself, without its dependencies (NAME.engine).
+.venv-engine-%/.installed: pyproject.toml .ci/engines/%.txt .ci/engines/%.engine
+	$(PYTHON) -m venv .venv-engine-$*
+	.venv-engine-$*/bin/pip install --quiet --upgrade pip
+	.venv-engine-$*/bin/pip install --quiet -e ".[dev,remote]" -r .ci/engines/$*.txt
+	.venv-engine-$*/bin/pip install --quiet --no-deps -r .ci/engines/$*.engine
+	touch $@
 
 install: $(STAMP)
 
@@ -66,8 +80,14 @@ test-long: $(STAMP) server
 test-lowest: $(LOW_STAMP) server
 	$(LOWEST)/bin/python -m pytest -q $(PYTEST_ARGS)
 
+test-engines: $(foreach e,$(ENGINES),.venv-engine-$(e)/.installed) server
+	@for e in $(ENGINES); do \
+		echo "== engine $$e"; \
+		.venv-engine-$$e/bin/python -m pytest -q tests/engines --engine $$e $(PYTEST_ARGS) || exit 1; \
+	done
+
 bench: $(STAMP) server
 	$(BIN)/python -m benchmarks.run
 
 clean:
-	rm -rf $(VENV) $(LOWEST) build *.egg-info
+	rm -rf $(VENV) $(LOWEST) .venv-engine-* build *.egg-info

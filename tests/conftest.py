@@ -1,11 +1,30 @@
-"""Shared pytest options: `--long` runs the long soak / crash / fuzz variants."""
+"""Shared pytest options: `--long` runs the long soak / crash / fuzz variants; `--engine NAME`
+collects tests/engines/test_<NAME>.py, which runs inside that engine's environment
+(`make test-engines`); without it tests/engines is not collected."""
+
+from pathlib import Path
 
 import pytest
+
+ENGINE_TESTS = Path(__file__).parent / "engines"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--long", action="store_true", default=False,
                      help="run the long soak/crash/fuzz versions of the reliability tests")
+    parser.addoption("--engine", action="append", default=[], metavar="NAME",
+                     help="collect tests/engines/test_NAME.py (run in that engine's environment)")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """tests/engines is collected only for the engines named with --engine."""
+    path = Path(collection_path)
+    engines = config.getoption("--engine")
+    if path == ENGINE_TESTS and not engines:
+        return True
+    if path.parent == ENGINE_TESTS and path.name.startswith("test_"):
+        return path.name not in {f"test_{name.replace('-', '_')}.py" for name in engines} or None
+    return None
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ COMMAND_MODULES: list[str] = [
     # appended by the modules that add subcommands, e.g. "paged_cache.cli.config_cmd"
     "paged_cache.cli.make_model",
     "paged_cache.cli.serve",
+    "paged_cache.cli.engines",
     "paged_cache.cli.demo",
     "paged_cache.cli.config_cmd",
     "paged_cache.cli.inspect_cmd",

@@ -106,11 +106,31 @@ def dir_model_config(arch: str, **sizes: Any) -> dict[str, Any]:
     return base
 
 
+PRINTABLE = range(0x20, 0x7F)   # the token ids (bytes) of printable ASCII
+
+
+def _printable_only(weights: dict[str, mx.array]) -> None:
+    """Zero the output rows of every token but printable ASCII (the untied ``lm_head`` when the
+    model has one, else the tied embedding): their logits are 0 while printable ones are random,
+    so greedy replies are printable text that encodes back to the tokens generated."""
+    heads = [n for n in weights if n.endswith("lm_head.weight")] or \
+        [n for n in weights if n.endswith("embed_tokens.weight")]
+    if len(heads) != 1:
+        raise ValueError(f"printable_replies: cannot tell the output projection among {heads}")
+    head = weights[heads[0]]
+    keep = mx.zeros((head.shape[0], 1), dtype=head.dtype)
+    keep[PRINTABLE.start:PRINTABLE.stop] = 1
+    weights[heads[0]] = head * keep
+
+
 def write_model_dir(path: str | Path, arch: str = "llama", *, seed: int = 0,
-                    dtype: str = "float32", **sizes: Any) -> Path:
+                    dtype: str = "float32", printable_replies: bool = False,
+                    **sizes: Any) -> Path:
     """Write a loadable mlx-lm model directory for ``arch`` at ``path`` and return its Path.
 
-    ``sizes``: see ``dir_model_config``. Existing files of the same names are overwritten.
+    ``sizes``: see ``dir_model_config``. ``printable_replies``: greedy replies are printable
+    ASCII (see ``_printable_only``), as engines' multi-turn tests need when a client sends a reply
+    back as history. Existing files of the same names are overwritten.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -122,6 +142,8 @@ def write_model_dir(path: str | Path, arch: str = "llama", *, seed: int = 0,
     eos_id = tokenizer.token_to_id(EOS_TOKEN)
     config_out = dict(config, eos_token_id=eos_id, torch_dtype=dtype)
     weights = dict(tree_flatten(model.parameters()))
+    if printable_replies:
+        _printable_only(weights)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config_out, indent=2) + "\n")
     tokenizer.save(str(out / "tokenizer.json"))

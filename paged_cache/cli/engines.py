@@ -1,0 +1,63 @@
+"""`paged-cache vllm-mlx ...` and `paged-cache openai-server ...`: another serving engine's own
+command line, with paged-cache as its prompt cache (the engine's options pass through)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from typing import Callable
+
+from paged_cache.cli.options import add_config_arguments, config_from_args
+from paged_cache.cli.render import fail
+
+# subcommand -> (the engine's own command, module holding serve_main, help)
+ENGINES: dict[str, tuple[str, str, str]] = {
+    "vllm-mlx": ("vllm-mlx serve MODEL --continuous-batching [options]",
+                 "paged_cache.integrations.vllm_mlx",
+                 "run vllm-mlx with paged-cache as the prefix cache of its batching scheduler"),
+    "openai-server": ("mlx-openai-server launch --model-path MODEL [options]",
+                      "paged_cache.integrations.openai_server",
+                      "run mlx-openai-server with paged-cache as its language models' prompt cache"),
+}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """One subcommand per engine; options paged-cache does not know go to the engine."""
+    for name, (usage, _, help_text) in ENGINES.items():
+        parser = subparsers.add_parser(
+            name, help=help_text,
+            description=f"{help_text}. Everything that is not a cache option below is the "
+                        f"engine's own command line, as in `{usage}`.")
+        add_config_arguments(parser)
+        parser.set_defaults(func=_runner(name), accepts_extra_args=True)
+
+
+def _runner(name: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            config = config_from_args(args)
+        except ValueError as error:
+            return fail(name, str(error))
+        logging.getLogger("paged_cache").setLevel(min(logging.INFO,
+                                                      logging.getLogger("paged_cache").level))
+        from paged_cache.compat import IncompatibleVersion
+
+        try:
+            module = importlib.import_module(ENGINES[name][1])
+        except IncompatibleVersion as error:
+            return fail(name, str(error), 1)
+        try:
+            status = module.serve_main(config, args.extra_args)
+        except module.ServeError as error:
+            status = fail(name, str(error), 1)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # The manager is closed (every block written); skip interpreter finalization, where the
+        # engine's stopped MLX threads can abort the process.
+        os._exit(status)
+
+    return run

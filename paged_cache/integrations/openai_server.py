@@ -1,0 +1,160 @@
+"""paged-cache as mlx-openai-server's prompt cache: ``OpenAIServerPromptCache`` has the interface
+of its ``LRUPromptCache`` (mlx-lm's, with ``allowed_sources`` / ``source`` and ``close``) and
+serves it from the tiered block cache; ``serve_main`` runs ``mlx-openai-server launch`` with it
+(see docs/integration.md).
+
+mlx-openai-server runs every model handler in a spawned process. ``serve_main`` makes that process
+start with ``handler_worker`` (carrying the cache configuration), which opens the manager there
+and makes language-model handlers ``PagedMLXLMHandler``: the same handler, whose prompt cache is
+an ``OpenAIServerPromptCache`` bound to its model. Its batch scheduler, non-batched path,
+streaming, cancellation and sampling are unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import signal
+from typing import Any, Callable, Sequence
+
+from paged_cache.config import CacheConfig, format_size
+from paged_cache.integrations import openai_server_compat as compat
+from paged_cache.integrations.mlx_lm import ModelWithDraft, PagedPromptCache, model_id_for
+from paged_cache.manager import PagedSSDCacheManager
+
+logger = logging.getLogger("paged_cache.integrations.openai_server")
+
+MODEL_KEY = "model"           # one cache per handler, i.e. per model
+UNBOUNDED = 1 << 62           # mlx-openai-server's default --max-bytes (1 << 63) means no limit
+
+
+class ServeError(RuntimeError):
+    """`paged-cache openai-server` cannot start as asked; the message says why."""
+
+
+class OpenAIServerPromptCache:
+    """mlx-openai-server's ``LRUPromptCache`` interface over a ``PagedPromptCache`` of one model.
+
+    Every fetch is rebuilt into new arrays on the calling thread, so ``allowed_sources`` (which
+    keeps its LRUPromptCache from handing a cache made on one worker thread to another) has
+    nothing to restrict; ``source`` is accepted and ignored likewise. ``max_size`` / ``max_bytes``
+    (``--prompt-cache-size`` / ``--max-bytes``) bound this model's sequences and bytes in the hot
+    tier, as in ``PagedPromptCache``.
+    """
+
+    def __init__(self, manager: PagedSSDCacheManager, model: Any, *, draft: Any = None,
+                 make_cache: Callable[[], list] | None = None, model_path: str | None = None,
+                 max_size: int | None = None, max_bytes: int | None = None) -> None:
+        bound = model if draft is None else ModelWithDraft(model, draft)
+        self.max_size = max_size
+        self.max_bytes = max_bytes if max_bytes is not None and max_bytes < UNBOUNDED else None
+        self._cache = PagedPromptCache.for_model(
+            manager, bound, max_size=max_size, max_bytes=self.max_bytes, make_cache=make_cache,
+            model_id=model_id_for(model_path) if model_path else None, model_name=model_path)
+
+    def fetch_nearest_cache(self, tokens_ids: Sequence[int], *,
+                            allowed_sources: set[str] | None = None) -> tuple[list | None, list[int]]:
+        """``(cache, rest)``: a fresh cache list covering ``tokens_ids[:len(tokens_ids) -
+        len(rest)]`` (never all of it), or ``(None, tokens_ids)``."""
+        cache, rest = self._cache.fetch_nearest_cache(MODEL_KEY, tokens_ids)
+        return cache, list(rest)
+
+    def insert_cache(self, tokens_ids: Sequence[int], prompt_cache: list, *,
+                     cache_type: str = "assistant", source: str = "nonbatch") -> None:
+        """Store ``prompt_cache`` (positioned at ``len(tokens_ids)``, or one short) as blocks; the
+        list is consumed. Errors are logged and counted, never raised."""
+        self._cache.insert_cache(MODEL_KEY, tokens_ids, prompt_cache, cache_type=cache_type)
+
+    def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
+        self._cache.trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
+
+    def clear(self) -> None:
+        """Empty this model's share of the RAM tier; blocks on SSD stay."""
+        self._cache.trim_to(n_sequences=0, n_bytes=0)
+
+    def close(self) -> None:
+        """Called when the handler shuts down: wait until every stored block is written (blocks
+        stay on SSD for the next start, unlike LRUPromptCache's temporary files)."""
+        self._cache.manager.flush()
+
+    @property
+    def nbytes(self) -> int:
+        return self._cache.nbytes
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def stats_by_type(self) -> dict[str, dict[str, int]]:
+        return self._cache.stats_by_type()
+
+    def stats(self) -> dict[str, Any]:
+        """paged-cache's sections (manager, prefix, requests), as ``PagedPromptCache.stats``."""
+        return self._cache.stats()
+
+    def log_cache_stats(self) -> None:
+        requests = self._cache.stats()["requests"]
+        logger.info("prompt cache: %d sequences, hot tier %s; %d/%d prompt tokens cached so far",
+                    len(self), format_size(self.nbytes), requests["cached_tokens"],
+                    requests["prompt_tokens"])
+
+
+def paged_handler_class(base: type, manager: PagedSSDCacheManager) -> type:
+    """``base`` (mlx-openai-server's MLXLMHandler) with an ``OpenAIServerPromptCache`` over
+    ``manager`` in place of the LRUPromptCache its ``__init__`` builds (which is closed, removing
+    its temporary directory)."""
+
+    class PagedMLXLMHandler(base):  # type: ignore[misc, valid-type]
+        """mlx-openai-server's language-model handler with paged-cache as its prompt cache."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            own = self.prompt_cache
+            model, draft, make_cache, path = compat.handler_model(self)
+            self.prompt_cache = OpenAIServerPromptCache(
+                manager, model, draft=draft, make_cache=make_cache, model_path=path,
+                max_size=own.max_size, max_bytes=own.max_bytes)
+            own.close()
+            logger.info("%s: prompt cache is paged-cache", path)
+
+    return PagedMLXLMHandler
+
+
+def handler_worker(config: CacheConfig, *args: Any) -> None:
+    """Entry point of a spawned handler process (``functools.partial(handler_worker, config)``):
+    open the manager, make language-model handlers use it, run mlx-openai-server's own worker;
+    the manager is closed (every block written) when the worker returns. SIGTERM is ignored like
+    SIGINT: the server process shuts its handlers down in order."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.getLogger("paged_cache").setLevel(logging.INFO)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    with PagedSSDCacheManager(config) as manager:
+        compat.set_handler_class(paged_handler_class(compat.ORIGINAL_HANDLER, manager))
+        compat.ORIGINAL_WORKER(*args)
+
+
+def serve_main(config: CacheConfig, argv: Sequence[str],
+               run: Callable[[list[str]], int] = compat.run_cli) -> int:
+    """Run ``mlx-openai-server`` with ``argv`` (``launch --model-path MODEL ...``; a command line
+    starting with an option means ``launch``, as for mlx-openai-server) and paged-cache as the
+    prompt cache of its language models; returns the exit status. The cache configuration is
+    checked, and the SSD tier opened once, before any model loads."""
+    argv = list(argv)
+    if not argv or argv[0].startswith("-"):
+        argv.insert(0, "launch")
+    if argv[0] != "launch":
+        raise ServeError("expected `paged-cache openai-server launch --model-path MODEL "
+                         "[mlx-openai-server options] [cache options]`")
+    try:
+        with PagedSSDCacheManager(config):
+            pass
+    except (OSError, ValueError) as error:
+        raise ServeError(f"cannot open the SSD tier at {config.ssd_dir}: {error}") from error
+    where = "hot tier only" if config.hot_cache_only else f"SSD tier at {config.ssd_dir}"
+    logger.info("mlx-openai-server with paged-cache: block size %d, hot tier %s, %s",
+                config.block_size, format_size(config.hot_cache_max_bytes), where)
+    compat.set_worker(functools.partial(handler_worker, config))
+    try:
+        return run(argv)
+    finally:
+        compat.restore()

@@ -1,0 +1,97 @@
+"""mlx-openai-server (installed from the package registry) serving over HTTP with paged-cache as
+its prompt cache, against the same server with its own LRUPromptCache and with none (the cold
+run).
+
+Run inside the engine's environment: `make test-engines` (pytest --engine openai-server).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from paged_cache.testing.engines import ENGINES, EngineServer, chat
+from reuse import ARCHS, Reference, check_reuse, references, drop_a_stream, first_turns_together
+
+pytestmark = pytest.mark.timeout(900)
+
+ENGINE = ENGINES["openai-server"]
+# mlx-openai-server serves a model through its batch scheduler unless told otherwise; the
+# sliding-window model runs on its single-request path (--disable-batching), so both paths of the
+# handler are covered.
+MODES = {"llama": (), "qwen3_next": (), "gemma3_text": ("--disable-batching",)}
+
+
+def server(model: Path, arch: str, workdir: Path, *extra: str, name: str) -> EngineServer:
+    """Plain `mlx-openai-server launch ...` (its own prompt cache unless told otherwise)."""
+    return ENGINE.own(sys.executable, model, workdir, *MODES[arch], *extra, name=name)
+
+
+def paged(model: Path, arch: str, workdir: Path, *cache_flags: str,
+          name: str = "paged") -> EngineServer:
+    """`paged-cache openai-server --block-size 16 [cache flags] launch ...`."""
+    return ENGINE.paged(sys.executable, model, workdir, "--block-size", "16", *cache_flags,
+                        extra=MODES[arch], name=name)
+
+
+@pytest.fixture(scope="module")
+def reference(models, tmp_path_factory) -> Reference:
+    """(cold run, own-cache run) per arch; the cold server keeps no prompt cache
+    (--prompt-cache-size 0)."""
+    return references(tmp_path_factory,
+                      lambda arch, work, name, extra: server(models[arch], arch, work, *extra,
+                                                             name=name),
+                      lambda s, arch: chat(s.url, str(models[arch])), ENGINE.cold)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_reuse_at_least_own_cache_and_replies_equal_cold(arch, models, reference, tmp_path):
+    """Two conversations of three turns sharing a system prompt: every reply equals the cold
+    run's and every request reuses at least what mlx-openai-server's own cache reuses (as its
+    usage reports cached tokens); blocks reach the SSD tier."""
+    cold, own = reference(arch)
+    with paged(models[arch], arch, tmp_path, "--ssd-dir", str(tmp_path / "ssd")) as ours:
+        turns = chat(ours.url, str(models[arch]))
+    total, _ = check_reuse(turns, own, cold)
+    assert total > 0
+    assert list((tmp_path / "ssd").rglob("*.safetensors")), "no block reached the SSD tier"
+    assert "prompt cache is paged-cache" in ours.tail(200_000)
+
+
+def test_batching_cancel_and_restart_from_ssd(models, reference, tmp_path):
+    """Concurrent first turns (one batch) get the cold run's replies; a stream the client drops
+    is cancelled and the server goes on serving, the next turn from the cache; after a restart
+    the turn after that is rebuilt from the SSD tier."""
+    arch = "qwen3_next"
+    model, ssd = models[arch], tmp_path / "ssd"
+    cold, _ = reference(arch)      # conversation 0: turns 0-2, then conversation 1
+    histories: dict[int, list[dict]] = {}
+    with paged(model, arch, tmp_path, "--ssd-dir", str(ssd), name="first") as first:
+        firsts = first_turns_together(first.url, str(model), histories)
+        assert [t.reply for t in firsts] == [cold[0].reply, cold[3].reply]
+        drop_a_stream(first.url, str(model))   # mlx-openai-server cancels it
+        second = chat(first.url, str(model), conversations=1, turns=1, history=histories,
+                      first_turn=1)
+        assert first.stop() == 0, first.tail()
+    assert second[0].reply == cold[1].reply
+    assert second[0].cached_tokens > cold[0].prompt_tokens
+    with paged(model, arch, tmp_path, "--ssd-dir", str(ssd), name="second") as again:
+        third = chat(again.url, str(model), conversations=1, turns=1, history=histories,
+                     first_turn=2)
+        log = again.tail(200_000)
+    assert third[0].reply == cold[2].reply
+    assert third[0].cached_tokens > cold[1].prompt_tokens
+    assert f"{third[0].cached_tokens}/{third[0].prompt_tokens} prompt tokens cached (ssd)" in log \
+        or f"{third[0].cached_tokens}/{third[0].prompt_tokens} prompt tokens cached (mixed)" in log
+
+
+def test_command_line_paged_cache_cannot_serve_fails_clearly(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "paged_cache.cli.main", "openai-server",
+                           "serve", "M"], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.startswith("paged-cache openai-server: error: expected `paged-cache "
+                                  "openai-server launch")

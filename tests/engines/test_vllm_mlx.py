@@ -1,0 +1,133 @@
+"""vllm-mlx (installed from the package registry) serving over HTTP with paged-cache as its prefix
+cache, against the same vllm-mlx with its own cache and with none (the cold run).
+
+Run inside the engine's environment: `make test-engines` (pytest --engine vllm-mlx).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from paged_cache.testing.engines import ENGINES, EngineServer, Turn, chat
+from paged_cache.testing.server import ValkeyServer
+from reuse import ARCHS, Reference, check_reuse, references, drop_a_stream, first_turns_together
+
+pytestmark = pytest.mark.timeout(900)
+
+# Caches the Scheduler cannot trim after the first token (recurrent state, a full sliding window):
+# it snapshots them after prefill, once per 4096 tokens of growth; paged-cache on every request.
+SNAPSHOT_ARCHS = ("qwen3_next", "gemma3_text")
+
+
+ENGINE = ENGINES["vllm-mlx"]
+
+
+def vllm(model: Path, workdir: Path, *extra: str, name: str) -> EngineServer:
+    """Plain `vllm-mlx serve MODEL --continuous-batching` (its own cache unless told otherwise)."""
+    return ENGINE.own(sys.executable, model, workdir, *extra, name=name)
+
+
+def paged(model: Path, workdir: Path, *cache_flags: str, extra: tuple[str, ...] = (),
+          name: str = "paged") -> EngineServer:
+    """`paged-cache vllm-mlx --block-size 16 [cache flags] serve MODEL --continuous-batching`."""
+    return ENGINE.paged(sys.executable, model, workdir, "--block-size", "16", *cache_flags,
+                        extra=extra, name=name)
+
+
+def run(server: EngineServer, model: Path, **kw: object) -> list[Turn]:
+    """The workload (or part of it); cached tokens as vllm-mlx's /v1/cache/stats counts them."""
+    return chat(server.url, str(model), cached=ENGINE.cached(server), **kw)
+
+
+def paged_stats(server: EngineServer) -> dict:
+    return server.get("/v1/cache/stats")["engine_cache"]["paged_cache"]
+
+
+@pytest.fixture(scope="module")
+def reference(models, tmp_path_factory) -> Reference:
+    """(cold run, own-cache run) per arch: vllm-mlx without a prefix cache and with its own."""
+    return references(tmp_path_factory,
+                      lambda arch, work, name, extra: vllm(models[arch], work, *extra, name=name),
+                      lambda s, arch: run(s, models[arch]), ENGINE.cold)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_reuse_at_least_own_cache_and_replies_equal_cold(arch, models, reference, tmp_path):
+    """Two conversations of three turns sharing a system prompt: every reply equals the cold
+    run's; every request reuses at least what vllm-mlx's own cache reuses; on the hybrid and the
+    sliding-window model strictly more in total (a snapshot on every turn, not every 4096
+    tokens)."""
+    cold, own = reference(arch)
+    with paged(models[arch], tmp_path, "--ssd-dir", str(tmp_path / "ssd")) as ours:
+        turns = run(ours, models[arch])
+        stats = paged_stats(ours)
+    total, own_total = check_reuse(turns, own, cold)
+    assert total > 0
+    if arch in SNAPSHOT_ARCHS:
+        assert total > own_total
+    assert stats["requests"]["cache_errors"] == stats["requests"]["store_errors"] == 0
+    assert stats["requests"]["cached_tokens"] == sum(t.cached_tokens for t in turns)
+    assert list((tmp_path / "ssd").rglob("*.safetensors")), "no block reached the SSD tier"
+
+
+def test_batching_cancel_and_restart_from_ssd(models, reference, tmp_path):
+    """Concurrent first turns (one batch) get the cold run's replies; a stream the client drops
+    is aborted and the server goes on serving, the next turn from the cache; after a restart the
+    turn after that is rebuilt from the SSD tier, named by vllm-mlx's own --ssd-cache-dir."""
+    model, ssd = models["qwen3_next"], tmp_path / "ssd"
+    cold, _ = reference("qwen3_next")      # conversation 0: turns 0-2, then conversation 1
+    histories: dict[int, list[dict]] = {}
+    with paged(model, tmp_path, extra=("--ssd-cache-dir", str(ssd)), name="first") as first:
+        firsts = first_turns_together(first.url, str(model), histories)
+        assert [t.reply for t in firsts] == [cold[0].reply, cold[3].reply]
+        drop_a_stream(first.url, str(model))   # vllm-mlx aborts it
+        second = run(first, model, conversations=1, turns=1, history=histories, first_turn=1)
+        assert first.stop() == 0, first.tail()
+    assert second[0].reply == cold[1].reply
+    assert second[0].cached_tokens > cold[0].prompt_tokens
+    assert list(ssd.rglob("*.safetensors"))
+    assert not (tmp_path / "home" / ".cache" / "vllm-mlx").exists()
+    with paged(model, tmp_path, extra=("--ssd-cache-dir", str(ssd)), name="second") as again:
+        third = run(again, model, conversations=1, turns=1, history=histories, first_turn=2)
+        stats = paged_stats(again)
+    assert third[0].reply == cold[2].reply
+    assert third[0].cached_tokens > cold[1].prompt_tokens
+    assert stats["requests"]["requests_ssd"] + stats["requests"]["requests_mixed"] == 1
+    assert stats["requests"]["cache_errors"] == 0
+
+
+def test_hot_cache_only_hosts_share_through_the_remote_tier(models, reference, tmp_path):
+    """Two hot-only servers on one Valkey / Redis: the second continues the first's conversation
+    from the remote tier; neither writes a file."""
+    model = models["qwen3_next"]
+    cold, _ = reference("qwen3_next")
+    history: dict = {}
+    with ValkeyServer() as valkey:
+        flags = ("--hot-cache-only", "--remote-url", valkey.url)
+        with paged(model, tmp_path / "a", *flags, name="a") as first:
+            before = run(first, model, conversations=1, turns=2, history=history)
+        with paged(model, tmp_path / "b", *flags, name="b") as second:
+            after = run(second, model, conversations=1, turns=1, history=history, first_turn=2)
+            stats = paged_stats(second)
+    assert [t.reply for t in before + after] == [t.reply for t in cold[:3]]
+    assert after[0].cached_tokens > before[1].prompt_tokens
+    assert stats["requests"]["requests_remote"] + stats["requests"]["requests_mixed"] == 1
+    for host in ("a", "b"):
+        assert not list((tmp_path / host).rglob("*.safetensors"))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "M"], "add --continuous-batching"),
+    (["serve", "M", "--continuous-batching", "--use-paged-cache"], "selects another prefix cache"),
+    (["--ssd-dir", "/tmp/x", "serve", "M", "--continuous-batching", "--ssd-cache-dir", "/tmp/y"],
+     "both set the SSD tier"),
+])
+def test_command_lines_paged_cache_cannot_serve_fail_clearly(argv, message, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "paged_cache.cli.main", "vllm-mlx", *argv],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.startswith("paged-cache vllm-mlx: error: ") and message in done.stderr
