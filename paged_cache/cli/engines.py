@@ -7,6 +7,7 @@ import argparse
 import importlib
 import logging
 import os
+import signal
 import sys
 from typing import Callable
 
@@ -35,6 +36,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         parser.set_defaults(func=_runner(name), accepts_extra_args=True)
 
 
+def _interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def _runner(name: str) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         try:
@@ -49,10 +54,15 @@ def _runner(name: str) -> Callable[[argparse.Namespace], int]:
             module = importlib.import_module(ENGINES[name][1])
         except IncompatibleVersion as error:
             return fail(name, str(error), 1)
+        previous = signal.signal(signal.SIGTERM, _interrupt)   # stop like Ctrl-C
         try:
             status = module.serve_main(config, args.extra_args)
+        except KeyboardInterrupt:
+            status = 0
         except module.ServeError as error:
             status = fail(name, str(error), 1)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import signal
+import sys
 from typing import Any, Callable, Sequence
 
 from paged_cache.config import CacheConfig, format_size
@@ -122,15 +124,25 @@ def paged_handler_class(base: type, manager: PagedSSDCacheManager) -> type:
 def handler_worker(config: CacheConfig, *args: Any) -> None:
     """Entry point of a spawned handler process (``functools.partial(handler_worker, config)``):
     open the manager, make language-model handlers use it, run mlx-openai-server's own worker;
-    the manager is closed (every block written) when the worker returns. SIGTERM is ignored like
-    SIGINT: the server process shuts its handlers down in order."""
+    the manager is closed (every block written) when the worker returns, and the process ends
+    there (``os._exit``: MLX's threads can hang interpreter finalization past the server's
+    5-second join). SIGTERM is ignored like SIGINT: the server process shuts its handlers down
+    in order."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.getLogger("paged_cache").setLevel(logging.INFO)
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    with PagedSSDCacheManager(config) as manager:
-        compat.set_handler_class(paged_handler_class(compat.ORIGINAL_HANDLER, manager))
-        compat.ORIGINAL_WORKER(*args)
+    status = 1
+    try:
+        with PagedSSDCacheManager(config) as manager:
+            compat.set_handler_class(paged_handler_class(compat.ORIGINAL_HANDLER, manager))
+            compat.ORIGINAL_WORKER(*args)
+        status = 0
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
 
 
 def serve_main(config: CacheConfig, argv: Sequence[str],

@@ -11,7 +11,6 @@ the remote tier, and bounded by ``--cache-memory-mb`` in RAM.
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 from contextlib import ExitStack
 from typing import Any, Callable, Sequence
@@ -271,12 +270,8 @@ def serve_main(config: CacheConfig, argv: Sequence[str],
     """Run ``vllm-mlx`` with ``argv`` (``serve MODEL ... --continuous-batching``) and paged-cache
     as its prefix cache; returns the exit status. The manager is opened first (a bad SSD
     directory fails before the model loads) and closed, every block written, when the server
-    stops (Ctrl-C or SIGTERM)."""
+    stops."""
     config, argv, max_kv_size = engine_argv(config, argv)
-
-    def stop(_signum: int, _frame: Any) -> None:
-        raise KeyboardInterrupt
-
     with ExitStack() as stack:
         try:
             manager = stack.enter_context(PagedSSDCacheManager(config))
@@ -287,10 +282,6 @@ def serve_main(config: CacheConfig, argv: Sequence[str],
         where = "hot tier only" if config.hot_cache_only else f"SSD tier at {config.ssd_dir}"
         logger.info("vllm-mlx with paged-cache: block size %d, hot tier %s, %s",
                     config.block_size, format_size(config.hot_cache_max_bytes), where)
-        previous = signal.signal(signal.SIGTERM, stop)
-        stack.callback(signal.signal, signal.SIGTERM, previous)
-        try:
-            run(argv)
-        except KeyboardInterrupt:
-            pass
+        logging.getLogger().setLevel(logging.INFO)   # vllm-mlx's own default level
+        run(argv)
     return 0
