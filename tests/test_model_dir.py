@@ -100,3 +100,16 @@ def test_cli_make_model(tmp_path):
         capture_output=True, text=True, timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert load.returncode == 0, load.stderr[-2000:]
     assert load.stdout.strip() == "True <|im_start|>"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next", "gemma3_text"])
+def test_printable_replies_encode_back_to_the_tokens_generated(tmp_path, arch):
+    """With printable_replies the greedy reply is printable ASCII, so a client sending it back as
+    history sends exactly the tokens the model generated (the engines' multi-turn tests)."""
+    path = write_model_dir(tmp_path / arch, arch, printable_replies=True)
+    model, tokenizer = mlx_lm.load(str(path))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}],
+                                           add_generation_prompt=True)
+    reply = generate(model, tokenizer, prompt, max_tokens=24)
+    assert len(reply) == 24 and all(" " <= ch <= "~" for ch in reply), reply
+    assert tokenizer.encode(reply, add_special_tokens=False) == list(reply.encode())
