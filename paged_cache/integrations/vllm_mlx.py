@@ -11,7 +11,6 @@ the remote tier, and bounded by ``--cache-memory-mb`` in RAM.
 from __future__ import annotations
 
 import logging
-import threading
 from contextlib import ExitStack
 from typing import Any, Callable, Sequence
 
@@ -82,7 +81,6 @@ class PagedPrefixCache:
         self._last_match_type: str | None = None
         self._last_matched_key: tuple[int, ...] | None = None
         self._ssd_tier = None      # vllm-mlx's own SSD tier is never attached (see serve_main)
-        self._lock = threading.RLock()
         if getattr(config, "kv_quantize", False):
             logger.warning("--kv-cache-quantization has no effect with paged-cache: blocks are "
                            "stored exactly as the model computed them")
@@ -94,25 +92,23 @@ class PagedPrefixCache:
     def fetch(self, tokens: Sequence[int]) -> tuple[list | None, list[int]]:
         """``(cache, remaining)``: a fresh cache list covering ``tokens[:len(tokens) -
         len(remaining)]`` with ``remaining`` never empty, or ``(None, tokens)``."""
-        with self._lock:
-            cache, rest = self._cache.fetch_nearest_cache(MODEL_KEY, tokens)
-            rest = list(rest)
-            if cache is None:
-                self._last_match_type, self._last_matched_key = "miss", None
-                return None, rest
-            self._last_match_type = "prefix"
-            self._last_matched_key = tuple(tokens[:len(tokens) - len(rest)])
-            return cache, rest
+        cache, rest = self._cache.fetch_nearest_cache(MODEL_KEY, tokens)
+        rest = list(rest)
+        if cache is None:
+            self._last_match_type, self._last_matched_key = "miss", None
+            return None, rest
+        self._last_match_type = "prefix"
+        self._last_matched_key = tuple(tokens[:len(tokens) - len(rest)])
+        return cache, rest
 
     def store(self, tokens: Sequence[int], cache: list, evict_prefixes: bool = True) -> bool:
         """Store ``cache`` (positioned at ``len(tokens)``, or one short of it) as blocks; the list
         is consumed (its entries are None after). ``evict_prefixes`` has nothing to do here: a
         prefix's blocks are the longer sequence's first blocks. False when it was not stored
         (logged and counted, never raised)."""
-        with self._lock:
-            failed = self._cache.counters["store_errors"]
-            self._cache.insert_cache(MODEL_KEY, tokens, cache)
-            return self._cache.counters["store_errors"] == failed
+        failed = self._cache.counters["store_errors"]
+        self._cache.insert_cache(MODEL_KEY, tokens, cache)
+        return self._cache.counters["store_errors"] == failed
 
     def remove(self, tokens: Sequence[int], *, include_ssd: bool = False) -> bool:
         """Nothing to remove: a stored sequence is a chain of shared blocks (a shorter entry the
@@ -123,8 +119,7 @@ class PagedPrefixCache:
     def clear(self) -> None:
         """Empty this model's share of the RAM tier (``DELETE /v1/cache/prefix``, or the Scheduler
         recovering from an error); blocks on SSD stay (``paged-cache prune`` deletes them)."""
-        with self._lock:
-            self._cache.trim_to(n_sequences=0, n_bytes=0)
+        self._cache.trim_to(n_sequences=0, n_bytes=0)
 
     def get_stats(self) -> dict[str, Any]:
         """vllm-mlx's cache statistics (``/v1/cache/stats``, ``/v1/status``), computed from
