@@ -4,7 +4,7 @@ tiered block cache; ``serve_main`` runs ``vllm-mlx serve`` with it (see docs/int
 
 The Scheduler keeps everything it does (BatchGenerator batching, sampling, streaming, aborts,
 its own store points); the cache behind those calls becomes block-shared, exact for every layout
-paged-cache supports, spilled to SSD (surviving restarts and crashes), optionally shared through
+paged-cache supports, written to SSD (surviving restarts), optionally shared through
 the remote tier, and bounded by ``--cache-memory-mb`` in RAM.
 """
 
