@@ -64,14 +64,16 @@ def first_turns_together(url: str, model: str, history: dict, conversations: int
 
 
 def drop_a_stream(url: str, model: str) -> None:
-    """Start a long sampled stream and go away after its first chunk (the engine must cancel)."""
+    """Start a long stream and go away after its first chunk (the engine must cancel it).
+    Greedy, as the requests around it: vllm-mlx applies another sampler only once its running
+    batch drains, so a request right after a sampled one may be sampled like it."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=REQUEST_SECONDS,
                     max_retries=0)
     stream = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "A long answer. " * 30}],
-        max_tokens=4000, temperature=0.7, stream=True)
+        max_tokens=4000, temperature=0.0, stream=True)
     next(iter(stream))
     stream.close()
 
