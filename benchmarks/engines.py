@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Context, Timing, bar_plot, figure
+from benchmarks.common import Context, Timing, as_json, bar_plot, figure
 from paged_cache.testing import write_model_dir
 from paged_cache.testing.engines import ENGINES, Turn, chat, engine_python
 
@@ -100,20 +100,28 @@ def _report(ctx: Context, results: dict, notes: list[str], workload: dict) -> di
             meaning="paged-cache cached tokens / own-cache cached tokens (whole workload)",
             goal=1.0, goal_op=">=", per_request=ours["cached"], baseline_per_request=own["cached"],
             prompt_tokens=ours["prompt_total"]))
-    names = list(results)
-    plots = []
-    if names:
-        plots = [
-            bar_plot(ctx.results / "engines_ttft.png", f"Hit TTFT on a multi-turn {ARCH} chat "
-                     "(mean of turns 2..)", names,
-                     {label: [results[n][label]["hit_ttft_ms"] for n in names]
-                      for label in ("cold", "own", "paged-cache")}, "ms").name,
-            bar_plot(ctx.results / "engines_cached.png", f"Cached prompt tokens over the "
-                     f"workload ({ARCH})", names,
-                     {label: [results[n][label]["cached_total"] for n in names]
-                      for label in ("own", "paged-cache")}, "tokens").name,
-        ]
     table = {n: {label: {k: (v.__dict__ if isinstance(v, Timing) else v)
                          for k, v in r[label].items()} for label in r} for n, r in results.items()}
-    return {"figures": figures, "notes": notes, "plots": plots, "workload": workload,
-            "engines": table}
+    out = {"figures": figures, "notes": notes, "workload": workload, "engines": table}
+    return dict(out, plots=plots(as_json(out), ctx.results))
+
+
+def plots(data: dict, results: Path) -> list[str]:
+    """engines_ttft.png (mean hit TTFT per engine: no cache, own cache, paged-cache) and
+    engines_cached.png (cached prompt tokens, own cache vs paged-cache), from a result (live or
+    stored)."""
+    table = data["engines"]
+    names = list(table)
+    if not names:
+        return []
+    arch = data["workload"]["arch"]
+    return [
+        bar_plot(results / "engines_ttft.png", f"Hit TTFT on a multi-turn {arch} chat "
+                 "(mean of turns 2..)", names,
+                 {label: [table[n][label]["hit_ttft_ms"] for n in names]
+                  for label in ("cold", "own", "paged-cache")}, "ms").name,
+        bar_plot(results / "engines_cached.png", f"Cached prompt tokens over the workload "
+                 f"({arch})", names,
+                 {label: [table[n][label]["cached_total"] for n in names]
+                  for label in ("own", "paged-cache")}, "tokens").name,
+    ]
