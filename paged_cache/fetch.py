@@ -24,6 +24,7 @@ from paged_cache.chain_index import ChainNode, shared_prefix
 from paged_cache.handlers import Part, Span
 from paged_cache.handlers.base import clipped, copies_on_host, rebuild_pipeline
 from paged_cache.hashing import ROOT_PARENT, chain_keys
+from paged_cache.loans import Lent
 from paged_cache.tiers.format import META_FINGERPRINT
 
 logger = logging.getLogger("paged_cache.fetch")
@@ -63,6 +64,7 @@ class Found:
     used: int
     shared: int  # longest run of the request's tokens some stored node holds
     taken: list[str] = field(default_factory=list)  # keys handed over to the rebuilt cache
+    lent: list[Lent] = field(default_factory=list)  # hot_cache_only: what the taken blocks held
 
 
 @dataclass
@@ -196,11 +198,14 @@ def _try(search: _Search, n: int) -> Found | None:
     plans = [h.plan(layer, s, n) for h, layer, s in zip(layout.handlers, template, spans)]
     if any(p is None for p in plans):
         return None
+    lent = []
     for j, (node, _) in enumerate(chosen):
         if node.key in handover and node.tier == "hot":
             got = manager.get(node.key, take=True)
             if got is not None:
                 blocks[j] = got
+                if manager.config.hot_cache_only:  # its only copy: lent, see loans.py
+                    lent.append(Lent.of(got, node.start, node.end))
     capacity = math.ceil((len(search.ids) + pc.headroom) / GROWTH_STEP) * GROWTH_STEP
     by_layer = [_group_by_layer(b.arrays) for b in blocks]
     with rebuild_pipeline():  # a layer's buffers fill while the one before is copied
@@ -222,7 +227,7 @@ def _try(search: _Search, n: int) -> Found | None:
         f" {node.tier}" for node, used in chosen))
     tier_set = {node.tier if node.tier in ("ssd", "remote") else "hot" for node, _ in chosen}
     tier = tier_set.pop() if len(tier_set) == 1 else "mixed"
-    return Found(template, n, tier, len(chosen), n, taken=sorted(handover))
+    return Found(template, n, tier, len(chosen), n, taken=sorted(handover), lent=lent)
 
 
 def _handover(search: _Search, chosen: list[tuple[ChainNode, int]]) -> set[str]:

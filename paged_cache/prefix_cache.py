@@ -20,8 +20,8 @@ from paged_cache.handlers import layer_needs_snapshots
 from paged_cache.handlers.base import Captured
 from paged_cache.hashing import model_identity, token_ids
 from paged_cache.layout import CacheLayout
-from paged_cache.loans import Loan, Loans
-from paged_cache.store import store_chain
+from paged_cache.loans import Loans
+from paged_cache.store import put_back, store_chain
 
 logger = logging.getLogger("paged_cache.prefix_cache")
 
@@ -96,7 +96,7 @@ class BlockAwarePrefixCache:
              "blocks_written", "checkpoints_written", "blocks_deduplicated", "blocks_taken",
              "store_seconds", "restore_seconds"), 0)
         self.last_fetch = FetchInfo(0, 0, "miss", 0.0, 0)
-        self._loans = Loans(self._give_back)
+        self._loans = Loans(lambda layers, lent: put_back(self, layers, lent))
 
     # ------------------------------------------------------------------ layout / fingerprint
 
@@ -223,8 +223,8 @@ class BlockAwarePrefixCache:
         if found is not None:
             self._count_loss(min(found.shared, total - 1), n)
             st["blocks_taken"] += len(found.taken)
-            if n and found.taken and self.manager.config.hot_cache_only:
-                self._loans.lend(tokens[:n], found.cache, found.taken)
+            if n and found.lent:
+                found.cache = self._loans.lend(tokens[:n], found.cache, found.lent)
         seconds = time.perf_counter() - t0
         st["hits" if n else "misses"] += 1
         st["tokens_matched"] += n
@@ -239,10 +239,6 @@ class BlockAwarePrefixCache:
 
     def _held(self, keys: list[str]) -> bool:
         return all(t is not None for t in self.manager.tiers_of(keys))
-
-    def _give_back(self, loan: Loan) -> None:
-        """Store a loan's tokens again from its live cache (rows before its position unchanged)."""
-        store_chain(self, loan.tokens, loan.cache, {}, consume=False)
 
     def _count_loss(self, matched: int, n: int) -> None:
         lost = matched - n

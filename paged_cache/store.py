@@ -25,6 +25,7 @@ from paged_cache.block import Block
 from paged_cache.chain_index import ChainNode
 from paged_cache.handlers import restorable_at_end
 from paged_cache.hashing import ROOT_PARENT, chain_keys, checkpoint_key
+from paged_cache.loans import digest
 from paged_cache.tiers.format import META_LAYERS, META_MODEL_NAME, META_NAMESPACE
 
 ON_DISK = ("ssd", "remote")  # tiers a block is read from with I/O (a store brings it to RAM)
@@ -98,6 +99,28 @@ def store_chain(pc: Any, tokens: np.ndarray, cache: list, snaps: dict, consume: 
         done += _put(pc, key, ChainNode(key, parents[j], fp, s, ids[s:p], checkpoint=True),
                      ckpt_cuts, pos, types)
     return StoreResult(written, done, len(keys) - len(new))
+
+
+def put_back(pc: Any, layers: list, lent: list) -> int:
+    """Give back blocks lent to the live ``layers`` (``loans.Lent``, in chain order): cut each
+    lent span again and put it back with its meta when the cut has the lent digest; stop at the
+    first that does not (the holder trimmed or rewrote its rows). Returns the blocks put back."""
+    handlers = pc.layout.handlers
+    live_at = next(o for o in (h.offset(layer) for h, layer in zip(handlers, layers))
+                   if o is not None)
+    back = 0
+    for b in lent:
+        arrays: dict[str, mx.array] = {}
+        for i, (h, layer) in enumerate(zip(handlers, layers)):
+            cut, _ = h.cut(layer, [(b.start, b.end)], {}, live_at)[0]
+            arrays.update({f"l{i}.{name}": a for name, a in cut.items()})
+        mx.eval(list(arrays.values()))
+        block = Block(b.key, arrays, b.meta)
+        if digest(block) != b.digest:
+            break
+        pc.manager.put(block)
+        back += 1
+    return back
 
 
 def _put(pc: Any, key: str, node: ChainNode, cuts: list[list], pos: int, types: list[str]) -> int:

@@ -97,3 +97,14 @@ def test_split_codecs_of_different_caches_are_never_mixed() -> None:
     handler = handler_for(fresh)
     assert handler.plan(fresh, [Span(0, 16, a), Span(16, 32, a)], 32) == [0, 1]
     assert handler.plan(fresh, [Span(0, 16, a), Span(16, 32, b)], 32) is None
+
+
+def test_a_turboquant_loan_gives_back_only_the_rows_the_holder_kept() -> None:
+    from test_loans import _changed_then_asked_again, _trim_and_extend
+
+    model = tiny_vlm_llama()
+    make = lambda: [tq.TurboQuantKVCache(bits=3, key_bits=2.5) for _ in model.layers]  # noqa: E731
+    prefix, n = _changed_then_asked_again(_trim_and_extend, model, make)
+    st = prefix.stats()
+    assert n == 48 and (st["loan_blocks_returned"], st["loan_blocks_lost"]) == (3, 1)
+    prefix.manager.close()
