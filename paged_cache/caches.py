@@ -28,7 +28,11 @@ class PreallocatedRotatingKVCache(RotatingKVCache):
     order (built transiently for that chunk, as mlx-lm does), and the persistent buffer keeps the
     ``keep`` first rows plus the newest ``max_size - keep`` rows in temporal order, which is what
     mlx-lm itself holds after its next trim. Decoding never concatenates or reallocates.
+    ``ordered_at`` is the offset at which the buffer was last put in temporal order (its last
+    multi-token update), so a ring can be told from a buffer a chunk just ordered.
     """
+
+    ordered_at = -1
 
     def _allocate(self, keys: mx.array, values: mx.array) -> None:
         batch, heads, _, k_dim = keys.shape
@@ -67,6 +71,7 @@ class PreallocatedRotatingKVCache(RotatingKVCache):
             context_v = mx.concatenate([self._window(self.values), values], axis=2)
         self.offset += keys.shape[2]
         self._keep_rows(context_k, context_v)
+        self.ordered_at = self.offset
         return context_k, context_v
 
     def update_token(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:

@@ -92,13 +92,20 @@ def test_chunked_rows_are_relative_to_start_position() -> None:
     assert [d.get("rows") for _, d in cuts] == [[[12, 16]], None, None]  # start_position 12
     fresh = ChunkedKVCache(chunk_size=20)
     parts = [Part(s, s + 16, d, dict(a)) for s, (a, d) in zip((0, 16, 32), cuts)]
-    assert handler.plan(fresh, [Span(p.start, p.end, p.desc) for p in parts], 48) == [1, 2]
-    rebuilt = handler.rebuild(fresh, parts[1:], 48, 256)
+    spans = [Span(p.start, p.end, p.desc) for p in parts]
+    # a query at 48 attends within its chunk [40, 60): only rows [40, 48) are needed
+    assert handler.plan(fresh, spans, 48) == [2]
+    rebuilt = handler.rebuild(fresh, [Part(p.start, p.end, p.desc, dict(p.arrays))
+                                      for p in parts[1:]], 48, 256)   # (rebuild pops arrays)
     assert rebuilt.start_position == 28 and rebuilt.offset == 48
     assert rebuilt.keys[0, 0, :20, 0].tolist() == list(range(28, 48))
-    spans = [Span(p.start, p.end, p.desc) for p in parts]
-    assert handler.plan(fresh, spans, 32) == [0, 1]  # needs [12, 32)
-    assert handler.plan(fresh, spans, 30) is None  # needs [10, 30): rows 10, 11 are gone
+    # from the block holding [32, 48) alone: rows [28, 32), masked for every later query, are 0
+    rebuilt = handler.rebuild(ChunkedKVCache(chunk_size=20), [parts[2]], 48, 256)
+    assert rebuilt.keys[0, 0, :20, 0].tolist() == [0] * 4 + list(range(32, 48))
+    assert handler.plan(fresh, spans, 32) == [1]  # needs [20, 32)
+    assert handler.plan(fresh, spans, 40) == [2]  # a chunk boundary: any block, for the shapes
+    assert handler.plan(fresh, spans, 30) == [1]  # needs [20, 30)
+    assert handler.plan(fresh, spans, 18) is None  # needs [0, 18): rows 0-11 are gone
 
 
 def test_arrays_cache_records_has_state_per_block() -> None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
+import mlx.core as mx
 from mlx_lm.models.cache import ChunkedKVCache, ConcatenateKVCache, KVCache, QuantizedKVCache
 
-from paged_cache.handlers.base import Arrays
+from paged_cache.handlers.base import Arrays, Part, Span
 from paged_cache.handlers.rows import RowsHandler, Run
 
 
@@ -54,7 +55,13 @@ class ChunkedKVHandler(RowsHandler):
     """ChunkedKVCache (llama4): rows cover ``[start_position, offset)``.
 
     Whatever the history, the next forward trims to ``start_position = max(0, n - chunk_size)``,
-    so a rebuild at ``n`` holds exactly those rows and that start position.
+    so a rebuild at ``n`` holds that many rows and that start position. Its queries attend only
+    within their chunk (positions ``p`` with ``p // chunk_size == n // chunk_size`` and later
+    ones), so only the rows since the last chunk boundary are needed: the rows before it are
+    masked out for every later query and rebuilt as zeros when no planned block holds them
+    (a masked row's weight is exactly 0, so any finite value gives the same result bit for bit).
+    At a chunk boundary no row is needed at all: every block carries the rows' shapes and dtype
+    (``arrays``) so the buffer can be built from any of them.
     """
 
     kind = "chunked_kv"
@@ -65,7 +72,30 @@ class ChunkedKVHandler(RowsHandler):
         return [(layer.start_position, layer.offset, 0)]
 
     def window(self, layer: Any, n: int) -> list[tuple[int, int]]:
-        return [(max(0, n - layer.chunk_size), n)]
+        return [(n - n % layer.chunk_size, n)]
+
+    def extra(self, layer: Any) -> tuple[Arrays, dict]:
+        return {}, {"arrays": self.layout(layer)["arrays"]}
+
+    def plan(self, layer: Any, spans: Sequence[Span], n: int) -> list[int] | None:
+        needed = super().plan(layer, spans, n)
+        if needed == [] and n:  # at a chunk boundary: one block for the shapes
+            shaped = [i for i, span in enumerate(spans)
+                      if "arrays" in span.desc or span.desc.get("has_rows")]
+            return shaped[-1:] or None
+        return needed
+
+    def rebuild(self, layer: Any, parts: Sequence[Part], n: int, capacity: int) -> Any:
+        runs = [(max(0, n - layer.chunk_size), n)]
+        if any(part.desc.get("has_rows") for part in parts):
+            return self.rebuild_runs(layer, parts, n, capacity, runs)
+        rows = runs[0][1] - runs[0][0]  # every row masked: zeros
+        buffers = {}
+        for name, (dims, dtype) in parts[0].desc["arrays"].items():
+            shape = (*dims[:2], self.buffer_rows(layer, rows, capacity), *dims[2:])
+            buffers[name] = mx.zeros(shape, dtype=getattr(mx, dtype.rsplit(".", 1)[-1]))
+        mx.eval(list(buffers.values()))
+        return self.install(layer, buffers, n, rows)
 
     def layout(self, layer: Any) -> dict:
         return {**super().layout(layer), "chunk_size": layer.chunk_size}

@@ -2,12 +2,19 @@
 
 The live buffer is read in temporal order with mlx-lm's own ordering (``compat.temporal_order``;
 after a multi-token update it holds ``max_size - 1 + S`` rows in order; after 1-token decodes it
-is a ring around the write slot, ``compat.ring_slot``): its first ``keep`` rows are positions ``[0, keep)``, the rest the newest
-positions before ``offset``. A block gets rows only while the window (or a boundary capture) still
-holds them. A rebuild at ``n`` holds ``keep`` rows plus the newest ``max_size - keep`` rows in
-temporal order (all ``n`` rows when ``n <= max_size``), ``offset = n``, write slot ``rows``.
-A rebuild at exactly the stored end of a layer that was a ring (1-token decodes) restores the ring
-itself (same slots, same write slot), so the next 1-token step attends in the original row order.
+is a ring around the write slot, ``compat.ring_slot``): its first ``keep`` rows are positions
+``[0, keep)``, the rest the newest positions before ``offset``. A block gets rows only while the
+window (or a boundary capture) still holds them.
+
+Past the window, where a row sits depends on the history: 1-token updates write position ``p`` to
+slot ``keep + (p - phase) % (max_size - keep)``, the phase being the position of the last
+multi-token update (after one, the buffer is in temporal order: phase = offset). Rows cut from a
+ring carry ``ring: [position of the source, phase]`` (``[position, null]`` from a buffer in
+temporal order after a chunk). A rebuild at ``n`` holds ``keep`` rows plus the newest
+``max_size - keep`` rows (all ``n`` rows when ``n <= max_size``), ``offset = n``, laid out with
+the phase of the nearest source at or after ``n`` among the rows it uses: the live cache's own
+slot order at ``n`` when the history reached ``n`` by 1-token updates, temporal order (write slot
+``rows``) when it reached ``n`` by a chunk or the rows say nothing.
 """
 
 from __future__ import annotations
@@ -18,8 +25,8 @@ from mlx_lm.models.cache import RotatingKVCache
 
 from paged_cache import compat
 from paged_cache.caches import PreallocatedRotatingKVCache
-from paged_cache.handlers.base import Arrays, Captured, Part
-from paged_cache.handlers.rows import RowsHandler, Run
+from paged_cache.handlers.base import Arrays, Part, Span
+from paged_cache.handlers.rows import RowsHandler, Run, held_ranges
 
 
 class RotatingHandler(RowsHandler):
@@ -50,31 +57,45 @@ class RotatingHandler(RowsHandler):
         return {**super().layout(layer), "max_size": layer.max_size, "keep": layer.keep}
 
     @staticmethod
-    def ring_idx(layer: Any) -> int | None:
-        """The write slot when the live buffer is a ring (not in temporal order), else None."""
-        if layer.keys is None or layer.offset <= layer.max_size:
+    def phase(layer: Any) -> int | None:
+        """The ring phase of a live buffer past its window, None while it is in temporal order
+        after a multi-token update (mlx-lm then holds ``max_size - 1 + S`` rows)."""
+        if layer.keys.shape[2] != layer.max_size:
             return None
-        slot = compat.ring_slot(layer)
-        return slot if layer.keep < slot < layer.keys.shape[2] else None
+        return (layer.offset - (compat.ring_slot(layer) - layer.keep)) % (layer.max_size - layer.keep)
 
-    def cut(self, layer: Any, spans: Sequence[tuple[int, int]], captures: dict[int, Captured],
-            live_at: int) -> list[tuple[Arrays, dict]]:
-        out = super().cut(layer, spans, captures, live_at)
-        ring = self.ring_idx(layer)
-        for (s, e), (_, desc) in zip(spans, out):
-            if ring is not None and e == live_at == layer.offset and desc["has_rows"]:
-                desc["ring_idx"] = ring
-        return out
+    def source_info(self, layer: Any) -> dict:
+        if layer.keys is None or layer.offset <= layer.max_size:
+            return {}  # no row has wrapped: the order is the same whatever the history
+        return {"ring": [layer.offset, self.phase(layer)]}
+
+    def phase_at(self, layer: Any, parts: Sequence[Part], n: int) -> int | None:
+        """The phase to rebuild at ``n`` with: that of the nearest source at or after ``n`` whose
+        rows the rebuild uses for position ``n - 1`` (None: temporal order)."""
+        rings = []
+        for p in parts:
+            if p.desc.get("has_rows") and any(a < n <= b for a, b in held_ranges(
+                    Span(p.start, p.end, p.desc))):
+                if "ring" in p.desc:
+                    rings.append(p.desc["ring"])
+                elif "ring_idx" in p.desc and p.end == n:  # written before "ring": a ring's end
+                    rings.append([n, n - (p.desc["ring_idx"] - layer.keep)])
+        return min(rings)[1] if rings else None
 
     def rebuild(self, layer: Any, parts: Sequence[Part], n: int, capacity: int) -> Any:
-        ring = next((p.desc["ring_idx"] for p in parts if p.end == n and "ring_idx" in p.desc), None)
-        if ring is None or n <= layer.max_size:
+        phase = self.phase_at(layer, parts, n) if n > layer.max_size else None
+        keep, ring = layer.keep, layer.max_size - layer.keep
+        newest = 0 if phase is None else (n - phase) % ring  # rows at slots keep.. (newest first)
+        if newest == 0:
             return super().rebuild(layer, parts, n, capacity)
-        keep, newest = layer.keep, ring - layer.keep
-        runs = [(0, keep), (n - newest, n), (n - (layer.max_size - keep), n - newest)]
+        runs = [(0, keep), (n - newest, n), (n - ring, n - newest)]
         self.rebuild_runs(layer, parts, n, capacity, runs)
-        compat.set_ring_slot(layer, ring)
+        self.set_slot(layer, keep + newest, ordered=False)
         return layer
+
+    def set_slot(self, layer: Any, slot: int, ordered: bool) -> None:
+        """Set the write slot of a rebuilt layer (``ordered``: its buffer is in temporal order)."""
+        compat.set_ring_slot(layer, slot)
 
     def buffer_rows(self, layer: Any, rows: int, capacity: int) -> int:
         return rows
@@ -82,15 +103,26 @@ class RotatingHandler(RowsHandler):
     def install(self, layer: Any, buffers: Arrays, n: int, rows: int) -> Any:
         layer.keys, layer.values = buffers["keys"], buffers["values"]
         layer.offset = n
-        compat.set_ring_slot(layer, rows)
+        self.set_slot(layer, rows, ordered=True)
         return layer
 
 
 class PreallocatedRotatingHandler(RotatingHandler):
-    """PreallocatedRotatingKVCache: same rows, in a buffer of ``max_size`` rows from the start."""
+    """PreallocatedRotatingKVCache: same rows, in a buffer of ``max_size`` rows from the start
+    (after a chunk too: its ``ordered_at`` tells a buffer in temporal order from a ring)."""
 
     kind = "prealloc_rotating_kv"
     cache_types = (PreallocatedRotatingKVCache,)
 
     def buffer_rows(self, layer: Any, rows: int, capacity: int) -> int:
         return layer.max_size
+
+    @staticmethod
+    def phase(layer: Any) -> int | None:
+        if layer.ordered_at == layer.offset:
+            return None
+        return RotatingHandler.phase(layer)
+
+    def set_slot(self, layer: Any, slot: int, ordered: bool) -> None:
+        compat.set_ring_slot(layer, slot)
+        layer.ordered_at = layer.offset if ordered else -1

@@ -41,6 +41,10 @@ class RowsHandler(LayerHandler):
         """The layer's token-axis arrays in temporal order."""
         return {"keys": layer.keys, "values": layer.values}
 
+    def holds(self, layer: Any) -> bool:
+        """True when the layer has rows (its arrays exist)."""
+        return layer.keys is not None
+
     def runs(self, layer: Any) -> list[Run]:
         """Positions held by ``arrays``: default all of ``[0, offset)`` from row 0."""
         return [(0, layer.offset, 0)]
@@ -62,6 +66,11 @@ class RowsHandler(LayerHandler):
         """Arrays/descriptor fields every block of this layer carries besides its rows."""
         return {}, {}
 
+    def source_info(self, layer: Any) -> dict:
+        """Descriptor fields for rows cut from ``layer`` as it is now, given to a span whose last
+        row comes from it (live buffer or capture); default none."""
+        return {}
+
     def layout(self, layer: Any) -> dict:
         arrays = self.arrays(layer)
         return {"class": type(layer).__name__,
@@ -69,23 +78,27 @@ class RowsHandler(LayerHandler):
                            for k, v in arrays.items()}}
 
     def capture(self, layer: Any, since: int, boundary: int) -> Captured | None:
-        if layer.keys is None:
+        if not self.holds(layer):
             return None
         arrays = self.arrays(layer)
         for lo, hi, row in merge_runs(self.runs(layer)):
             a, b = max(lo, since), min(hi, boundary)
             if a < b and b == boundary:
                 copies = {k: owned(token_slice(v, row + a - lo, row + b - lo)) for k, v in arrays.items()}
-                return copies, {"lo": a, "hi": b}
+                return copies, {"lo": a, "hi": b, **self.source_info(layer)}
         return None
 
     def cut(self, layer: Any, spans: Sequence[tuple[int, int]], captures: dict[int, Captured],
             live_at: int) -> list[tuple[Arrays, dict]]:
         sources: list[tuple[Arrays, Run]] = []
-        if layer.keys is not None:
+        about: dict[int, dict] = {}  # id(source arrays) -> its descriptor fields
+        if self.holds(layer):
             live = self.arrays(layer)
             sources += [(live, run) for run in merge_runs(self.runs(layer))]
-        sources += [(arrays, (info["lo"], info["hi"], 0)) for arrays, info in captures.values()]
+            about[id(live)] = self.source_info(layer)
+        for arrays, info in captures.values():
+            sources.append((arrays, (info["lo"], info["hi"], 0)))
+            about[id(arrays)] = {k: v for k, v in info.items() if k not in ("lo", "hi")}
         extra_arrays, extra_desc = self.extra(layer)
         out = []
         for s, e in spans:
@@ -98,7 +111,7 @@ class RowsHandler(LayerHandler):
                 rows = [token_slice(arrays[name], row, row + b - a) for a, b, arrays, row in pieces]
                 cut[name] = owned(rows[0]) if len(rows) == 1 else mx.concatenate(rows, axis=TOKEN_AXIS)
             cut.update(extra_arrays)
-            desc = {"has_rows": True, **extra_desc}
+            desc = {"has_rows": True, **extra_desc, **about[id(pieces[-1][2])]}
             ranges = merge_ranges([(a, b) for a, b, _, _ in pieces])
             if ranges != [(s, e)]:
                 desc["rows"] = [list(r) for r in ranges]  # the window had dropped the rest
