@@ -129,48 +129,71 @@ def _candidate_ends(layout: Any, cands: list[Candidate], limit: int) -> list[int
     return sorted((e for e in ends if e > 0), reverse=True)
 
 
-def _pick(options: list[Candidate], n: int) -> Candidate | None:
-    """Among nodes usable up to ``n``: one ending exactly at ``n`` with its state first, then RAM."""
-    ranked = sorted(options, key=lambda c: (not (c.whole and c.end == n and c.node.restorable),
-                                            c.node.tier != "hot"))
-    return ranked[0] if ranked else None
+def _ranked(options: list[Candidate], n: int) -> list[Candidate]:
+    """Nodes usable up to ``n``, best first: one ending exactly at ``n`` with its state, then one
+    in RAM, then by key (the order the tiers listed them in never decides)."""
+    return sorted(options, key=lambda c: (not (c.whole and c.end == n and c.node.restorable),
+                                          c.node.tier != "hot", c.node.key))
 
 
-def _nodes_for(search: _Search, n: int) -> list[tuple[ChainNode, int]] | None:
-    """(node, tokens used) for a rebuild at ``n``: the path's blocks, the node holding the rows
-    after them, and the node holding the state at ``n``; None when some is missing."""
+MAX_OPTIONS = 16  # node choices tried per position (tails x states), best first
+
+
+def _nodes_for(search: _Search, n: int) -> list[list[tuple[ChainNode, int]]]:
+    """The choices of (node, tokens used) for a rebuild at ``n``, best first: the path's blocks,
+    a node holding the rows after them, and a node holding the state at ``n``; each tail
+    candidate is a choice (one may hold a window's rows where another lacks them)."""
     bs = search.pc.block_size
     k = min(n // bs, len(search.path))
-    chosen = [(node, node.end - node.start) for node in search.path[:k]]
-    tail = None
+    path = [(node, node.end - node.start) for node in search.path[:k]]
+    tails: list[Candidate | None] = [None]
     if n > k * bs:
-        tail = _pick([c for c in search.cands if c.start == k * bs and not c.node.checkpoint
-                      and c.end >= n], n)
-        if tail is None:
-            return None
-        chosen.append((tail.node, n - tail.start))
-    if search.pc.layout.full_history:
-        return chosen
-    ends_here = tail is not None and tail.whole and tail.end == n
-    if not ends_here and not (tail is None and k and search.path[k - 1].end == n
-                              and search.path[k - 1].restorable):
-        state = _pick([c for c in search.cands if c.whole and c.end == n and c.node.restorable
-                       and c.node.key not in {node.key for node, _ in chosen}], n)
-        if state is not None:
-            chosen.append((state.node, n - state.start))
-    return chosen
+        tails = _ranked([c for c in search.cands if c.start == k * bs and not c.node.checkpoint
+                         and c.end >= n], n)
+    out = []
+    for tail in tails:
+        chosen = path + ([] if tail is None else [(tail.node, n - tail.start)])
+        ends_here = tail is not None and tail.whole and tail.end == n
+        if search.pc.layout.full_history or ends_here or (
+                tail is None and k and search.path[k - 1].end == n and search.path[k - 1].restorable):
+            out.append(chosen)
+            continue
+        keys = {node.key for node, _ in chosen}
+        states = _ranked([c for c in search.cands if c.whole and c.end == n and c.node.restorable
+                          and c.node.key not in keys], n)
+        out += [chosen + [(state.node, n - state.start)] for state in states] or [chosen]
+    if not search.pc.layout.full_history:
+        # then the same with every other node holding the request's tokens before n: a window's
+        # rows a block lacks may be in a checkpoint or an earlier partial tail
+        out += [more for more in (_with_helpers(search, chosen, n) for chosen in out)
+                if len(more) > len(chosen)]
+    return out[:MAX_OPTIONS]
+
+
+def _with_helpers(search: _Search, chosen: list[tuple[ChainNode, int]],
+                  n: int) -> list[tuple[ChainNode, int]]:
+    """``chosen`` plus the other candidates starting before ``n``, each used up to ``n``."""
+    keys = {node.key for node, _ in chosen}
+    return chosen + [(c.node, min(c.end, n) - c.start) for c in _ranked(search.cands, n)
+                     if c.start < n and c.node.key not in keys]
 
 
 _DAMAGED = Found(None, 0, "miss", 0, 0)  # a payload read into place failed its checksum
 
 
 def _try(search: _Search, n: int) -> Found | None:
-    """Plan and, if every layer can be rebuilt at ``n``, rebuild; else None."""
+    """Rebuild at ``n`` from the first choice of nodes every layer can plan with; else None."""
+    for chosen in _nodes_for(search, n):
+        found = _try_nodes(search, n, chosen) if chosen else None
+        if found is not None:
+            return found
+    return None
+
+
+def _try_nodes(search: _Search, n: int, chosen: list[tuple[ChainNode, int]]) -> Found | None:
+    """Plan and, if every layer can be rebuilt at ``n`` from ``chosen``, rebuild; else None."""
     pc = search.pc
     layout, manager = pc.layout, pc.manager
-    chosen = _nodes_for(search, n)
-    if not chosen:
-        return None
     handover = _handover(search, chosen)
     # KV-like layers take SSD payloads read straight into their buffers after the rebuild
     in_place = copies_on_host() and all(h.reads_in_place for h in layout.handlers)

@@ -489,7 +489,7 @@ class PagedSSDCacheManager:
         query, which also says which keys of the chain are on SSD: no file is looked at unless
         the manifest misses it) and the remote tier's listings (pipelined, cached briefly). Every
         namespace's chains start at the same root: a root child is listed only when its key is
-        the one ``namespace`` gives its tokens."""
+        the one ``namespace`` gives its tokens. Each parent's children come in key order."""
         keys = _checked_keys(keys)
         parents = [ROOT_PARENT, *keys]
         with self._lock:
@@ -523,6 +523,8 @@ class PagedSSDCacheManager:
                     self._index.remove(node.key)  # left every tier meanwhile
                 continue
             out.setdefault(node.parent, []).append(node if tier == node.tier else node.with_tier(tier))
+        for kids in out.values():  # one order whatever the tiers listed (sets, query plans)
+            kids.sort(key=lambda node: node.key)
         return tiers, out
 
     @staticmethod

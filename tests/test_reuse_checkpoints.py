@@ -216,3 +216,33 @@ def test_inspect_counts_checkpoints(tmp_path: Path) -> None:
                           "--json"], capture_output=True, text=True, check=True)
     (model_row,) = json.loads(out.stdout)["models"]
     assert model_row["checkpoints"] == 1 and model_row["tokens"] == len(long)
+
+
+@pytest.mark.parametrize("ssd", [False, True], ids=["hot", "ssd"])
+@pytest.mark.parametrize("arch", ["baichuan_m1", "gemma3_text"])
+def test_after_a_mid_prefill_store_the_snapshots_restore_every_boundary(tmp_path: Path, arch: str,
+                                                                       ssd: bool) -> None:
+    """A store at a 7-token partial block during prefill, then boundary snapshots at 8, 16, ...
+    (each holding the window's rows since the previous one) and a store once the window has
+    dropped the first rows: rows 0-6 live only in the 7-token node (turned into a checkpoint).
+    Every boundary is restored, with those rows taken from it (before: 7 tokens reused)."""
+    block = 8
+    model = tiny_model(arch)
+    window = 64 if arch == "gemma3_text" else 32
+    tokens = prompt(window + 40, seed=4)
+    config = CacheConfig(block_size=block, hot_cache_only=True) if not ssd else \
+        CacheConfig(block_size=block, ssd_dir=tmp_path)
+    with PagedSSDCacheManager(config) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        cache = prefix.make_cache()
+        prefill(model, cache, tokens[:7], 0, 7)
+        prefix.store(tokens[:7], cache)
+        snaps, since = {}, 7
+        for end in range(block, len(tokens) - 7, block):
+            prefill(model, cache, tokens[:end], since, block)
+            snaps[end] = prefix.capture_boundary(cache, since)
+            since = end
+        prefill(model, cache, tokens[:since + 1], since, block)
+        prefix.store(tokens[:since + 1], cache, snapshots=snaps)
+        for n in (24, 32, window):
+            assert assert_exact(model, prefix, tokens[:n] + [255, 254]) == n
