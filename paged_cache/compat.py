@@ -187,6 +187,65 @@ def rotating_updates(cls: type) -> type:
     return cls
 
 
+# ----------------------------------------------------------------------------- deepseek_v41
+
+# LayerCache (deepseek_v41, mlx-lm 0.32+): the sliding window, the closed compressed groups and
+# their index keys, and the float32 projections of the open group. It has no state setter, trim
+# or from_state: a rebuild assigns these attributes (and ``offset``) itself.
+LAYER_CACHE_FIELDS = ("window", "compress_kv", "index_k", "pending_kv", "pending_gate")
+_V41_ARGS = ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids", "sliding_window")
+
+
+def _check_deepseek_v41() -> type | None:
+    """deepseek_v41's LayerCache class, None when the installed mlx-lm has no deepseek_v41."""
+    try:
+        from mlx_lm.models import deepseek_v41
+    except ImportError:
+        return None
+    missing = [f"deepseek_v41.{n}" for n in ("LayerCache", "ModelArgs")
+               if not hasattr(deepseek_v41, n)]
+    if not missing:
+        probe = deepseek_v41.LayerCache(4)
+        missing += [f"deepseek_v41.LayerCache.{n}"
+                    for n in ("window_size", "offset", *LAYER_CACHE_FIELDS) if not hasattr(probe, n)]
+        fields = getattr(deepseek_v41.ModelArgs, "__dataclass_fields__", {})
+        missing += [f"deepseek_v41.ModelArgs.{n}" for n in _V41_ARGS if n not in fields]
+    if missing:
+        raise _fail("mlx-lm", MLX_LM_RANGE, missing)
+    return deepseek_v41.LayerCache
+
+
+LayerCache = _check_deepseek_v41()
+
+
+def layer_cache_get(layer: Any, name: str) -> mx.array | None:
+    """One of a LayerCache's arrays (``LAYER_CACHE_FIELDS``), None while it has none."""
+    return getattr(layer, name)
+
+
+def layer_cache_set(layer: Any, offset: int, arrays: dict[str, mx.array | None]) -> None:
+    """Set a LayerCache's offset and arrays (every name of ``LAYER_CACHE_FIELDS``)."""
+    layer.offset = offset
+    for name in LAYER_CACHE_FIELDS:
+        setattr(layer, name, arrays[name])
+
+
+def deepseek_v41_layer(model: Any, index: int) -> tuple[int, bool]:
+    """For entry ``index`` of a deepseek_v41 model's cache list: the ratio of the compressed
+    groups its LayerCache holds (0: none; a layer that is no KV source reads another layer's)
+    and whether it holds their index keys too. ValueError for a model split in pipeline stages
+    (a stage's first LayerCache then also holds entries the stage before computed)."""
+    inner = getattr(model, "model", None)
+    if getattr(inner, "pipeline_size", 1) > 1:
+        raise ValueError("deepseek_v41 split in pipeline stages: its first LayerCache holds "
+                         "another stage's compressed entries")
+    args = model.args
+    layer = model.layers[index].layer_idx
+    ratios = args.compress_ratios
+    ratio = int(ratios[layer]) if layer < len(ratios) and layer in args.kv_source_layer_ids else 0
+    return ratio, bool(ratio) and layer in args.index_source_layer_ids
+
+
 # ----------------------------------------------------------------------------- mlx_lm.server
 
 def server_hooks() -> tuple[type, Callable[..., None]]:

@@ -46,7 +46,7 @@ class CacheLayout:
             return False
         template = list(self.make_cache())
         try:
-            handlers = [require_handler(layer) for layer in template]
+            handlers = [bound(require_handler(layer), self.model, i) for i, layer in enumerate(template)]
             snapshot_layers = [layer_needs_snapshots(layer) for layer in template]
         except UnsupportedCacheError as exc:
             self.unsupported = str(exc)
@@ -84,6 +84,14 @@ class CacheLayout:
             if n_tokens and self.handlers[i].layout(layer) != self.layouts[i]:
                 raise ValueError(f"cache: entry {i} has layout {self.handlers[i].layout(layer)}, "
                                  f"expected {self.layouts[i]} (dtype / heads / window differ)")
+
+
+def bound(handler: LayerHandler, model: Any, index: int) -> LayerHandler:
+    """``handler.bind(model, index)``; a model it cannot cache raises UnsupportedCacheError."""
+    try:
+        return handler.bind(model, index)
+    except ValueError as exc:
+        raise UnsupportedCacheError(f"cache entry {index}: {exc}") from exc
 
 
 def signature(layer: Any) -> Any:

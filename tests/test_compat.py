@@ -42,6 +42,11 @@ def test_installed_versions_are_in_range() -> None:
      "c.RotatingKVCache.update_and_fetch = lambda self, k, v: self._update_concat(k, v)",
      "update_and_fetch calling _update_in_place"),
     ("import mlx_lm.server as s\ndel s._run_http_server", "mlx_lm.server._run_http_server"),
+    pytest.param("import mlx_lm.models.deepseek_v41 as d\ninit = d.LayerCache.__init__\n"
+                 "d.LayerCache.__init__ = lambda self, w: (init(self, w), delattr(self, 'pending_gate'))[0]",
+                 "deepseek_v41.LayerCache.pending_gate",
+                 marks=pytest.mark.skipif(compat.LayerCache is None,
+                                          reason="the installed mlx-lm has no deepseek_v41")),
 ])
 def test_missing_private_name_fails_at_import_naming_the_range(breakage: str, missing: str) -> None:
     run = _import_after(breakage)

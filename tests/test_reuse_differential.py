@@ -9,7 +9,8 @@ and one at the end of the request (prompt + reply). Budgets are large enough tha
 Asserted per request: paged-cache never caches fewer tokens than LRUPromptCache where
 LRUPromptCache's reuse gives the cold run's greedy tokens, and paged-cache's own greedy tokens
 always equal a cold run's. Variants: hot tier only, with the SSD tier, and across a restart
-(the manager is closed and reopened on the same directory halfway through the stream).
+(the manager is closed and reopened on the same directory halfway through the stream). The
+windowed layouts (gemma3_text, llama4) also get repeat-heavy streams with prompts up to 12 blocks.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 from paged_cache.config import CacheConfig
 from paged_cache.integrations.mlx_lm import PagedPromptCache
 from paged_cache.manager import PagedSSDCacheManager
+from paged_cache.testing import ARCHS as TINY_ARCHS
 from paged_cache.testing import tiny_model
 
 BLOCK = 16
@@ -40,8 +42,9 @@ MAX_PROMPT = 8 * BLOCK
 SYSTEMS = [random.Random(seed).choices(range(256), k=n) for seed, n in ((1, 37), (2, 52))]
 BIG = 1 << 30                        # budgets: nothing is evicted on either side
 
-ARCHS = ["llama", "gemma3_text", "qwen3_next", "mamba", "baichuan_m1", "llama4", "nemotron_h",
-         "falcon_h1", "granitemoehybrid", "jamba", "lfm2"]
+ARCHS = [a for a in ("llama", "gemma3_text", "qwen3_next", "mamba", "baichuan_m1", "llama4",
+                     "nemotron_h", "falcon_h1", "granitemoehybrid", "jamba", "lfm2", "deepseek_v41")
+         if a in TINY_ARCHS]   # deepseek_v41: mlx-lm 0.32 on
 VARIANTS = ["hot", "ssd", "restart"]
 RECURRENT = ["qwen3_next", "mamba", "baichuan_m1", "nemotron_h", "falcon_h1", "granitemoehybrid",
              "jamba", "lfm2"]
@@ -87,7 +90,7 @@ def _fresh(n: int, seed: int) -> list[int]:
     return [rng.randrange(256) for _ in range(n)]
 
 
-def _next_request(op: tuple, history: list[Req]) -> Req:
+def _next_request(op: tuple, history: list[Req], max_prompt: int = MAX_PROMPT) -> Req:
     """The request ``op`` describes, over the requests made so far (refs wrap around)."""
     if not history and op[0] != "new":
         op = ("new", 0, 8, op[-1])
@@ -99,12 +102,12 @@ def _next_request(op: tuple, history: list[Req]) -> Req:
         return Req(list(ref.prompt), ref.sys_end)
     if op[0] == "continue":
         prompt = ref.prompt + ref.reply + _fresh(op[2], op[3])
-        if len(prompt) <= MAX_PROMPT:
+        if len(prompt) <= max_prompt:
             return Req(prompt, ref.sys_end)
         op = ("branch", op[1], 999, op[2], op[3])  # too long: branch off its end instead
     cut = max(1, len(ref.prompt) * op[2] // 1000)
     prompt = ref.prompt[:cut] + _fresh(op[3], op[4])
-    return Req(prompt[:MAX_PROMPT], ref.sys_end if cut >= ref.sys_end else 0)
+    return Req(prompt[:max_prompt], ref.sys_end if cut >= ref.sys_end else 0)
 
 
 # ---------------------------------------------------------------------------- the server's path
@@ -165,7 +168,8 @@ def _manager(root: Path, variant: str) -> PagedSSDCacheManager:
                                             ssd_dir=root / "ssd", ssd_max_bytes=BIG))
 
 
-def drive(model: Any, variant: str, ops: list[tuple], memo: dict) -> tuple[list, list]:
+def drive(model: Any, variant: str, ops: list[tuple], memo: dict,
+          max_prompt: int = MAX_PROMPT) -> tuple[list, list]:
     """Drive ``ops`` through LRUPromptCache and PagedPromptCache. Returns one row per request
     (index, kind, prompt length, LRU cached, LRU tokens exact, paged cached) and the requests
     whose paged-cache greedy tokens differ from the cold run's."""
@@ -181,7 +185,7 @@ def drive(model: Any, variant: str, ops: list[tuple], memo: dict) -> tuple[list,
                     manager.close()
                     manager = _manager(Path(tmp), variant)
                     paged = PagedPromptCache.for_model(manager, model)
-                req = _next_request(op, history)
+                req = _next_request(op, history, max_prompt)
                 req.reply = _cold(model, req, memo)
                 history.append(req)
                 n_lru, t_lru = _serve(lru, model, req)
@@ -195,9 +199,10 @@ def drive(model: Any, variant: str, ops: list[tuple], memo: dict) -> tuple[list,
     return rows, wrong
 
 
-def check_stream(model: Any, variant: str, ops: list[tuple], memo: dict) -> None:
+def check_stream(model: Any, variant: str, ops: list[tuple], memo: dict,
+                 max_prompt: int = MAX_PROMPT) -> None:
     """Assert paged-cache's reuse (>= LRUPromptCache's where that is exact) and exactness."""
-    rows, wrong = drive(model, variant, ops, memo)
+    rows, wrong = drive(model, variant, ops, memo, max_prompt)
     short = [r for r in rows if r[4] and r[5] < r[3]]
     table = "\n".join(f"  #{i} {kind:8} prompt {n:3}: LRUPromptCache {a:3} "
                       f"({'exact' if ok else 'WRONG'}), paged-cache {b:3}"
@@ -213,6 +218,21 @@ def _cases(long: bool = False) -> list:
     return [pytest.param(arch, variant, id=f"{arch}-{variant}", marks=marks)
             for arch in ARCHS for variant in VARIANTS]
 
+
+# Repeat-heavy streams for the windowed layouts: conversations continued turn after turn up to
+# 12 blocks (past gemma3_text's 64-token window and many of llama4's 32-token chunks), exact
+# repeats of them, branches near their ends.
+REPEAT_PROMPT = 12 * BLOCK
+REPEATS = st.lists(st.one_of(_ops, st.tuples(st.just("continue"), _ref, st.integers(2, 24), _seed),
+                             st.tuples(st.just("repeat"), _ref), st.tuples(st.just("repeat"), _ref)),
+                   min_size=8, max_size=14)
+# Tried first: a 77-token prompt continued to 101, 118 and 143 tokens with a repeat after each
+# turn, a branch near the end of the longest, repeats of earlier turns, and a second
+# conversation over the other system prompt.
+REPEAT_SCENARIO = [("new", 0, 40, 1), ("continue", 0, 20, 2), ("repeat", 1), ("continue", 1, 13, 3),
+                   ("repeat", 3), ("continue", 3, 21, 4), ("repeat", 5), ("branch", 5, 900, 5, 5),
+                   ("repeat", 3), ("new", 1, 30, 6), ("continue", 9, 30, 7), ("repeat", 10),
+                   ("repeat", 5)]
 
 _SETTINGS = dict(deadline=None, derandomize=True, database=None,
                  phases=[Phase.explicit, Phase.generate],   # no shrinking: the table says enough
@@ -233,3 +253,12 @@ def test_paged_reuses_at_least_lru_and_is_exact(arch, variant, ops):
 @example(ops=SCENARIO)
 def test_paged_reuses_at_least_lru_and_is_exact_long(arch, variant, ops):
     check_stream(_model(arch), variant, ops, COLD.setdefault(arch, {}))
+
+
+@pytest.mark.parametrize("arch, variant", [pytest.param(a, v, id=f"{a}-{v}")
+                                           for a in ("llama4", "gemma3_text") for v in VARIANTS])
+@settings(max_examples=3, **_SETTINGS)
+@given(ops=REPEATS)
+@example(ops=REPEAT_SCENARIO)
+def test_repeat_heavy_streams_on_windowed_layouts(arch, variant, ops):
+    check_stream(_model(arch), variant, ops, COLD.setdefault(arch, {}), REPEAT_PROMPT)

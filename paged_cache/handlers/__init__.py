@@ -14,6 +14,7 @@ from paged_cache.handlers.base import LayerHandler, Part, Span
 from paged_cache.handlers.cache_list import CacheListHandler
 from paged_cache.handlers.kv import (ChunkedKVHandler, ConcatenateKVHandler, KVHandler,
                                      QuantizedKVHandler)
+from paged_cache.handlers.layer_cache import LayerCacheHandler
 from paged_cache.handlers.rotating import PreallocatedRotatingHandler, RotatingHandler
 
 __all__ = ["LayerHandler", "Part", "Span", "UnsupportedCacheError", "handler_for",
@@ -34,8 +35,8 @@ def register_handler(handler: LayerHandler) -> None:
 
 for _handler in (KVHandler(), ConcatenateKVHandler(), QuantizedKVHandler(), ChunkedKVHandler(),
                  RotatingHandler(), PreallocatedRotatingHandler(), ArraysHandler(),
-                 CacheListHandler()):
-    register_handler(_handler)
+                 CacheListHandler(), LayerCacheHandler()):
+    register_handler(_handler)  # LayerCacheHandler: no class to register before mlx-lm 0.32
 
 try:  # optional extra: mlx-vlm
     from paged_cache.handlers.turboquant import TurboQuantHandler

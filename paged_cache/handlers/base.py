@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator, Sequence
+from typing import Any, ClassVar, Iterable, Iterator, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -52,6 +52,12 @@ class LayerHandler:
     needs_snapshots: ClassVar[bool] = False  # rows/state cannot be sliced by token afterwards
     exact_end: ClassVar[bool] = False  # rebuilt only at the exact end of a node with its state
     reads_in_place: ClassVar[bool] = False  # rebuild takes stored tensors read into place later
+
+    def bind(self, model: Any, index: int) -> "LayerHandler":
+        """The handler for entry ``index`` of ``model``'s cache list: this one, or a configured
+        copy for a cache type whose layout depends on facts of the model its layer does not
+        hold (ValueError: this model's layout cannot be cached)."""
+        return self
 
     def layout(self, layer: Any) -> dict:
         """What makes this layer's KV incompatible with another's (goes into the fingerprint)."""
@@ -118,6 +124,16 @@ def detached(x: mx.array) -> mx.array:
     costs no second resident copy.
     """
     return mx.array(x)
+
+
+def union_of_plans(plans: Iterable[list[int] | None]) -> list[int] | None:
+    """The blocks every part of a layer needs (sorted), None as soon as one part has no plan."""
+    needed: set[int] = set()
+    for idx in plans:
+        if idx is None:
+            return None
+        needed.update(idx)
+    return sorted(needed)
 
 
 def token_slice(x: mx.array, a: int, b: int) -> mx.array:

@@ -9,7 +9,8 @@ from typing import Any, Sequence
 
 from mlx_lm.models.cache import CacheList
 
-from paged_cache.handlers.base import Arrays, Captured, LayerHandler, Part, Span
+from paged_cache.handlers.base import (Arrays, Captured, LayerHandler, Part, Span,
+                                       union_of_plans)
 
 
 def split_prefixed(arrays: Arrays, prefix: str, *, pop: bool = False) -> Arrays:
@@ -74,13 +75,9 @@ class CacheListHandler(LayerHandler):
         return arrays, desc
 
     def plan(self, layer: Any, spans: Sequence[Span], n: int) -> list[int] | None:
-        needed: set[int] = set()
-        for j, (member, handler) in enumerate(self.members(layer)):
-            idx = handler.plan(member, [Span(s.start, s.end, s.desc["members"][j]) for s in spans], n)
-            if idx is None:
-                return None
-            needed.update(idx)
-        return sorted(needed)
+        return union_of_plans(
+            handler.plan(member, [Span(s.start, s.end, s.desc["members"][j]) for s in spans], n)
+            for j, (member, handler) in enumerate(self.members(layer)))
 
     def rebuild(self, layer: Any, parts: Sequence[Part], n: int, capacity: int) -> Any:
         spans = [Span(p.start, p.end, p.desc) for p in parts]

@@ -7,6 +7,7 @@ paths are exactly those of the real architectures.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 import mlx.core as mx
@@ -114,9 +115,23 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         routed_scaling_factor=1.0, rms_norm_eps=1e-5, rope_theta=10000.0, mla_scale_q_lora=True,
         mla_scale_kv_lora=True, ngram_vocab_size_ratio=4, emb_neighbor_num=3, emb_split_num=2,
     ),
+    # DeepSeek-V4 (mlx-lm 0.32+): a 128-token sliding window on every layer, compressed groups of
+    # 4 tokens (layer 1, with index keys; layer 2 reads them) and of 128 tokens (layer 3, with
+    # index keys, and picking candidate blocks), layer 0 window only; hyper-connections, Sinkhorn mixing, sparse top-k attention.
+    "deepseek_v41": dict(
+        model_type="deepseek_v41", vocab_size=VOCAB, hidden_size=128, num_hidden_layers=4,
+        num_attention_heads=4, head_dim=64, q_lora_rank=32, qk_rope_head_dim=16, o_groups=2,
+        o_lora_rank=32, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
+        sliding_window=128, compress_ratios=(0, 4, 4, 128), kv_source_layer_ids=(1, 3),
+        index_source_layer_ids=(1, 2, 3), index_n_heads=4, index_head_dim=32, index_topk=4,
+        candidate_source_layer_id=3, candidate_topk_blocks=2, candidate_block_size=2,
+        rms_norm_eps=1e-6,
+    ),
 }
 
-ARCHS = tuple(ARCH_CONFIGS)
+# the architectures the installed mlx-lm has (deepseek_v41 arrived in 0.32)
+ARCHS = tuple(a for a, c in ARCH_CONFIGS.items()
+              if importlib.util.find_spec(f"mlx_lm.models.{c['model_type']}") is not None)
 
 
 def model_config(arch: str, **overrides: Any) -> dict[str, Any]:
