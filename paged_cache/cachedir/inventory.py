@@ -8,6 +8,7 @@ transaction (WAL: it never blocks a writer), and nothing here calls MLX or takes
 from __future__ import annotations
 
 import os
+import shlex
 import sqlite3
 import stat
 import time
@@ -18,8 +19,8 @@ import xxhash
 
 from paged_cache.block import HEX, KEY_HEX_LEN, is_key
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.manifest import (SCHEMA_VERSION, ManifestDamaged, ManifestError, Row,
-                                        damage, is_damage)
+from paged_cache.tiers.manifest import (ManifestDamaged, ManifestError, Row, blocks_columns,
+                                        damage, is_damage, schema_problem)
 from paged_cache.tiers.files import (MANIFEST_NAME, READ_FLAGS, STALE_SECONDS,
                                      SUFFIX_TO_COMPRESSION, pid_alive)
 
@@ -89,7 +90,7 @@ class CacheDir:
                                  f"a regular file or {BLOCKS_DIR}/ is missing)")
         self.manifest_path = manifest
         try:
-            with self._connect():  # validates the schema once
+            with self._connect():  # readable at all
                 pass
         except ManifestDamaged:
             pass  # `manifest_damage` reports it; reading rows raises ManifestError
@@ -99,10 +100,11 @@ class CacheDir:
         return _ReadTxn(self.manifest_path)
 
     def rows(self) -> dict[str, Row]:
-        """key -> manifest row for every row (reservations included), read in one transaction."""
+        """key -> manifest row for every row (reservations included), read in one transaction;
+        a manifest of an older schema is read too (the columns it lacks are None)."""
         with self._connect() as db:
             try:
-                cur = db.execute(f"SELECT {','.join(_COLUMNS)} FROM blocks")
+                cur = db.execute(f"SELECT {_select(db)} FROM blocks")
                 return {r[0]: Row(*r) for r in cur}
             except sqlite3.DatabaseError as exc:
                 raise _unreadable(self.manifest_path, exc) from None
@@ -111,8 +113,7 @@ class CacheDir:
         """The manifest row of ``key``, or None."""
         with self._connect() as db:
             try:
-                r = db.execute(f"SELECT {','.join(_COLUMNS)} FROM blocks WHERE key = ?",
-                               (key,)).fetchone()
+                r = db.execute(f"SELECT {_select(db)} FROM blocks WHERE key = ?", (key,)).fetchone()
             except sqlite3.DatabaseError as exc:
                 raise _unreadable(self.manifest_path, exc) from None
         return Row(*r) if r else None
@@ -122,7 +123,7 @@ class CacheDir:
         inode = os.stat(self.manifest_path, follow_symlinks=False).st_ino
         try:
             with self._connect() as db:
-                problem = damage(db)
+                problem = damage(db) or schema_problem(db)  # an older schema: migrated by repair
         except ManifestDamaged as exc:
             return exc
         except sqlite3.DatabaseError as exc:
@@ -187,14 +188,14 @@ class _ReadTxn:
         try:
             self.db = sqlite3.connect(uri, uri=True, timeout=10.0, isolation_level=None)
             self.db.execute("BEGIN")
-            row = self.db.execute("SELECT value FROM info WHERE name = 'schema'").fetchone()
+            if "key" not in blocks_columns(self.db):
+                raise ManifestError(f"{self.path}: not a paged-cache manifest (no blocks table)")
         except sqlite3.DatabaseError as exc:
             self._close()
             raise _unreadable(self.path, exc) from None
-        if row is None or row[0] != SCHEMA_VERSION:
+        except ManifestError:
             self._close()
-            raise ManifestError(f"{self.path}: manifest schema {row and row[0]!r}, this version "
-                                f"reads {SCHEMA_VERSION!r}")
+            raise
         return self.db
 
     def __exit__(self, *exc: object) -> None:
@@ -213,10 +214,17 @@ class _ReadTxn:
             self.db = None
 
 
+def _select(db: sqlite3.Connection) -> str:
+    """The select list of a Row from the ``blocks`` table: NULL for columns an older schema lacks."""
+    present = set(blocks_columns(db))
+    return ",".join(c if c in present else "NULL" for c in _COLUMNS)
+
+
 def _unreadable(path: Path, exc: sqlite3.DatabaseError) -> ManifestError:
     """The error for a manifest that cannot be read (ManifestDamaged when it is damage)."""
-    message = (f"{path}: unreadable manifest ({exc}); `paged-cache verify --repair` or opening the "
-               f"cache with the library rebuilds it from the block files")
+    repair = shlex.join(["paged-cache", "verify", "--repair", str(path.parent)])
+    message = (f"{path}: unreadable manifest ({exc}); `{repair}` or opening the cache with the "
+               f"library rebuilds it from the block files")
     if is_damage(exc):
         try:
             inode = os.stat(path, follow_symlinks=False).st_ino

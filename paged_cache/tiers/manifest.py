@@ -164,14 +164,14 @@ class Manifest:
             if db.execute("PRAGMA journal_mode = WAL").fetchone()[0].lower() != "wal":
                 raise ManifestError(f"{path}: WAL mode unavailable")
             with self._txn():
+                new = is_new(db)
+                problem = None if new else schema_problem(db)
+                if problem is not None:  # older or partial: rebuilt from the block files
+                    raise ManifestDamaged(f"{path}: {problem}", self.inode)
                 for stmt in _split_sql(_SCHEMA):
                     db.execute(stmt)
-                row = db.execute("SELECT value FROM info WHERE name='schema'").fetchone()
-                if row is None:
+                if new:
                     db.execute("INSERT INTO info VALUES ('schema', ?)", (SCHEMA_VERSION,))
-                elif row[0] != SCHEMA_VERSION:
-                    raise ManifestDamaged(f"{path}: manifest schema {row[0]!r}, expected "
-                                          f"{SCHEMA_VERSION!r}", self.inode)
         except ManifestError:
             self.close()
             raise
@@ -425,6 +425,32 @@ def _inode(path: Path) -> int | None:
         return os.stat(path, follow_symlinks=False).st_ino
     except FileNotFoundError:
         return None
+
+
+def is_new(db: sqlite3.Connection) -> bool:
+    """True when the database has no table yet (a manifest about to be created)."""
+    return db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0
+
+
+def blocks_columns(db: sqlite3.Connection) -> list[str]:
+    """The columns the ``blocks`` table has (none when there is no such table)."""
+    return [r[1] for r in db.execute("PRAGMA table_info(blocks)")]
+
+
+def schema_problem(db: sqlite3.Connection) -> str | None:
+    """Why ``db`` is not a manifest of this schema, None when it is. Told by the tables and
+    columns present, not by the info row alone: an older manifest that lost its info row or
+    table must never be taken for a new one (``is_new``: no table at all)."""
+    tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    row = db.execute("SELECT value FROM info WHERE name = 'schema'").fetchone() \
+        if "info" in tables else None
+    if row is None or row[0] != SCHEMA_VERSION:
+        what = f"schema {row[0]!r}" if row else "no schema row (an older or partial manifest)"
+        return f"manifest of {what}, this version uses schema {SCHEMA_VERSION!r}"
+    missing = [c for c in _COLUMNS if c not in blocks_columns(db)]
+    if missing:
+        return f"manifest table blocks lacks {', '.join(missing)}"
+    return None
 
 
 def damage(db: sqlite3.Connection) -> str | None:

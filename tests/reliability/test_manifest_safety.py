@@ -376,3 +376,54 @@ def test_the_manifest_size_is_reported_and_bounded_per_row(tmp_path: Path, recor
     assert reported == database + wal
     assert database <= rows * MANIFEST_ROW_BOUND + (64 << 10)   # the bounds docs/file-format.md
     assert wal <= WAL_LIMIT_BYTES + (64 << 10)                    # gives for the manifest
+
+
+# ------------------------------------------------------------------------------ older manifests
+
+def _schema_one(root: Path, variant: str) -> None:
+    """Turn the manifest into what paged-cache wrote before the chain columns (schema 1), whole
+    ("proper": its info row says 1) or damaged / partial (no info row, no info table)."""
+    db = sqlite3.connect(root / MANIFEST_NAME, isolation_level=None)
+    try:
+        for column in ("start", "token_ids", "checkpoint", "restorable"):
+            db.execute(f"ALTER TABLE blocks DROP COLUMN {column}")
+        db.execute({"proper": "UPDATE info SET value = '1' WHERE name = 'schema'",
+                    "no-info-row": "DELETE FROM info",
+                    "no-info-table": "DROP TABLE info"}[variant])
+    finally:
+        db.close()
+
+
+@pytest.mark.parametrize("variant", ["proper", "no-info-row", "no-info-table"])
+def test_an_older_manifest_is_migrated_never_taken_for_a_new_one(
+        tmp_path: Path, variant: str, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    caplog.set_level(logging.WARNING, logger="paged_cache")
+    for name in [n for n in os.environ if n.startswith("PAGED_CACHE_")]:
+        monkeypatch.delenv(name)  # the CLI reads them
+    blocks = _stored(tmp_path, "old", 12)
+    keys = {b.key for b in blocks}
+    _schema_one(tmp_path, variant)
+
+    status, out, err = run_cli("inspect", str(tmp_path))          # the CLI reads it
+    assert status == 0 and "Traceback" not in out + err, err
+    status, out, err = run_cli("verify", str(tmp_path))            # reports it with a command
+    assert status == 1 and "schema" in out, out + err               # that works for this DIR
+    assert f"paged-cache verify --repair {tmp_path}" in out
+    status, out, err = run_cli("verify", "--repair", str(tmp_path))    # and migrates it
+    assert status == 0 and "Traceback" not in out + err, out + err
+    assert run_cli("verify", str(tmp_path))[0] == 0
+    assert set(manifest_rows(tmp_path)) == keys
+
+    _schema_one(tmp_path, variant)                                 # old again: the library
+    with manager_at(tmp_path) as manager:                          # migrates it at open
+        assert all(same_block(manager.get(b.key), b) for b in blocks)
+        more = [block_for(key_of(i, "old-after")) for i in range(4)]
+        for block in more:
+            manager.put(block)
+        manager.flush()
+        ssd = manager.stats()["ssd"]
+        assert ssd["manifest_rebuilds"] == 1 and ssd["adopted"] == len(blocks)
+        assert ssd["write_errors"] == 0 and "ssd_error" not in manager.stats()
+    assert set(manifest_rows(tmp_path)) == keys | {b.key for b in more}
+    assert set(audit(tmp_path).files) == keys | {b.key for b in more}
