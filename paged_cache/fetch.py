@@ -163,8 +163,8 @@ def _nodes_for(search: _Search, n: int) -> list[list[tuple[ChainNode, int]]]:
                           and c.node.key not in keys], n)
         out += [chosen + [(state.node, n - state.start)] for state in states] or [chosen]
     if not search.pc.layout.full_history:
-        # then the same with every other node holding the request's tokens before n: a window's
-        # rows a block lacks may be in a checkpoint or an earlier partial tail
+        # then the same with the other nodes whose tokens are all the request's before n: a
+        # window's rows a block lacks may be in a checkpoint or an earlier partial tail
         out += [more for more in (_with_helpers(search, chosen, n) for chosen in out)
                 if len(more) > len(chosen)]
     return out[:MAX_OPTIONS]
@@ -172,10 +172,12 @@ def _nodes_for(search: _Search, n: int) -> list[list[tuple[ChainNode, int]]]:
 
 def _with_helpers(search: _Search, chosen: list[tuple[ChainNode, int]],
                   n: int) -> list[tuple[ChainNode, int]]:
-    """``chosen`` plus the other candidates starting before ``n``, each used up to ``n``."""
+    """``chosen`` plus the other whole candidates starting before ``n`` (at most MAX_OPTIONS),
+    each used up to ``n``."""
     keys = {node.key for node, _ in chosen}
-    return chosen + [(c.node, min(c.end, n) - c.start) for c in _ranked(search.cands, n)
-                     if c.start < n and c.node.key not in keys]
+    helpers = [c for c in _ranked(search.cands, n)
+               if c.whole and c.start < n and c.node.key not in keys][:MAX_OPTIONS]
+    return chosen + [(c.node, min(c.end, n) - c.start) for c in helpers]
 
 
 _DAMAGED = Found(None, 0, "miss", 0, 0)  # a payload read into place failed its checksum
