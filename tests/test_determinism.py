@@ -102,6 +102,8 @@ def _in_fresh_interpreter(hash_seed: str, arch: str, variant: str) -> dict:
 def test_one_stream_gives_the_same_counts_under_every_hash_seed(arch: str, variant: str) -> None:
     runs = [_in_fresh_interpreter(seed, arch, variant) for seed in SEEDS]
     assert runs[0]["cached"], "the stream served no request"
+    if arch == "gemma3_text":  # the block holding rows 0-1 is found whichever is listed first
+        assert runs[0]["cached"][:6] == [2] * 6
     for seed, other in zip(SEEDS[1:], runs[1:]):
         assert other == runs[0], (f"PYTHONHASHSEED={SEEDS[0]} and {seed} differ:\n"
                                   f"{runs[0]}\n{other}")
