@@ -4,7 +4,8 @@
   twice: warm (MLX's buffer cache may keep freed buffers, ``mx.set_cache_limit`` raised as a
   server would, vs a copy into a reused buffer) and with fresh pages (MLX's default cache limit,
   and every freed page handed back to the OS before each run, so the rebuilt buffers are faulted
-  in, vs a copy into freshly mapped memory);
+  in, vs a copy into freshly mapped memory); and the cost of a loan (hot_cache_only: the lent
+  blocks' digest) against the same hand-over with an SSD copy (no loan);
 - SSD: ``prefix.fetch`` with the page cache dropped (POSIX_FADV_DONTNEED on every block file) vs
   a raw sequential read of the same files, dropped the same way (goal >= 0.7); with lz4 vs the
   bare read + lz4 decompression of the same files (goal >= 0.7); and the restore at 1, 2 and 4
@@ -84,11 +85,16 @@ def _fetch(prefix: BlockAwarePrefixCache, tokens: list[int], expect: int, tier: 
     return cache
 
 
-def _hot(ctx: Context, model, cache, tokens, n, payload, repeats, warm: bool):
+def _hot(ctx: Context, model, cache, tokens, n, payload, repeats, warm: bool, loan: bool = True):
     """Hot restores: warm (MLX's cache limit raised as a server would, so a restore reuses the
     previous one's freed buffers) or onto fresh pages (every freed page handed back to the OS
-    before each run, untimed, so the rebuilt buffers are faulted in)."""
-    config = CacheConfig(block_size=BLOCK, hot_cache_only=True, hot_cache_max_bytes=3 * payload)
+    before each run, untimed, so the rebuilt buffers are faulted in). ``loan``: hot_cache_only,
+    the blocks are lent (their digest taken, loans.py); else they also sit on SSD (write-through)
+    and are handed over without a loan."""
+    config = CacheConfig(block_size=BLOCK, hot_cache_only=True, hot_cache_max_bytes=3 * payload) \
+        if loan else CacheConfig(block_size=BLOCK, hot_cache_max_bytes=3 * payload,
+                                 ssd_dir=ctx.scratch / "restore-hand-over", ssd_max_bytes=4 * payload,
+                                 write_policy="write-through")
     limit = mx.set_cache_limit(2 * payload) if warm else None  # else MLX's default
     setup = None if warm else return_pages
     try:
@@ -104,6 +110,8 @@ def _hot(ctx: Context, model, cache, tokens, n, payload, repeats, warm: bool):
     finally:
         if limit is not None:
             mx.set_cache_limit(limit)
+        if not loan:
+            shutil.rmtree(ctx.scratch / "restore-hand-over", ignore_errors=True)
         settle()
     return timing
 
@@ -162,6 +170,11 @@ def run(ctx: Context) -> dict:
             invert=True, meaning="memcpy time / restore time (throughput ratio)", goal=0.5,
             goal_op=">=", tokens=n, bytes=payload, restore_gib_s=gib_s(hot[warm]),
             memcpy_gib_s=gib_s(copy)))
+    no_loan = _hot(ctx, model, cache, tokens, n, payload, repeats, True, loan=False)
+    figures.append(figure(
+        FAMILY, "hot restore lent (hot_cache_only) vs handed over without a loan", measured=hot[True],
+        baseline=no_loan, invert=True, tokens=n, bytes=payload,
+        meaning="restore time without a loan / with one (the lent blocks' digest, warm)"))
     floor = _mlx_concat(cache, n, repeats)
     figures.append(figure(FAMILY, "hot restore (warm) vs MLX concatenate of the same blocks",
                           measured=hot[True], baseline=floor, invert=True,
