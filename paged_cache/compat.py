@@ -86,10 +86,21 @@ def _check_rotating() -> list[str]:
     return missing
 
 
+# mlx_lm.models.pipeline.PipelineMixin: the attributes its pipeline() sets on the layer stack
+_PIPELINE_NAMES = ("pipeline_size", "start_idx", "end_idx")
+
+
+def _check_pipeline() -> list[str]:
+    from mlx_lm.models.pipeline import PipelineMixin
+
+    stack = PipelineMixin()
+    return [f"PipelineMixin.{n}" for n in _PIPELINE_NAMES if not hasattr(stack, n)]
+
+
 def _check_mlx_lm() -> None:
     from mlx_lm import server
 
-    missing = _check_rotating()
+    missing = _check_rotating() + _check_pipeline()
     missing += [f"mlx_lm.server.{n}" for n in _SERVER_NAMES if not hasattr(server, n)]
     if missing or not _in_range(_version("mlx-lm"), MLX_LM_RANGE):
         raise _fail("mlx-lm", MLX_LM_RANGE, missing)
@@ -285,6 +296,18 @@ def server_parser() -> argparse.ArgumentParser:
     finally:
         argparse.ArgumentParser.parse_args = original  # type: ignore[method-assign]
     raise _fail("mlx-lm", MLX_LM_RANGE, ["mlx_lm.server.main parsing its options"])
+
+
+# ----------------------------------------------------------------------------- pipeline
+
+def pipeline_layers(model: Any) -> tuple[int, int] | None:
+    """[start, end) of the layer numbers this pipeline rank runs; None when ``model`` is not
+    split into pipeline stages (mlx-lm's pipeline() keeps layer numbers: the first ones are
+    None on every rank but the last)."""
+    for _, module in model.named_modules():
+        if getattr(module, "pipeline_size", 1) > 1:
+            return int(module.start_idx), int(module.end_idx)
+    return None
 
 
 # ----------------------------------------------------------------------------- mlx-vlm

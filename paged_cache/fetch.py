@@ -77,12 +77,12 @@ class _Search:
     blocks: dict[str, Block | None] = field(default_factory=dict)
 
 
-def find(pc: Any, ids: np.ndarray) -> Found:
-    """Search and rebuild for the token ids ``ids`` (see module doc); ``Found.cache`` is None on
-    a miss."""
+def find(pc: Any, ids: np.ndarray, limit: int | None = None) -> Found:
+    """Search and rebuild for the token ids ``ids`` (see module doc), at most ``limit`` tokens
+    (default and cap: all but the last); ``Found.cache`` is None on a miss."""
     layout, bs = pc.layout, pc.block_size
     total = len(ids)
-    limit = total - 1
+    limit = total - 1 if limit is None else min(limit, total - 1)
     keys = chain_keys(layout.fingerprint, pc.namespace, ids[:total - total % bs], bs)
     tiers, kids = pc.manager.chain(keys, layout.fingerprint, pc.namespace)
     held = tiers.index(None) if None in tiers else len(keys)
@@ -111,7 +111,7 @@ def find(pc: Any, ids: np.ndarray) -> Found:
         if found is _DAMAGED:
             # a payload failed its checksum while read into place (its file is removed now):
             # search again, the chain now ends before that block
-            return find(pc, ids)
+            return find(pc, ids, limit)
         if found is not None:
             found.shared = shared_max
             return found

@@ -210,10 +210,15 @@ def model_identity(model: Any, model_id: str | None = None) -> str:
     return "model:" + hashlib.blake2b(payload.encode(), digest_size=32).hexdigest()
 
 
-def model_fingerprint(identity: str, layout: Iterable[dict], block_size: int) -> str:
+def model_fingerprint(identity: str, layout: Iterable[dict], block_size: int,
+                      shard: dict | None = None) -> str:
     """Fingerprint of model identity + per-entry cache layout (class, dtype, heads, dims, ...) +
-    block size: chains of different block sizes on one directory never meet (a cache would take
-    the other's full blocks for partial tails of its own and discard them)."""
-    payload = json.dumps({"model": identity, "layout": list(layout), "block_size": block_size},
-                         sort_keys=True)
+    block size (+ the rank's shard of a model split over several ranks): chains of different
+    block sizes on one directory never meet (a cache would take the other's full blocks for
+    partial tails of its own and discard them), nor do two ranks' shards (equal shapes, other
+    heads or layers)."""
+    fields: dict[str, Any] = {"model": identity, "layout": list(layout), "block_size": block_size}
+    if shard is not None:
+        fields["shard"] = shard
+    payload = json.dumps(fields, sort_keys=True)
     return _digest(b"paged-cache/fingerprint/v1", payload.encode())

@@ -1,8 +1,9 @@
 """CacheLayout: what a model's cache list looks like, learned once by a 1-token dry run.
 
 It holds one handler per entry, each entry's layout (class, dtype, heads, window: what makes two
-caches incompatible) and the fingerprint of model identity + layout + block size that every chain
-key commits to. It checks a live cache list against that layout before it is stored.
+caches incompatible) and the fingerprint of model identity + layout + block size (+ the rank's
+shard of a sharded model) that every chain key commits to. It checks a live cache list against
+that layout before it is stored.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import mlx.core as mx
 
 from paged_cache.handlers import (LayerHandler, UnsupportedCacheError, layer_needs_exact_end,
                                   layer_needs_snapshots, require_handler)
+from paged_cache.distributed import Shard
 from paged_cache.hashing import model_fingerprint
 
 logger = logging.getLogger("paged_cache.layout")
@@ -23,10 +25,11 @@ class CacheLayout:
     """The handlers, layouts and fingerprint of one model's cache list (``make_cache()``)."""
 
     def __init__(self, model: Any, identity: str, make_cache: Callable[[], list],
-                 block_size: int) -> None:
+                 block_size: int, shard: Shard | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.identity = identity
+        self.shard = shard  # this rank's shard of a model split over several ranks
         self.make_cache = make_cache
         self.fingerprint: str | None = None
         self.unsupported: str | None = None
@@ -62,7 +65,8 @@ class CacheLayout:
         self.snapshot_layers = snapshot_layers
         self.full_history = not any(snapshot_layers)
         self.exact_end = any(layer_needs_exact_end(layer) for layer in template)
-        self.fingerprint = model_fingerprint(self.identity, self.layouts, self.block_size)
+        self.fingerprint = model_fingerprint(self.identity, self.layouts, self.block_size,
+                                             self.shard.identity() if self.shard else None)
         return True
 
     def check(self, cache: Any, n_tokens: int) -> None:

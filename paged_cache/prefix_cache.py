@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import mlx.core as mx
+import numpy as np
 
-from paged_cache.fetch import find
+from paged_cache.distributed import WORLD, Agreement, resolve_group, shard_of
+from paged_cache.fetch import Found, find
 from paged_cache.handlers import layer_needs_snapshots
 from paged_cache.handlers.base import Captured
 from paged_cache.hashing import model_identity, token_ids
@@ -70,7 +72,7 @@ class BlockAwarePrefixCache:
 
     def __init__(self, manager: Any, model: Any, *, model_id: str | None = None,
                  namespace: str | None = None, make_cache: Callable[[], list] | None = None,
-                 headroom: int = 64, model_name: str | None = None) -> None:
+                 headroom: int = 64, model_name: str | None = None, group: Any = WORLD) -> None:
         if namespace is not None and not isinstance(namespace, str):
             raise TypeError(f"namespace: expected a str or None, got {type(namespace).__name__}")
         if make_cache is not None and not callable(make_cache):
@@ -88,8 +90,13 @@ class BlockAwarePrefixCache:
         if make_cache is None:
             from mlx_lm.models.cache import make_prompt_cache
             make_cache = lambda: make_prompt_cache(model)  # noqa: E731
+        # A model split over several ranks: this rank's shard is part of every key, and each
+        # fetch ends where every rank of the group can rebuild (distributed.py)
+        self.group = resolve_group(group)
+        self.shard = shard_of(model, self.group)
+        self._agreement = Agreement(self.group) if self.group is not None else None
         self.layout = CacheLayout(model, model_identity(model, model_id), make_cache,
-                                  manager.config.block_size)
+                                  manager.config.block_size, self.shard)
         self._stats = dict.fromkeys(
             ("hits", "misses", "tokens_requested", "tokens_matched", "tokens_saved",
              "partial_block_tokens_lost", "walkbacks", "walkback_tokens_lost", "stores",
@@ -218,7 +225,9 @@ class BlockAwarePrefixCache:
         st["tokens_requested"] += total
         if len(self._loans):
             self._loans.settle(self._held, tokens)
-        found = find(self, tokens) if total >= 2 and self.layout.ready() else None
+        found = self._find(tokens)
+        if self._agreement is not None:
+            found = self._agree(tokens, found)
         n = found.n if found is not None else 0
         if found is not None:
             self._count_loss(min(found.shared, total - 1), n)
@@ -237,6 +246,51 @@ class BlockAwarePrefixCache:
                      n, total, self.last_fetch.tier, self.last_fetch.blocks, seconds * 1e3)
         return (found.cache, n) if n else (None, 0)
 
+    def _find(self, tokens: np.ndarray, limit: int | None = None) -> Found | None:
+        """This rank's longest rebuild of ``tokens`` (at most ``limit`` tokens), or None. In a
+        group an error is a miss (logged, counted): a rank must never leave the collective."""
+        if len(tokens) < 2 or not self.layout.ready():
+            return None
+        if self._agreement is None:
+            return find(self, tokens, limit)
+        try:
+            return find(self, tokens, limit)
+        except Exception as exc:  # noqa: BLE001 - the other ranks wait in the agreement
+            self._agreement.counters["fetch_errors"] += 1
+            logger.warning("fetch failed on rank %d, proposing a miss to the group: %r",
+                           self.group.rank(), exc, exc_info=exc)
+            return None
+
+    def _agree(self, tokens: np.ndarray, found: Found | None) -> Found | None:
+        """The group's fetch: the longest prefix every rank rebuilt. A rank above the shortest
+        proposal gives back what it took and searches again below it, until all agree."""
+        agreement = self._agreement
+        agreement.counters["agreements"] += 1
+        n, shared = (found.n, found.shared) if found is not None else (0, 0)
+        mine = n
+        longest, shortest, shared = agreement.propose(n, shared)
+        while longest != shortest:
+            if n > shortest:
+                self._drop(tokens, found)
+                found = self._find(tokens, shortest) if shortest else None
+                n = found.n if found is not None else 0
+            longest, shortest, _ = agreement.propose(n, 0)
+        agreement.counters["tokens_given_up_to_group"] += mine - n
+        if found is None:
+            return Found(None, 0, "miss", 0, shared)
+        found.shared = shared  # the shortest stored match of the group: chunking stays in step
+        return found
+
+    def _drop(self, tokens: np.ndarray, found: Found | None) -> None:
+        """Discard a rebuilt cache the group did not agree on, storing back the blocks it took
+        from the hot tier (its live cache was their only copy)."""
+        if found is None or found.cache is None or not found.taken:
+            return
+        try:
+            store_chain(self, tokens[:found.n], found.cache, {}, consume=True)
+        except Exception as exc:  # noqa: BLE001 - a lost block costs reuse, never the group
+            logger.warning("could not store back the blocks of a dropped fetch: %r", exc)
+
     def _held(self, keys: list[str]) -> bool:
         return all(t is not None for t in self.manager.tiers_of(keys))
 
@@ -253,9 +307,14 @@ class BlockAwarePrefixCache:
 
     # ------------------------------------------------------------------ stats
 
-    STAT_GAUGES = frozenset({"loans_open"})  # stats(): the rest are counters
+    STAT_GAUGES = frozenset({"loans_open", "rank", "group_size"})  # stats(): the rest count
 
     def stats(self) -> dict:
         """Counters: hits/misses, tokens requested/matched/saved/lost, blocks, loans, timings;
-        and the loans open now (a gauge)."""
-        return {**self._stats, **self._loans.counters, "loans_open": len(self._loans)}
+        and the loans open now (a gauge). In a group, also the rank, the group's size, this
+        rank's shard and the agreement's counters."""
+        out = {**self._stats, **self._loans.counters, "loans_open": len(self._loans)}
+        if self._agreement is not None:
+            out.update(self._agreement.counters, rank=self.group.rank(),
+                       group_size=self.group.size(), shard=self.shard.describe())
+        return out

@@ -26,7 +26,7 @@ from paged_cache.chain_index import ChainNode
 from paged_cache.handlers import restorable_at_end
 from paged_cache.hashing import ROOT_PARENT, chain_keys, checkpoint_key
 from paged_cache.loans import digest
-from paged_cache.tiers.format import META_LAYERS, META_MODEL_NAME, META_NAMESPACE
+from paged_cache.tiers.format import META_LAYERS, META_MODEL_NAME, META_NAMESPACE, META_SHARD
 
 ON_DISK = ("ssd", "remote")  # tiers a block is read from with I/O (a store brings it to RAM)
 
@@ -188,9 +188,12 @@ def _tail_to_checkpoint(pc: Any, tail: ChainNode) -> None:
 
 
 def _meta(pc: Any, node: ChainNode, descs: list[dict]) -> dict[str, str]:
-    """A node's block meta: its chain fields, layer descriptors, namespace and model name."""
-    return {**node.to_meta(), META_LAYERS: json.dumps(descs), META_NAMESPACE: pc.namespace,
+    """A node's block meta: its chain fields, layer descriptors, namespace, model name (and shard)."""
+    meta = {**node.to_meta(), META_LAYERS: json.dumps(descs), META_NAMESPACE: pc.namespace,
             META_MODEL_NAME: pc.model_name}
+    if pc.shard is not None:
+        meta[META_SHARD] = pc.shard.describe()
+    return meta
 
 
 def _positions(snaps: dict, n: int) -> list[int]:

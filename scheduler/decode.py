@@ -98,8 +98,11 @@ class BatchDecoder:
 
     def _generator(self) -> BatchGenerator:
         if self._gen is None:
+            # on this thread's default stream, like the prefill: the ranks of a sharded model
+            # then run the model's collectives (and a fetch's agreement) in one order
             self._gen = BatchGenerator(self.model, completion_batch_size=self.max_batch,
-                                       prefill_batch_size=self.max_batch)
+                                       prefill_batch_size=self.max_batch,
+                                       stream=mx.default_stream(mx.default_device()))
         return self._gen
 
     def add(self, req: Request) -> None:

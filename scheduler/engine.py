@@ -16,6 +16,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from paged_cache.caches import cache_layout, make_bounded_cache
+from paged_cache.distributed import WORLD, any_rank, resolve_group
 from scheduler.chunks import next_chunk_end
 from scheduler.decode import BatchDecoder, SequentialDecoder, is_batchable
 from scheduler.request import GenerationResult, Request, Sampler, State
@@ -25,6 +26,10 @@ logger = logging.getLogger("paged_cache.scheduler")
 
 DEFAULT_BLOCK_SIZE = 256
 DEFAULT_SNAPSHOT_MAX_BYTES = 256 * 2**20
+
+
+def _describe(group: Any) -> str:
+    return "no group" if group is None else f"rank {group.rank()} of {group.size()}"
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -53,19 +58,30 @@ class Scheduler:
     layout needs boundary snapshots), ``max_kv_size`` / ``keep`` /
     ``preallocate`` (bounded rotating windows, see ``make_bounded_cache``), ``snapshot_max_bytes``
     (per-request snapshot bound), ``max_batch`` (requests in flight), ``caching`` (fetch/store on
-    or off) and ``batch_decode`` (None: batch through BatchGenerator when the layout allows).
+    or off), ``batch_decode`` (None: batch through BatchGenerator when the layout allows) and
+    ``group`` (a model sharded over several ranks: every rank runs the same Scheduler calls;
+    default: the prefix cache's group; the ranks agree once on how to chunk and decode).
     """
 
     def __init__(self, model: nn.Module, prefix_cache: Any = None, *,
                  block_size: Optional[int] = None, prefill_chunk_size: Optional[int] = None,
                  max_kv_size: Optional[int] = None, keep: int = 4, preallocate: bool = True,
                  snapshot_max_bytes: int = DEFAULT_SNAPSHOT_MAX_BYTES, max_batch: int = 8,
-                 caching: bool = True, batch_decode: Optional[bool] = None) -> None:
+                 caching: bool = True, batch_decode: Optional[bool] = None,
+                 group: Any = WORLD) -> None:
         self.model = model
         self.prefix_cache = prefix_cache
+        self.group = self._pick_group(prefix_cache, group)
         self.block_size = self._pick_block_size(prefix_cache, block_size)
         self.caching = bool(caching) and prefix_cache is not None
-        self._needs_snapshots = self.caching and bool(prefix_cache.needs_snapshots)
+        self._make_cache = self._cache_factory(max_kv_size, keep, preallocate)
+        needs_snapshots = self.caching and bool(prefix_cache.needs_snapshots)
+        batchable = is_batchable(self._make_cache())
+        if self.group is not None:
+            # a sharded model: every rank must chunk and decode alike, whatever its own layers
+            needs_snapshots, unbatchable = any_rank(self.group, [needs_snapshots, not batchable])
+            batchable = not unbatchable
+        self._needs_snapshots = needs_snapshots
         if prefill_chunk_size is None:
             # recurrent / windowed layouts: state is captured between forward calls, so one block
             # per chunk gives a restorable position at every block boundary (see docs/scheduler.md)
@@ -79,9 +95,6 @@ class Scheduler:
         self.max_batch = _positive_int("max_batch", max_batch)
         SnapshotStore(snapshot_max_bytes)  # validates the bound once, here
         self.snapshot_max_bytes = snapshot_max_bytes
-        self._make_cache = self._cache_factory(max_kv_size, keep, preallocate)
-
-        batchable = is_batchable(self._make_cache())
         if batch_decode and not batchable:
             raise ValueError("batch_decode: this cache layout cannot be batched (a layer has no "
                              "merge, or a rotating window keeps attention-sink rows)")
@@ -97,6 +110,20 @@ class Scheduler:
         self._logged_errors: set[str] = set()  # kinds of prefix-cache error logged at WARNING
 
     # -- construction helpers -------------------------------------------------------------
+
+    @staticmethod
+    def _pick_group(prefix_cache: Any, group: Any) -> Any:
+        """The prefix cache's group by default; an explicit one must match it."""
+        if prefix_cache is None or not hasattr(prefix_cache, "group"):
+            return resolve_group(group)
+        if group is not WORLD:
+            mine = resolve_group(group)
+            theirs = prefix_cache.group
+            if (mine is None) != (theirs is None) or (
+                    mine is not None and (mine.rank(), mine.size()) != (theirs.rank(), theirs.size())):
+                raise ValueError(f"group: {_describe(mine)} differs from the prefix cache's "
+                                 f"{_describe(theirs)}; leave it unset")
+        return prefix_cache.group
 
     @staticmethod
     def _pick_block_size(prefix_cache: Any, block_size: Optional[int]) -> int:

@@ -1,7 +1,7 @@
 """Write a tiny random-weight model directory that ``mlx_lm.load(DIR)`` loads with no network.
 
-The directory holds ``config.json``, ``model.safetensors`` (the model's real parameter names) and
-a real byte-level tokenizer (``tokenizer.json`` + ``tokenizer_config.json`` with a ChatML chat
+The directory holds ``config.json``, ``model.safetensors`` (the model's real parameter names) with
+its ``model.safetensors.index.json`` (what a sharded load reads), and a real byte-level tokenizer (``tokenizer.json`` + ``tokenizer_config.json`` with a ChatML chat
 template). Generated text is meaningless; the cache classes, shapes and serving paths are real.
 
 Vocabulary: the 256 byte tokens (ids 0-255, GPT-2 byte-to-unicode alphabet, no merges, so every
@@ -37,7 +37,7 @@ CHAT_TEMPLATE = (
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
-# Command-line size options -> the config key they set (nested under text_config for llama4).
+# Command-line size options -> the config key they set (nested under text_config for llama4 and qwen3_5).
 SIZE_KEYS = {
     "layers": "num_hidden_layers",
     "hidden": "hidden_size",
@@ -89,7 +89,10 @@ def dir_model_config(arch: str, **sizes: Any) -> dict[str, Any]:
     base = model_config(arch)
     nested = "text_config" in base
     inner = dict(base["text_config"]) if nested else base
-    args_class = importlib.import_module(f"mlx_lm.models.{inner['model_type']}").ModelArgs
+    # the text model's arguments: a module of their own (llama4_text) or the model's (qwen3_5)
+    module = importlib.import_module(f"mlx_lm.models.{base['model_type']}")
+    args_class = getattr(module, "TextModelArgs", None) or importlib.import_module(
+        f"mlx_lm.models.{inner['model_type']}").ModelArgs
     fields = {f.name for f in dataclasses.fields(args_class)}
     for name, value in sizes.items():
         if value is None:
@@ -145,6 +148,10 @@ def write_model_dir(path: str | Path, arch: str = "llama", *, seed: int = 0,
     if printable_replies:
         _printable_only(weights)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    # the weight index of a split checkpoint: mlx-lm's sharded_load (a model split over several
+    # ranks) reads it to pick each rank's files
+    index = {"metadata": {}, "weight_map": {name: "model.safetensors" for name in sorted(weights)}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
     (out / "config.json").write_text(json.dumps(config_out, indent=2) + "\n")
     tokenizer.save(str(out / "tokenizer.json"))
     tokenizer_config = {

@@ -38,6 +38,20 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         rms_norm_eps=1e-6, vocab_size=VOCAB, rope_theta=10000.0, partial_rotary_factor=0.5,
         max_position_embeddings=4096, full_attention_interval=2,
     ),
+    # Tensor parallel (shard) and pipeline stages both; dense MLPs (no experts)
+    "qwen3_5": dict(
+        model_type="qwen3_5",
+        text_config=dict(
+            model_type="qwen3_5_text", hidden_size=64, num_hidden_layers=4,
+            intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+            linear_value_head_dim=16, linear_conv_kernel_dim=3, full_attention_interval=2,
+            rms_norm_eps=1e-6, vocab_size=VOCAB, tie_word_embeddings=True,
+            max_position_embeddings=4096,
+            rope_parameters=dict(type="default", mrope_section=[2, 1, 1], rope_theta=10000.0,
+                                 partial_rotary_factor=0.5),
+        ),
+    ),
     "mamba": dict(
         model_type="mamba", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
         state_size=16, num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True,

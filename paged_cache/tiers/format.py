@@ -45,6 +45,8 @@ META_RESTORABLE = "restorable"  # "1": every layer that cannot be cut by token i
 # Block meta keys read from the file only (set by the prefix cache).
 META_NAMESPACE = "namespace"    # the namespace hashed into the block's key (docs/file-format.md)
 META_MODEL_NAME = "model_name"  # the model as given at serve time (for people; not in the key)
+META_SHARD = "shard"            # a sharded model's rank and what it holds (for people; the
+                                # shard itself is in the fingerprint, so in the key)
 
 
 @dataclass(frozen=True)

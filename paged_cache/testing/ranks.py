@@ -1,0 +1,102 @@
+"""Several MLX distributed ranks on this machine, for tests and benchmarks of sharded models.
+
+``launch`` runs a program on ``ranks`` processes with ``mlx.launch --backend ring`` on 127.0.0.1
+(it ships with mlx; nothing else is needed), on ports nobody listens on, and turns a hang (a
+rank that skipped a collective stalls the others) into ``LaunchTimeout`` after killing every
+rank.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+
+class LaunchTimeout(RuntimeError):
+    """The ranks did not finish in time (killed): a hang, with what they printed."""
+
+
+def launcher() -> list[str]:
+    """The ``mlx.launch`` command of this interpreter's environment."""
+    beside = Path(sys.executable).parent / "mlx.launch"
+    found = str(beside) if beside.exists() else shutil.which("mlx.launch")
+    if found is None:
+        raise RuntimeError("mlx.launch not found beside the interpreter or on PATH: install mlx")
+    return [found]
+
+
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive TCP ports on 127.0.0.1 nobody listens on now."""
+    for _ in range(200):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base + count > 65535:
+            continue
+        try:
+            held = []
+            for port in range(base, base + count):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+        return base
+    raise RuntimeError(f"no {count} consecutive free ports on 127.0.0.1")
+
+
+def launch_command(argv: Sequence[str], *, ranks: int = 2, module: bool = False) -> list[str]:
+    """The mlx.launch command line that runs ``argv`` (a script and its arguments, or with
+    ``module`` a module name and its arguments) on ``ranks`` local ranks."""
+    return [*launcher(), "--backend", "ring", "-n", str(ranks),
+            "--starting-port", str(free_ports(ranks)), "--python", sys.executable,
+            *(["-m"] if module else []), *argv]
+
+
+def start(argv: Sequence[str], *, ranks: int = 2, module: bool = False,
+          env: dict[str, str] | None = None, **popen: object) -> subprocess.Popen:
+    """Start the ranks in their own process group (``stop`` ends them all)."""
+    return subprocess.Popen(launch_command(argv, ranks=ranks, module=module),
+                            env={**os.environ, **(env or {})}, start_new_session=True,
+                            **popen)  # type: ignore[call-overload]
+
+
+def stop(process: subprocess.Popen, grace: float = 5.0) -> None:
+    """End the launcher and every rank: SIGTERM to the group, SIGKILL after ``grace`` seconds."""
+    if process.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def launch(argv: Sequence[str], *, ranks: int = 2, timeout: float = 180.0, module: bool = False,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``argv`` on ``ranks`` local ranks to the end; ``LaunchTimeout`` (every rank killed)
+    when it takes longer than ``timeout`` seconds."""
+    process = start(argv, ranks=ranks, module=module, env=env, stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop(process)
+        out, _ = process.communicate()
+        raise LaunchTimeout(f"{ranks} ranks of {' '.join(argv)} still running after {timeout} s "
+                            f"(killed); output:\n{(out or '')[-4000:]}") from None
+    return subprocess.CompletedProcess(process.args, process.returncode, out, "")
