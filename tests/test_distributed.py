@@ -10,6 +10,8 @@ tests/distributed/scenarios.py.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,16 +38,23 @@ EXPECTED = {
 
 
 @pytest.fixture(scope="module", params=SHARDINGS, ids=lambda s: f"{s[0]}-{s[1]}")
-def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Run every scenario on two ranks once per sharding; the job's work directory."""
     arch, mode = request.param
     root = tmp_path_factory.mktemp(f"{arch}-{mode}")
     model = write_model_dir(root / "model", arch)
     work = root / "work"
     work.mkdir()
-    job = launch([str(SCENARIOS), "--model", str(model), "--mode", mode, "--work", str(work)],
+    run = launch([str(SCENARIOS), "--model", str(model), "--mode", mode, "--work", str(work)],
                  timeout=JOB_TIMEOUT)
-    assert job.returncode == 0, job.stdout[-4000:]
-    return [json.loads((work / f"rank{r}.json").read_text()) for r in range(2)]
+    assert run.returncode == 0, run.stdout[-4000:]
+    return work
+
+
+@pytest.fixture
+def ranks(job: Path) -> list[dict]:
+    """What each rank saw, by scenario."""
+    return [json.loads((job / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 @pytest.mark.parametrize("scenario", EXPECTED)
@@ -67,9 +76,17 @@ def test_every_rank_restores_the_same_prefix_exactly(ranks: list[dict], scenario
         assert seen[1]["held_after"] + seen[1]["stats"]["blocks_taken"] == 7, seen
 
 
-def test_the_shards_are_told_apart(ranks: list[dict]) -> None:
+def test_the_shards_are_told_apart(ranks: list[dict], job: Path) -> None:
+    """Each rank names its shard, and `paged-cache chains` on the directory both ranks shared
+    shows two models (one per shard), 8 blocks each."""
     shards = [r["shared_dir"]["stats"]["shard"] for r in ranks]
     assert shards[0] != shards[1] and all(s.startswith(f"rank {i}/2") for i, s in enumerate(shards))
+    out = subprocess.run([sys.executable, "-m", "paged_cache.cli.main", "chains", "--json",
+                          str(job / "shared")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    models = json.loads(out.stdout)
+    assert sorted(m["shard"] for m in models) == sorted(shards)
+    assert [m["blocks"] for m in models] == [8, 8] and {m["name"] for m in models} == {"tiny"}
 
 
 def test_scheduler_turns_equal_an_uncached_run_on_every_rank(ranks: list[dict]) -> None:
@@ -79,3 +96,29 @@ def test_scheduler_turns_equal_an_uncached_run_on_every_rank(ranks: list[dict]) 
     assert all(g["same"] for g in got), got
     assert got[0]["cached"] == got[1]["cached"], got
     assert got[0]["cached"][0] == 0 and all(c > 0 for c in got[0]["cached"][1:]), got
+
+
+@pytest.mark.parametrize("arch, mode", [("llama", "tensor"), ("qwen3_next", "pipeline")])
+def test_two_sharded_deployments_share_a_remote_tier_rank_by_rank(arch: str, mode: str,
+                                                                   tmp_path: Path) -> None:
+    """Deployment A stores through a real Valkey / Redis server; deployment B (new processes,
+    empty local tiers) restores every block from it, each rank its own shard's, exactly."""
+    from paged_cache.testing.server import ValkeyServer, client
+
+    model = write_model_dir(tmp_path / "model", arch)
+    with ValkeyServer() as server:
+        seen = []
+        for step in ("remote_store", "remote_fetch"):
+            work = tmp_path / step
+            work.mkdir()
+            run = launch([str(SCENARIOS), "--model", str(model), "--mode", mode, "--work",
+                          str(work), "--scenarios", step, "--remote-url", server.url],
+                         timeout=JOB_TIMEOUT)
+            assert run.returncode == 0, run.stdout[-4000:]
+            seen.append([json.loads((work / f"rank{r}.json").read_text())[step] for r in range(2)])
+        blocks = [k for k in client(server.url).keys("paged-cache:*:b:*")]
+    stored, fetched = seen
+    assert [s["remote"] for s in stored] == [8, 8]   # each rank wrote its own 8 blocks
+    assert len(blocks) == 16                        # two shards, never one key for both
+    for rank, got in enumerate(fetched):
+        assert (got["n"], got["diff"], got["remote_hits"]) == (256, 0.0, 8), (rank, got)

@@ -57,7 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_inspect(args: argparse.Namespace, cache: CacheDir) -> int:
     rows = cache.rows()
     models = model_summaries(rows.values())
-    names = render.model_names(cache, rows.values())
+    models_seen = render.stored_models(cache, rows.values())
     total_bytes = sum(r.file_bytes for r in rows.values())
     budget = _budget(args, cache, total_bytes)
     quarantined = quarantine_files(cache)
@@ -78,7 +78,7 @@ def run_inspect(args: argparse.Namespace, cache: CacheDir) -> int:
         "totals": totals,
         "budget": budget,
         "quarantine": {"files": len(quarantined), "bytes": sum(q.size for q in quarantined)},
-        "models": [_model_json(m, names) for m in models],
+        "models": [_model_json(m, models_seen) for m in models],
         "remote": _remote(args),
     }
     if args.json:
@@ -92,7 +92,7 @@ def run_inspect(args: argparse.Namespace, cache: CacheDir) -> int:
                   f"{budget['source']}): {budget['used_ratio']:.1%} used")
     out.print(render.table(None, ["model", "blocks", "tokens", "on disk", "raw", "ratio",
                                   "cache types", "oldest access", "newest access", "writing"],
-                           [[render.model_label(m.fingerprint, names), m.blocks, m.tokens,
+                           [[render.model_label(m.fingerprint, models_seen), m.blocks, m.tokens,
                              render.size(m.file_bytes),
                              render.size(m.raw_bytes), _ratio(m.compression_ratio),
                              _types(m.cache_types), render.ago(m.oldest_access),
@@ -140,8 +140,8 @@ def _budget(args: argparse.Namespace, cache: CacheDir, used: int) -> dict[str, A
             "setting": config.ssd_max_bytes, "source": config.sources["ssd_max_bytes"]}
 
 
-def _model_json(m: ModelSummary, names: dict[str, str]) -> dict[str, Any]:
-    return dict(m.to_dict(), name=names.get(m.fingerprint, ""),
+def _model_json(m: ModelSummary, seen: dict[str, render.StoredModel]) -> dict[str, Any]:
+    return dict(m.to_dict(), **render.model_json(m.fingerprint, seen),
                 oldest_access_iso=render.iso(m.oldest_access),
                 newest_access_iso=render.iso(m.newest_access))
 
@@ -167,16 +167,17 @@ def run_ls(args: argparse.Namespace, cache: CacheDir) -> int:
     else:
         rows.sort(key=lambda r: (r.last_access, r.key))
     rows = rows[:args.limit] if args.limit is not None else rows
-    names = render.model_names(cache, rows)
+    models_seen = render.stored_models(cache, rows)
     if args.json:
-        render.print_json([dict(_row_json(r), model_name=names.get(r.fingerprint or "", ""))
+        render.print_json([dict(_row_json(r), **{f"model_{k}": v for k, v in
+                                                 render.model_json(r.fingerprint, models_seen).items()})
                            for r in rows])
         return render.EXIT_OK
     render.console().print(render.table(
         f"{len(rows)} block(s) in {cache.path}",
         ["key", "model", "tokens", "on disk", "raw", "compression", "cache types", "last access",
          "state"],
-        [[render.short(r.key), render.model_label(r.fingerprint, names), r.tokens,
+        [[render.short(r.key), render.model_label(r.fingerprint, models_seen), r.tokens,
           render.size(r.file_bytes), render.size(r.raw_bytes), r.compression,
           _types(layer_counts(r)), render.ago(r.last_access), _state(r)] for r in rows],
         right=("tokens", "on disk", "raw"), optional=("raw", "compression", "state", "cache types")))
@@ -223,7 +224,7 @@ def run_show(args: argparse.Namespace, cache: CacheDir) -> int:
     out.print(f"[bold]block {key}[/]")
     meta = data["meta"] or {}
     facts = [
-        ["model", " ".join(filter(None, (meta.get(fmt.META_MODEL_NAME),
+        ["model", " ".join(filter(None, (meta.get(fmt.META_MODEL_NAME), meta.get(fmt.META_SHARD),
                                          meta.get(fmt.META_FINGERPRINT) or (row and row.fingerprint)
                                          or "-")))],
         ["namespace", meta.get(fmt.META_NAMESPACE, "-") or "(none)"],
@@ -300,13 +301,13 @@ def run_chains(args: argparse.Namespace, cache: CacheDir) -> int:
         raise ValueError(f"--limit: expected an integer >= 0, got {args.limit}")
     rows = cache.rows()
     forests = prefix_forests(rows.values())
-    names = render.model_names(cache, rows.values())
+    models_seen = render.stored_models(cache, rows.values())
     data = []
     for f in forests:
         attached = [t for t in f.trees if not t.detached]
         data.append({
             "fingerprint": f.fingerprint,
-            "name": names.get(f.fingerprint, ""),
+            **render.model_json(f.fingerprint, models_seen),
             "trees": len(attached),
             "detached_trees": len(f.trees) - len(attached),
             "blocks": len(f.nodes),
@@ -326,7 +327,7 @@ def run_chains(args: argparse.Namespace, cache: CacheDir) -> int:
     if not data:
         out.print(f"{cache.path}: no stored blocks")
     for d in data:
-        out.print(f"[bold]model {render.model_label(d['fingerprint'], names)}[/]: "
+        out.print(f"[bold]model {render.model_label(d['fingerprint'], models_seen)}[/]: "
                   f"{d['trees']} tree(s), {d['blocks']} blocks, {d['conversations']} "
                   f"conversation(s), {d['shared_blocks']} shared block(s), longest "
                   f"{d['max_tokens']} tokens")

@@ -77,7 +77,7 @@ def run_purge(args: argparse.Namespace, cache: CacheDir) -> int:
 
 def _remove(args: argparse.Namespace, cache: CacheDir, command: str, victims: list[Victim],
             extra: dict[str, Any] | None = None) -> int:
-    names = render.model_names(cache, cache.rows().values())  # read before the files go
+    models_seen = render.stored_models(cache, cache.rows().values())  # before the files go
     by_model: dict[str, dict[str, int]] = {}
     for v in victims:
         entry = by_model.setdefault(v.fingerprint or UNKNOWN_MODEL, {"blocks": 0, "bytes": 0})
@@ -101,7 +101,7 @@ def _remove(args: argparse.Namespace, cache: CacheDir, command: str, victims: li
     out.print(f"{command}: {verb} {render.size(freed)} in {len(victims)} block(s)")
     if by_model:
         out.print(render.table(None, ["model", "blocks", "bytes"],
-                               [[render.model_label(fp, names), e["blocks"], render.size(e["bytes"])]
+                               [[render.model_label(fp, models_seen), e["blocks"], render.size(e["bytes"])]
                                 for fp, e in sorted(by_model.items())], right=("blocks", "bytes")))
     if extra and extra.get("quarantine_files"):
         out.print(f"quarantine/: {extra['quarantine_files']} file(s), "

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 from rich.console import Console
 from rich.table import Table
@@ -165,12 +165,20 @@ def short(key: str | None) -> str:
     return "-" if not key else key[:SHORT_KEY]
 
 
-def model_names(cache: CacheDir, rows: Iterable[Row]) -> dict[str, str]:
-    """{fingerprint: the model name stored in its blocks' metadata}, from one readable block
-    header per fingerprint (blocks written without a name give "")."""
-    names: dict[str, str] = {}
+class StoredModel(NamedTuple):
+    """What a model's blocks say of it, for people: its name as served and, for a model split
+    over several ranks, the rank's shard (e.g. "rank 1/2 layers 0-2")."""
+
+    name: str = ""
+    shard: str = ""
+
+
+def stored_models(cache: CacheDir, rows: Iterable[Row]) -> dict[str, StoredModel]:
+    """{fingerprint: StoredModel}, from one readable block header per fingerprint (blocks
+    written without a name or shard give "")."""
+    models: dict[str, StoredModel] = {}
     for row in rows:
-        if not row.fingerprint or row.fingerprint in names or row.state != COMPLETE:
+        if not row.fingerprint or row.fingerprint in models or row.state != COMPLETE:
             continue
         files = cache.files_of(row.key)
         try:
@@ -178,15 +186,23 @@ def model_names(cache: CacheDir, rows: Iterable[Row]) -> dict[str, str]:
         except (OSError, ValueError):
             meta = None
         if meta is not None:
-            names[row.fingerprint] = meta.get(fmt.META_MODEL_NAME, "")
-    return names
+            models[row.fingerprint] = StoredModel(meta.get(fmt.META_MODEL_NAME, ""),
+                                                  meta.get(fmt.META_SHARD, ""))
+    return models
 
 
-def model_label(fingerprint: str | None, names: dict[str, str]) -> str:
+def model_label(fingerprint: str | None, models: dict[str, StoredModel]) -> str:
     """A model for a table: the last part of its stored name (a directory's name, a repo's model
-    name) and its short fingerprint, e.g. "tiny 1a2b3c4d5e6f"."""
-    name = os.path.basename(names.get(fingerprint or "", "").rstrip("/\\"))
-    return f"{name} {short(fingerprint)}" if name else short(fingerprint)
+    name), its shard if any and its short fingerprint, e.g. "tiny rank 0/2 tensor 1a2b3c4d5e6f"."""
+    model = models.get(fingerprint or "", StoredModel())
+    name = os.path.basename(model.name.rstrip("/\\"))
+    return " ".join(p for p in (name, model.shard, short(fingerprint)) if p)
+
+
+def model_json(fingerprint: str | None, models: dict[str, StoredModel]) -> dict[str, str]:
+    """The name and shard fields of a model in --json output."""
+    model = models.get(fingerprint or "", StoredModel())
+    return {"name": model.name, "shard": model.shard}
 
 
 def iso(when: float | None) -> str | None:

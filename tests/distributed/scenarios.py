@@ -69,7 +69,7 @@ class Rank:
         own = manager is None
         manager = manager or PagedSSDCacheManager(config)
         try:
-            prefix = BlockAwarePrefixCache(manager, self.model, model_id="tiny")
+            prefix = BlockAwarePrefixCache(manager, self.model, model_id="tiny", model_name="tiny")
             cache, snaps = make_prompt_cache(self.model), {}
             self.prefill(cache, PROMPT[:STORED], 0, prefix, snaps)
             prefix.store(PROMPT[:STORED], cache, snapshots=snaps)
@@ -79,7 +79,7 @@ class Rank:
 
     def fetch(self, manager: PagedSSDCacheManager) -> dict[str, Any]:
         """Fetch PROMPT, finish its prefill, compare with the cold run."""
-        prefix = BlockAwarePrefixCache(manager, self.model, model_id="tiny")
+        prefix = BlockAwarePrefixCache(manager, self.model, model_id="tiny", model_name="tiny")
         cache, n = prefix.fetch(PROMPT)
         logits = self.prefill(cache if cache is not None else make_prompt_cache(self.model),
                               PROMPT, n)
@@ -90,7 +90,7 @@ class Rank:
                                    "blocks_taken")}}
 
     def keys(self, manager: PagedSSDCacheManager) -> list[str]:
-        prefix = BlockAwarePrefixCache(manager, self.model, model_id="tiny")
+        prefix = BlockAwarePrefixCache(manager, self.model, model_id="tiny", model_name="tiny")
         prefix.layout.ready()
         return chain_keys(prefix.fingerprint, "", PROMPT[:STORED], BS)
 
@@ -159,6 +159,29 @@ def scheduler_turns(r: Rank) -> dict[str, Any]:
     return {"same": same, "cached": cached}
 
 
+def remote_store(r: Rank) -> dict[str, Any]:
+    """Deployment A: store through hot + SSD + the remote server (REMOTE_URL), and wait for the
+    remote writer."""
+    config = CacheConfig(block_size=BS, hot_cache_max_bytes="64MB", ssd_dir=r.ssd("remote", False),
+                         remote_url=REMOTE_URL[0])
+    with PagedSSDCacheManager(config) as manager:
+        r.store(config, manager)
+        manager.flush()
+        return {"remote": manager.stats()["remote"]["writes"]}
+
+
+def remote_fetch(r: Rank) -> dict[str, Any]:
+    """Deployment B, with empty local tiers: every block comes from the remote server."""
+    config = CacheConfig(block_size=BS, hot_cache_max_bytes="64MB", hot_cache_only=True,
+                         remote_url=REMOTE_URL[0])
+    with PagedSSDCacheManager(config) as manager:
+        out = r.fetch(manager)
+        out["remote_hits"] = manager.stats()["hits"]["remote"]
+        return out
+
+
+REMOTE_URL = [""]  # --remote-url
+
 SCENARIOS: dict[str, Callable[[Rank], dict[str, Any]]] = {
     "shared_dir": lambda r: restart(r, True, name="shared"),
     "dir_per_rank": lambda r: restart(r, False, name="per_rank"),
@@ -168,6 +191,7 @@ SCENARIOS: dict[str, Callable[[Rank], dict[str, Any]]] = {
     "hot_only_block_dropped": hot_discarded,
     "scheduler": scheduler_turns,
 }
+REMOTE_SCENARIOS = {"remote_store": remote_store, "remote_fetch": remote_fetch}  # named only
 
 
 def main(argv: list[str]) -> int:
@@ -176,12 +200,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--mode", choices=("tensor", "pipeline"), required=True)
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--remote-url", default="")
     args = parser.parse_args(argv)
+    REMOTE_URL[0] = args.remote_url
     r = Rank(args.model, args.mode, args.work)
     results = {}
     for name in args.scenarios.split(","):
         r.barrier()
-        results[name] = SCENARIOS[name](r)
+        results[name] = {**SCENARIOS, **REMOTE_SCENARIOS}[name](r)
         print(f"rank {r.rank} {name}: {results[name]}", flush=True)
     (args.work / f"rank{r.rank}.json").write_text(json.dumps(results))
     return 0
