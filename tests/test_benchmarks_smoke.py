@@ -5,6 +5,7 @@ without any test noticing). The figures themselves are measured by ``make bench`
 from __future__ import annotations
 
 import importlib
+import json
 from pathlib import Path
 
 import pytest
@@ -45,3 +46,18 @@ def test_plots_redraw_from_the_stored_results(tmp_path: Path) -> None:
     assert set(drawn) >= {"restore.png", "memory.png", "peers_ttft.png", "ttft.png"}, run.stdout
     for name in drawn:
         assert (tmp_path / name).stat().st_size > 10_000, name
+
+
+def test_sharded_ranks_measure_a_hit(tmp_path: Path) -> None:
+    """The sharded family's rank side runs on two real ranks at a small size."""
+    from paged_cache.testing import write_model_dir
+    from paged_cache.testing.ranks import launch
+
+    model = write_model_dir(tmp_path / "model", "llama")
+    job = launch(["benchmarks.sharded", "--rank-side", "--model", str(model), "--mode", "tensor",
+                  "--work", str(tmp_path), "--sizes", "512", "--repeats", "1"], module=True,
+                 timeout=300)
+    assert job.returncode == 0, job.stdout[-3000:]
+    for rank in range(2):
+        times = json.loads((tmp_path / f"rank{rank}.json").read_text())["512"]
+        assert all(len(v) == 1 and v[0] > 0 for v in times.values()), times
