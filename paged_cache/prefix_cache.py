@@ -308,6 +308,7 @@ class BlockAwarePrefixCache:
     # ------------------------------------------------------------------ stats
 
     STAT_GAUGES = frozenset({"loans_open", "rank", "group_size"})  # stats(): the rest count
+    GROUP_STATS = ("rank", "group_size", "shard")  # in a group: who this rank is, not counts
 
     def stats(self) -> dict:
         """Counters: hits/misses, tokens requested/matched/saved/lost, blocks, loans, timings;

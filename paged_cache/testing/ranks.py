@@ -57,8 +57,9 @@ def free_ports(count: int) -> int:
 def launch_command(argv: Sequence[str], *, ranks: int = 2, module: bool = False) -> list[str]:
     """The mlx.launch command line that runs ``argv`` (a script and its arguments, or with
     ``module`` a module name and its arguments) on ``ranks`` local ranks."""
+    # "--": the program's own options (--host, --port, ...) are not mlx.launch's abbreviations
     return [*launcher(), "--backend", "ring", "-n", str(ranks),
-            "--starting-port", str(free_ports(ranks)), "--python", sys.executable,
+            "--starting-port", str(free_ports(ranks)), "--python", sys.executable, "--",
             *(["-m"] if module else []), *argv]
 
 

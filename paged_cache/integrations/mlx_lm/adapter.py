@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Sequence
 
 from paged_cache.config import format_size
+from paged_cache.distributed import WORLD, resolve_group
 from paged_cache.hashing import chain_keys
 from paged_cache.integrations.mlx_lm.binding import (ModelBinding, Resolver, plain_layout,
                                                      quantized_layout)
@@ -80,7 +81,8 @@ class PagedPromptCache:
     """
 
     def __init__(self, manager: PagedSSDCacheManager, resolve: Resolver, *,
-                 max_size: int | None = None, max_bytes: int | None = None) -> None:
+                 max_size: int | None = None, max_bytes: int | None = None,
+                 group: Any = WORLD) -> None:
         if not isinstance(manager, PagedSSDCacheManager):
             raise TypeError(f"manager: expected a PagedSSDCacheManager, got {type(manager).__name__}")
         if not callable(resolve):
@@ -91,6 +93,7 @@ class PagedPromptCache:
                                       or value < 0):
                 raise ValueError(f"{name}: expected a non-negative int or None, got {value!r}")
         self.manager = manager
+        self.group = resolve_group(group)  # a sharded model's ranks (mlx.launch): see scaling.md
         self.max_size = max_size
         self.max_bytes = max_bytes
         self._resolve = resolve
@@ -153,7 +156,7 @@ class PagedPromptCache:
             layouts.append(lambda: quantized_layout(make_plain(), bits, group_size))
         prefixes = [BlockAwarePrefixCache(self.manager, binding.model, model_id=binding.model_id,
                                           namespace=binding.namespace, make_cache=make,
-                                          model_name=binding.name)
+                                          model_name=binding.name, group=self.group)
                     for make in layouts]
         self._current = (model_key, binding, prefixes)
         return prefixes
@@ -318,7 +321,10 @@ class PagedPromptCache:
         prefix: dict[str, Any] = {}
         for layout in current[2] if current is not None else []:  # summed over the layouts
             for name, value in layout.stats().items():
-                prefix[name] = prefix.get(name, 0) + value
+                if name in BlockAwarePrefixCache.GROUP_STATS:
+                    prefix[name] = value
+                else:
+                    prefix[name] = prefix.get(name, 0) + value
         return {"manager": self.manager.stats(), "prefix": prefix, "requests": requests}
 
     def __len__(self) -> int:

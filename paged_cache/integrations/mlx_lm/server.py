@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 from paged_cache import compat
 from paged_cache.config import CacheConfig, format_size
+from paged_cache.distributed import WORLD, resolve_group
 from paged_cache.integrations.mlx_lm.adapter import PagedPromptCache
 from paged_cache.integrations.mlx_lm.binding import provider_resolver
 from paged_cache.manager import PagedSSDCacheManager
@@ -137,7 +138,8 @@ def serve_main(config: CacheConfig, server_argv: Sequence[str]) -> int:
 
     Fails fast, before anything is created on disk: the address is bound once to check it, the
     model is loaded, and only then is the manager (and its SSD directory) opened; each failure
-    raises ServeError. SIGTERM stops the server like Ctrl-C (so the manager is flushed and
+    raises ServeError. Under ``mlx.launch`` (a model sharded over several ranks) every rank runs
+    this: rank 0 checks the address and serves HTTP, the others log warnings and errors only. SIGTERM stops the server like Ctrl-C (so the manager is flushed and
     closed on the way out). mlx_lm.server's own argument errors exit (SystemExit 2) with its
     usage under the name ``paged-cache serve``.
     """
@@ -146,7 +148,10 @@ def serve_main(config: CacheConfig, server_argv: Sequence[str]) -> int:
     def stop(_signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt
 
-    if (address := _server_address(server_argv)) is not None:
+    group = resolve_group(WORLD)  # under mlx.launch: every rank runs this, rank 0 serves HTTP
+    if group is not None and group.rank() != 0:
+        logging.getLogger("paged_cache").setLevel(logging.WARNING)  # rank 0 tells the story
+    elif (address := _server_address(server_argv)) is not None:
         check_address(*address)
     previous = signal.signal(signal.SIGTERM, stop)
     argv = sys.argv
