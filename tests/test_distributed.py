@@ -17,14 +17,15 @@ from pathlib import Path
 import pytest
 
 from paged_cache.testing import write_model_dir
-from paged_cache.testing.ranks import launch
+from paged_cache.testing.ranks import can_split, launch
 
 SCENARIOS = Path(__file__).parent / "distributed" / "scenarios.py"
 JOB_TIMEOUT = 300.0  # seconds for one job of every scenario on both ranks (about 50 s here)
 
-# (architecture, how it is split): a KV model and a hybrid (recurrent + attention) by heads,
-# and a hybrid by layers
-SHARDINGS = [("llama", "tensor"), ("qwen3_5", "tensor"), ("qwen3_next", "pipeline")]
+# (architecture, how it is split): a KV model and a hybrid (recurrent + attention) by heads; a
+# hybrid and a sliding-window model by layers (mlx-lm 0.31 has no pipeline stages for qwen3_next)
+SHARDINGS = [("llama", "tensor"), ("qwen3_5", "tensor"), ("qwen3_next", "pipeline"),
+             ("ministral3", "pipeline")]
 
 # scenario -> the prefix both ranks must restore (stored: 256 tokens of a 300-token prompt)
 EXPECTED = {
@@ -41,6 +42,8 @@ EXPECTED = {
 def job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Run every scenario on two ranks once per sharding; the job's work directory."""
     arch, mode = request.param
+    if not can_split(arch, mode):
+        pytest.skip(f"the installed mlx-lm cannot split {arch} by {mode}")
     root = tmp_path_factory.mktemp(f"{arch}-{mode}")
     model = write_model_dir(root / "model", arch)
     work = root / "work"
@@ -93,7 +96,7 @@ def test_scheduler_turns_equal_an_uncached_run_on_every_rank(ranks: list[dict]) 
     """Three turns of one conversation: replies equal the uncached run's, and both ranks reused
     the same tokens (the second and third turns hit)."""
     got = [r["scheduler"] for r in ranks]
-    assert all(g["same"] for g in got), got
+    assert all(g["same"] and g["refused"] for g in got), got  # refused: group=None vs a group
     assert got[0]["cached"] == got[1]["cached"], got
     assert got[0]["cached"][0] == 0 and all(c > 0 for c in got[0]["cached"][1:]), got
 
@@ -105,6 +108,8 @@ def test_two_sharded_deployments_share_a_remote_tier_rank_by_rank(arch: str, mod
     empty local tiers) restores every block from it, each rank its own shard's, exactly."""
     from paged_cache.testing.server import ValkeyServer, client
 
+    if not can_split(arch, mode):
+        pytest.skip(f"the installed mlx-lm cannot split {arch} by {mode}")
     model = write_model_dir(tmp_path / "model", arch)
     with ValkeyServer() as server:
         seen = []
@@ -122,3 +127,20 @@ def test_two_sharded_deployments_share_a_remote_tier_rank_by_rank(arch: str, mod
     assert len(blocks) == 16                        # two shards, never one key for both
     for rank, got in enumerate(fetched):
         assert (got["n"], got["diff"], got["remote_hits"]) == (256, 0.0, 8), (rank, got)
+
+
+def test_one_process_has_no_group_and_keeps_its_fingerprint(tmp_path: Path) -> None:
+    """Outside mlx.launch the default (the world group) has one rank: no group, no collective,
+    no shard in the key, and stats without group fields; a group of another type is refused."""
+    from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
+    from paged_cache.testing import tiny_model
+
+    model = tiny_model("llama")
+    with PagedSSDCacheManager(CacheConfig(hot_cache_only=True, block_size=16)) as manager:
+        default = BlockAwarePrefixCache(manager, model)
+        alone = BlockAwarePrefixCache(manager, model, group=None)
+        assert default.group is None and default.shard is None
+        assert default.layout.ready() and default.fingerprint == alone.fingerprint
+        assert "rank" not in default.stats() and "agreements" not in default.stats()
+        with pytest.raises(TypeError, match="group: expected an mx.distributed.Group"):
+            BlockAwarePrefixCache(manager, model, group="world")

@@ -26,7 +26,7 @@ from test_serve_archs import TURNS, cold_replies, replay
 from test_serve_e2e import REQUEST_LINE, live_stats
 
 from paged_cache.testing import write_model_dir
-from paged_cache.testing.ranks import free_ports, start, stop
+from paged_cache.testing.ranks import can_split, free_ports, start, stop
 
 START_SECONDS = 240.0
 SHARDINGS = [("qwen3_next", ["--pipeline"]), ("llama", [])]
@@ -63,6 +63,9 @@ def sharded_server(argv: list[str], log: Path) -> Iterator[tuple[OpenAI, str]]:
 @pytest.fixture(scope="module", params=SHARDINGS, ids=lambda s: s[0])
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
     arch, split = request.param
+    mode = "pipeline" if split else "tensor"
+    if not can_split(arch, mode):
+        pytest.skip(f"the installed mlx-lm cannot split {arch} by {mode}")
     base = tmp_path_factory.mktemp(f"served-{arch}")
     model = write_model_dir(base / "model", arch)
     plain = ["mlx_lm", "server", "--model", str(model), *split]

@@ -52,6 +52,16 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
                                  partial_rotary_factor=0.5),
         ),
     ),
+    # Sliding window + full attention, split by heads or by layers (pipeline stages in every
+    # supported mlx-lm, unlike qwen3_next / qwen3_5)
+    "ministral3": dict(
+        model_type="ministral3", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+        vocab_size=VOCAB, max_position_embeddings=4096, tie_word_embeddings=True,
+        layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=64,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, llama_4_scaling_beta=0.1,
+                             original_max_position_embeddings=4096),
+    ),
     "mamba": dict(
         model_type="mamba", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
         state_size=16, num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True,

@@ -101,3 +101,15 @@ def launch(argv: Sequence[str], *, ranks: int = 2, timeout: float = 180.0, modul
         raise LaunchTimeout(f"{ranks} ranks of {' '.join(argv)} still running after {timeout} s "
                             f"(killed); output:\n{(out or '')[-4000:]}") from None
     return subprocess.CompletedProcess(process.args, process.returncode, out, "")
+
+
+def can_split(arch: str, mode: str) -> bool:
+    """True when the installed mlx-lm can split the tiny ``arch`` model that way: "tensor" needs
+    the model's ``shard``, "pipeline" its layer stack's ``pipeline`` (mlx-lm 0.31 has pipeline
+    stages for a few architectures only, qwen3_next not among them)."""
+    from paged_cache.testing.models import tiny_model
+
+    model = tiny_model(arch)
+    if mode == "tensor":
+        return hasattr(model, "shard")
+    return hasattr(getattr(model, "model", None), "pipeline")

@@ -147,7 +147,13 @@ def scheduler_turns(r: Rank) -> dict[str, Any]:
     turns = [PROMPT[:150], [5, 6, 7] * 20, [9, 8] * 25]
     cold = Scheduler(r.model, None, block_size=BS)
     with PagedSSDCacheManager(config) as manager:
-        sched = Scheduler(r.model, BlockAwarePrefixCache(manager, r.model, model_id="tiny"))
+        prefix = BlockAwarePrefixCache(manager, r.model, model_id="tiny")
+        try:
+            Scheduler(r.model, prefix, group=None)  # the prefix cache agrees with a group
+            refused = False
+        except ValueError:
+            refused = True
+        sched = Scheduler(r.model, prefix)
         history, cached, same = [], [], True
         for turn in turns:
             history = history + turn
@@ -156,7 +162,7 @@ def scheduler_turns(r: Rank) -> dict[str, Any]:
             same &= hit.tokens == ref.tokens
             cached.append(hit.cached_tokens)
             history = history + hit.tokens
-    return {"same": same, "cached": cached}
+    return {"same": same, "cached": cached, "refused": refused}
 
 
 def remote_store(r: Rank) -> dict[str, Any]:
