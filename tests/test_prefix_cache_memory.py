@@ -195,8 +195,8 @@ def test_consuming_store_holds_at_most_one_layer_twice(consume: bool) -> None:
                                            ("baichuan_m1", None)])
 def test_stored_blocks_hold_exactly_their_bytes(arch: str, kv_heads: int | None) -> None:
     """The hot tier's byte count is the memory its blocks hold: once the live cache is gone,
-    active memory is up by the hot bytes plus a constant (the prefix cache's own state, < 2 KiB),
-    whatever the stored length. A block cut with ``mx.contiguous`` kept the live buffer of a
+    active memory is up by the hot bytes plus under 2 KiB whatever the stored length (384 to 1,024
+    bytes measured, varying with what MLX's allocator did before, not with the length). A block cut with ``mx.contiguous`` kept the live buffer of a
     single-KV-head layer or a conv state whenever that buffer was at most 16 KiB larger than the
     cut (llama with one KV head: 40 KiB more than the hot bytes at 100 tokens)."""
     model = tiny_model(arch, **({} if kv_heads is None else {"num_key_value_heads": kv_heads}))
@@ -215,4 +215,4 @@ def test_stored_blocks_hold_exactly_their_bytes(arch: str, kv_heads: int | None)
             prefix.store(tokens, cache)
             del cache
             residual.append(_settle() - base - manager.hot_bytes)
-    assert residual[0] == residual[1] and 0 <= residual[0] < 2048, residual
+    assert all(0 <= r < 2048 for r in residual), residual
