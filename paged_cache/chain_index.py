@@ -168,12 +168,3 @@ class ChainIndex:
     def __len__(self) -> int:
         with self._lock:
             return len(self._nodes)
-
-
-def shared_prefix(ids: np.ndarray, tokens: np.ndarray) -> int:
-    """Leading tokens ``ids`` and ``tokens`` share (token id arrays of any integer dtype)."""
-    n = min(len(ids), len(tokens))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(ids[:n] != tokens[:n])
-    return int(diff[0]) if diff.size else n

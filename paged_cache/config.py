@@ -24,12 +24,13 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
+from paged_cache.tiers.format import COMPRESSIONS
+
 log = logging.getLogger("paged_cache.config")
 
 ENV_PREFIX = "PAGED_CACHE_"
 TOML_TABLE = "paged_cache"
 
-COMPRESSIONS = ("none", "lz4")
 WRITE_POLICIES = ("write-through", "write-back")
 QUEUE_FULL_POLICIES = ("skip", "write-on-caller")
 

@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 
 from paged_cache.block import Block
-from paged_cache.chain_index import ChainNode, shared_prefix
+from paged_cache.chain_index import ChainNode
 from paged_cache.handlers import Part, Span
 from paged_cache.handlers.base import clipped, copies_on_host, rebuild_pipeline
-from paged_cache.hashing import ROOT_PARENT, chain_keys
+from paged_cache.hashing import ROOT_PARENT, chain_keys, shared_prefix
 from paged_cache.loans import Lent
-from paged_cache.tiers.format import META_FINGERPRINT
+from paged_cache.tiers.format import META_FINGERPRINT, META_LAYERS, layer_of
 
 logger = logging.getLogger("paged_cache.fetch")
 
@@ -211,7 +211,7 @@ def _try_nodes(search: _Search, n: int, chosen: list[tuple[ChainNode, int]]) -> 
         if search.blocks[node.key] is None:
             return None
         blocks.append(search.blocks[node.key])
-    descs = [json.loads(b.meta["layers"]) for b in blocks]
+    descs = [json.loads(b.meta[META_LAYERS]) for b in blocks]
     spans = []
     for i in range(len(layout.handlers)):
         layer_spans = []
@@ -304,6 +304,6 @@ def _group_by_layer(arrays: dict) -> dict[int, list[tuple[str, str]]]:
     """Block array names grouped by layer: {i: [("l<i>.<name>", "<name>"), ...]}."""
     out: dict[int, list[tuple[str, str]]] = {}
     for full in arrays:
-        layer, short = full.split(".", 1)
-        out.setdefault(int(layer[1:]), []).append((full, short))
+        layer, short = layer_of(full)
+        out.setdefault(layer, []).append((full, short))
     return out

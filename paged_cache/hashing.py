@@ -222,3 +222,12 @@ def model_fingerprint(identity: str, layout: Iterable[dict], block_size: int,
         fields["shard"] = shard
     payload = json.dumps(fields, sort_keys=True)
     return _digest(b"paged-cache/fingerprint/v1", payload.encode())
+
+
+def shared_prefix(ids: np.ndarray, tokens: np.ndarray) -> int:
+    """Leading tokens ``ids`` and ``tokens`` share (token id arrays of any integer dtype)."""
+    n = min(len(ids), len(tokens))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(ids[:n] != tokens[:n])
+    return int(diff[0]) if diff.size else n

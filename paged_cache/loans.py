@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 import xxhash
 
-from paged_cache.chain_index import shared_prefix
+from paged_cache.hashing import shared_prefix
 from paged_cache.tiers.format import raw_tensors
 
 logger = logging.getLogger("paged_cache.loans")

@@ -26,7 +26,8 @@ from paged_cache.chain_index import ChainNode
 from paged_cache.handlers import restorable_at_end
 from paged_cache.hashing import ROOT_PARENT, chain_keys, checkpoint_key
 from paged_cache.loans import digest
-from paged_cache.tiers.format import META_LAYERS, META_MODEL_NAME, META_NAMESPACE, META_SHARD
+from paged_cache.tiers.format import (META_LAYERS, META_MODEL_NAME, META_NAMESPACE, META_SHARD,
+                                      array_name, layer_of)
 
 ON_DISK = ("ssd", "remote")  # tiers a block is read from with I/O (a store brings it to RAM)
 
@@ -113,7 +114,7 @@ def put_back(pc: Any, layers: list, lent: list) -> int:
         arrays: dict[str, mx.array] = {}
         for i, (h, layer) in enumerate(zip(handlers, layers)):
             cut, _ = h.cut(layer, [(b.start, b.end)], {}, live_at)[0]
-            arrays.update({f"l{i}.{name}": a for name, a in cut.items()})
+            arrays.update({array_name(i, name): a for name, a in cut.items()})
         mx.eval(list(arrays.values()))
         block = Block(b.key, arrays, b.meta)
         if digest(block) != b.digest:
@@ -130,7 +131,7 @@ def _put(pc: Any, key: str, node: ChainNode, cuts: list[list], pos: int, types: 
     restorable = True
     for i, layer_cuts in enumerate(cuts):
         block_arrays, desc = layer_cuts[pos]
-        arrays.update({f"l{i}.{name}": a for name, a in block_arrays.items()})
+        arrays.update({array_name(i, name): a for name, a in block_arrays.items()})
         descs.append({"type": types[i], **desc})
         restorable = restorable and (not pc.layout.snapshot_layers[i]
                                      or restorable_at_end(pc.layout.template[i], desc))
@@ -178,7 +179,8 @@ def _tail_to_checkpoint(pc: Any, tail: ChainNode) -> None:
     arrays = {}
     for i, keep in enumerate(layout.snapshot_layers):
         if keep:
-            arrays.update({k: v for k, v in block.arrays.items() if k.startswith(f"l{i}.")})
+            arrays.update({k: v for k, v in block.arrays.items()
+                           if (layer_of(k) or (-1,))[0] == i})
         else:
             descs[i] = {"type": descs[i]["type"], "has_rows": False}
     key = checkpoint_key(layout.fingerprint, pc.namespace, tail.parent, tail.token_ids)

@@ -26,7 +26,6 @@ from paged_cache.tiers.files import (MANIFEST_NAME, READ_FLAGS, STALE_SECONDS,
 
 BLOCKS_DIR, TMP_DIR, QUARANTINE_DIR = "blocks", "tmp", "quarantine"
 _COLUMNS = tuple(f.name for f in fields(Row))
-LZ4_MAX_RATIO = 255  # an lz4 frame cannot expand more than this (bounds decompression)
 
 
 class NotACacheError(ValueError):
@@ -135,7 +134,7 @@ class CacheDir:
     # ---- files ---------------------------------------------------------------------------
     def block_path(self, key: str, compression: str) -> Path:
         """Where the file of ``key`` with ``compression`` lives."""
-        return self.path / BLOCKS_DIR / key[:2] / (key + fmt.SUFFIXES[compression])
+        return self.path / BLOCKS_DIR / fmt.block_path(key, compression)
 
     def files_of(self, key: str) -> list[BlockFile]:
         """The block file(s) of ``key`` present now (stat only). A manifest key that is not a hex
@@ -258,11 +257,6 @@ def _stat_block(path: Path, key: str, comp: str) -> BlockFile | None:
     return BlockFile(key, comp, path, st.st_size, st.st_mtime, stat.S_ISREG(st.st_mode))
 
 
-def decoded_limit(file_size: int) -> int:
-    """Most bytes a block file of ``file_size`` may decompress to (same bound the SSD tier uses)."""
-    return LZ4_MAX_RATIO * file_size + (1 << 16)
-
-
 def read_file(f: BlockFile) -> bytes:
     """The whole block file, opened without following symlinks; BlockFileError if not a regular file."""
     try:
@@ -281,7 +275,7 @@ def read_file(f: BlockFile) -> bytes:
 def read_header(f: BlockFile) -> fmt.Header:
     """The validated header of a block file (format, version, header checksum); payload not read."""
     data = read_file(f)
-    header, _ = fmt.split_file(data, max_bytes=decoded_limit(len(data)))
+    header, _ = fmt.split_file(data, max_bytes=fmt.decoded_limit(len(data)))
     fmt.verify_header(header, f.key)
     return header
 
@@ -294,7 +288,7 @@ def check_file(f: BlockFile) -> fmt.Header:
     data = read_file(f)
     if (f.compression == "lz4") != (data[:4] == fmt.LZ4_MAGIC):
         raise fmt.BlockFileError("file suffix does not match its compression")
-    header, body = fmt.split_file(data, max_bytes=decoded_limit(len(data)))
+    header, body = fmt.split_file(data, max_bytes=fmt.decoded_limit(len(data)))
     fmt.verify_header(header, f.key)
     if xxhash.xxh3_128_hexdigest(body) != header.meta.get(fmt.META_CHECKSUM):
         raise fmt.BlockFileError("payload checksum mismatch")

@@ -282,8 +282,7 @@ def _header_json(header: fmt.Header) -> dict[str, Any]:
         descriptors = []
     tensors: dict[int, list[dict[str, Any]]] = {}
     for name, dtype, shape, begin, end in header.tensors:
-        index = name[1:].split(".", 1)[0] if name.startswith("l") else ""
-        layer = int(index) if index.isdigit() else -1
+        layer = (fmt.layer_of(name) or (-1,))[0]
         tensors.setdefault(layer, []).append({"name": name, "dtype": dtype.name,
                                               "shape": list(shape), "bytes": end - begin})
     count = max(len(descriptors), max(tensors, default=-1) + 1)

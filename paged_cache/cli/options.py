@@ -10,7 +10,8 @@ import argparse
 import os
 from typing import Mapping
 
-from paged_cache.config import (COMPRESSIONS, QUEUE_FULL_POLICIES, WRITE_POLICIES, CacheConfig)
+from paged_cache.config import QUEUE_FULL_POLICIES, WRITE_POLICIES, CacheConfig
+from paged_cache.tiers.format import COMPRESSIONS
 
 _CHOICES = {"compression": COMPRESSIONS, "write_policy": WRITE_POLICIES,
             "queue_full_policy": QUEUE_FULL_POLICIES}

@@ -106,7 +106,7 @@ class BlockFiles:
             os.close(fd)
         if reason is None:
             try:
-                arrays, meta = fmt.decode(data, key, max_bytes=255 * st.st_size + (1 << 16))
+                arrays, meta = fmt.decode(data, key, max_bytes=fmt.decoded_limit(st.st_size))
             except ValueError as exc:
                 reason = str(exc)
         if reason is not None:
@@ -118,7 +118,7 @@ class BlockFiles:
         limit = None
         try:
             st = os.fstat(fd)
-            limit = 255 * st.st_size + (1 << 16)
+            limit = fmt.decoded_limit(st.st_size)
             if not stat.S_ISREG(st.st_mode):
                 reason = "not a regular file"
             elif st.st_size > self.max_bytes:
@@ -181,7 +181,7 @@ class BlockFiles:
 
     def open_fan(self, key: str, *, create: bool) -> int | None:
         """An fd of blocks/<key[:2]> (never through a symlink); None if absent and not created."""
-        fan = key[:2]
+        fan = fmt.fan_name(key)
         try:
             return os.open(fan, DIR_FLAGS, dir_fd=self.blocks_fd)
         except FileNotFoundError:
@@ -210,7 +210,7 @@ class BlockFiles:
             return False
         gone = True
         for comp in fmt.COMPRESSIONS:
-            name = f"{key[:2]}/{key}{fmt.SUFFIXES[comp]}"
+            name = fmt.block_path(key, comp)
             try:
                 os.unlink(name, dir_fd=self.blocks_fd)
             except (FileNotFoundError, NotADirectoryError):

@@ -24,8 +24,7 @@ def file_compression(blocks_fd: int, key: str, order: tuple[str, ...]) -> str | 
     (symlinks do not count)."""
     for comp in order:
         try:
-            st = os.stat(f"{key[:2]}/{key}{fmt.SUFFIXES[comp]}", dir_fd=blocks_fd,
-                         follow_symlinks=False)
+            st = os.stat(fmt.block_path(key, comp), dir_fd=blocks_fd, follow_symlinks=False)
         except OSError:
             continue
         if stat.S_ISREG(st.st_mode):

@@ -22,6 +22,7 @@ FORMAT_VERSION = "1"
 COMPRESSIONS = ("none", "lz4")
 SUFFIXES = {"none": ".safetensors", "lz4": ".safetensors.lz4"}
 LZ4_MAGIC = b"\x04\x22\x4d\x18"
+LZ4_MAX_RATIO = 255  # an lz4 frame cannot expand more than this (bounds decompression)
 MAX_HEADER_BYTES = 16 << 20  # well below safetensors' own 100 MB limit
 HEADER_ALIGN = 8
 
@@ -48,6 +49,36 @@ META_MODEL_NAME = "model_name"  # the model as given at serve time (for people; 
 META_SHARD = "shard"            # a sharded model's rank and what it holds (for people; the
                                 # shard itself is in the fingerprint, so in the key)
 
+
+
+def decoded_limit(file_size: int) -> int:
+    """Most bytes a block file (or remote value) of ``file_size`` bytes may decode to: the bound
+    every reader passes as ``max_bytes`` before anything is decompressed or allocated."""
+    return LZ4_MAX_RATIO * file_size + (1 << 16)
+
+
+def fan_name(key: str) -> str:
+    """The ``blocks/`` subdirectory holding the files of ``key``."""
+    return key[:2]
+
+
+def block_path(key: str, compression: str) -> str:
+    """The path of the block file of ``key`` with ``compression``, relative to ``blocks/``."""
+    return f"{fan_name(key)}/{key}{SUFFIXES[compression]}"
+
+
+def array_name(layer: int, name: str) -> str:
+    """The block array name of layer ``layer``'s array ``name``: ``l<layer>.<name>``."""
+    return f"l{layer}.{name}"
+
+
+def layer_of(array: str) -> tuple[int, str] | None:
+    """``(layer, name)`` of a block array name (``array_name``'s inverse), or None if not one."""
+    head, sep, name = array.partition(".")
+    index = head[1:]
+    if not sep or head[:1] != "l" or not index.isdigit():
+        return None
+    return int(index), name
 
 @dataclass(frozen=True)
 class DType:

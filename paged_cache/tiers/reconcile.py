@@ -110,7 +110,7 @@ class _Reconcile:
         return present
 
     def _remove_stray_key(self, key: str) -> None:
-        fan_fd = os.open(key[:2], DIR_FLAGS, dir_fd=self._blocks_fd)
+        fan_fd = os.open(fmt.fan_name(key), DIR_FLAGS, dir_fd=self._blocks_fd)
         try:
             for sfx in fmt.SUFFIXES.values():
                 self._remove_stray(fan_fd, key + sfx)
@@ -130,7 +130,7 @@ class _Reconcile:
 
     def _adopt(self, key: str, comp: str) -> Row | None:
         """A manifest row for a complete file found without one (header read only), or None if bad."""
-        name = f"{key[:2]}/{key}{fmt.SUFFIXES[comp]}"
+        name = fmt.block_path(key, comp)
         try:
             fd = os.open(name, READ_FLAGS, dir_fd=self._blocks_fd)
         except OSError:
@@ -141,7 +141,7 @@ class _Reconcile:
             if not stat.S_ISREG(st.st_mode):
                 raise fmt.BlockFileError("not a regular file")
             header = fmt.read_header_only(lambda off, n: os.pread(fd, n, off), st.st_size,
-                                          255 * st.st_size + (1 << 16))
+                                          fmt.decoded_limit(st.st_size))
             if header.meta.get(fmt.META_KEY) != key:
                 raise fmt.BlockFileError("file name does not match the block key inside")
             if (comp == "lz4") != (os.pread(fd, 4, 0) == fmt.LZ4_MAGIC):

@@ -20,6 +20,7 @@ import time
 from typing import Any, Callable
 
 from paged_cache.block import check_key
+from paged_cache.config import REMOTE_QUEUE_DEFAULT
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.remote_client import client_module, connect, shown
 from paged_cache.tiers.remote_reads import RemoteReads
@@ -35,7 +36,7 @@ class RemoteTier(RemoteReads, RemoteWriter):
     """Blocks on a Valkey / Redis server at ``url``: pipelined reads, a byte-bounded writer thread."""
 
     def __init__(self, url: str, *, timeout: float = 0.5, ttl: float = 0.0,
-                 queue_max_bytes: int = 64 << 20, compression: str = "none",
+                 queue_max_bytes: int = REMOTE_QUEUE_DEFAULT, compression: str = "none",
                  cluster: bool = False) -> None:
         valkey = client_module()
         RemoteWriter.__init__(self, queue_max_bytes)

@@ -184,7 +184,7 @@ class RemoteReads:
         else:
             self._count("read_bytes", len(value))
             try:
-                arrays, meta = fmt.decode(value, key, max_bytes=255 * len(value) + (1 << 16))
+                arrays, meta = fmt.decode(value, key, max_bytes=fmt.decoded_limit(len(value)))
                 return Block(key, arrays, meta)
             except ValueError as exc:
                 reason = str(exc)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from paged_cache.block import Block, check_key
+from paged_cache.config import QUEUE_DEFAULT, QUEUE_FULL_POLICIES
 from paged_cache.chain_index import ChainNode
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.block_files import BlockFiles
@@ -41,7 +42,6 @@ from paged_cache.tiers.write_queue import Write, WriteBehind
 
 log = logging.getLogger("paged_cache.ssd")
 
-QUEUE_FULL_POLICIES = ("skip", "write-on-caller")
 TOUCH_FLUSH_SECONDS = 1.0  # access times are batched in memory at most this long
 
 
@@ -49,7 +49,7 @@ class SSDTier(WriteBehind):
     """Block files under ``directory`` with a byte budget shared by every process and model using it."""
 
     def __init__(self, directory: Path, *, max_bytes: int, compression: str = "none",
-                 queue_max_bytes: int = 256 << 20, queue_full_policy: str = "skip") -> None:
+                 queue_max_bytes: int = QUEUE_DEFAULT, queue_full_policy: str = "skip") -> None:
         _check_size("max_bytes", max_bytes, minimum=1)
         _check_size("queue_max_bytes", queue_max_bytes, minimum=0)
         if compression not in fmt.COMPRESSIONS:
