@@ -148,7 +148,7 @@ def test_dead_writers_reservation_is_an_orphan(cache):
     assert key not in manifest_is_consistent(d)
 
 
-def test_prune_max_bytes_removes_least_recently_used(tmp_path):
+def test_prune_max_bytes_removes_least_recently_used_leaves_first(tmp_path):
     d = tmp_path / "c"
     old = chain("old", FP_A, [16, 16, 16])
     store(d, old)
@@ -157,13 +157,15 @@ def test_prune_max_bytes_removes_least_recently_used(tmp_path):
     store(d, new)
     rows = CacheDir(d).rows()
     total = sum(r.file_bytes for r in rows.values())
-    lru = sorted(rows.values(), key=lambda r: (r.last_access, r.key))
-    limit = total - lru[0].file_bytes - 1  # needs two blocks to go: the two least recently used
-    freed = lru[0].file_bytes + lru[1].file_bytes
+    # Two blocks must go: the least recently used leaf (the old chain's last block), then its
+    # parent, which that makes a leaf (its root was used less recently, but still has a child).
+    victims = [rows[old[2].key], rows[old[1].key]]
+    limit = total - victims[0].file_bytes - 1
+    freed = victims[0].file_bytes + victims[1].file_bytes
     status, out, _ = run_cli("prune", str(d), "--max-bytes", str(limit), "--dry-run", "--json")
     dry = json.loads(out)
     assert status == 0 and dry["dry_run"] and dry["blocks"] == 2 and dry["bytes"] == freed
-    assert dry["keys"] == [lru[0].key, lru[1].key]
+    assert dry["keys"] == [v.key for v in victims]
     assert dry["remaining"]["bytes"] == total - freed
     assert set(CacheDir(d).rows()) == set(rows)  # dry run removed nothing
     status, out, _ = run_cli("prune", str(d), "--max-bytes", str(limit), "--json")
@@ -179,6 +181,24 @@ def test_prune_max_bytes_removes_least_recently_used(tmp_path):
     assert set(manifest_is_consistent(d)) == {b.key for b in new}
     reads_back(d, new)
 
+
+
+def test_prune_by_size_keeps_the_parent_of_every_block_it_keeps(tmp_path):
+    """Five conversations continuing one shared prefix, pruned to half their bytes: every kept
+    block still has its parent (a block whose parent is gone can never be reached again)."""
+    d = tmp_path / "c"
+    shared = chain("shared", FP_A, [16, 16])
+    blocks = list(shared)
+    for n in range(5):
+        blocks += chain(f"conversation-{n}", FP_A, [16, 16, 16], parent=shared[-1].key)
+    store(d, blocks)
+    total = sum(r.file_bytes for r in CacheDir(d).rows().values())
+    status, out, err = run_cli("prune", str(d), "--max-bytes", str(total // 2), "--json")
+    assert status == 0, err
+    kept = manifest_is_consistent(d)
+    assert 0 < sum(r.file_bytes for r in kept.values()) <= total // 2
+    assert [k for k, r in kept.items() if r.parent and r.parent not in kept] == []
+    assert {b.key for b in shared} <= set(kept)  # the prefix every conversation continues
 
 def test_prune_by_model_and_bad_arguments(cache):
     d, blocks = cache["dir"], cache["blocks"]

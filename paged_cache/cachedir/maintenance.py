@@ -7,6 +7,7 @@ and every manifest write is one short transaction, so a live server is never hel
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -15,6 +16,7 @@ from typing import Callable, Iterable
 
 from paged_cache.cachedir.inventory import (QUARANTINE_DIR, BlockFile, CacheDir, OtherFile, Scan,
                                             check_file)
+from paged_cache.tiers.eviction import LeavesFirst
 from paged_cache.tiers.files import DIR_FLAGS, rebuild_manifest, writer_alive
 from paged_cache.tiers.manifest import COMPLETE, RESERVED, Manifest, Row, row_from_meta
 from paged_cache.tiers.ssd import TOUCH_FLUSH_SECONDS
@@ -220,25 +222,28 @@ class Victim:
 
 def select_prune(rows: Iterable[Row], *, model: str | None = None, older_than: float | None = None,
                  max_bytes: int | None = None, now: float | None = None) -> list[Victim]:
-    """Complete blocks to remove: those of ``model`` and/or last used ``older_than`` seconds ago;
-    with ``max_bytes``, only as many of them (least recently used first) as needed to bring the
-    manifest's total to ``max_bytes``."""
+    """Complete blocks to remove, in the eviction order (tiers/eviction.py: leaves first, least
+    recently used first): those of ``model`` and/or last used ``older_than`` seconds ago; with
+    ``max_bytes``, only as many of them as needed to bring the manifest's total to ``max_bytes``.
+    A block goes only after every block continuing it, so no kept block loses its parent."""
     rows = list(rows)
     now = time.time() if now is None else now
-    candidates = sorted((r for r in rows if r.state == COMPLETE
-                         and (model is None or r.fingerprint == model)
-                         and (older_than is None or r.last_access <= now - older_than)),
-                        key=lambda r: (r.last_access, r.key))
-    if max_bytes is not None:
-        excess = sum(r.file_bytes for r in rows) - max_bytes
-        chosen = []
-        for r in candidates:
-            if excess <= 0:
-                break
+    complete = {r.key: r for r in rows if r.state == COMPLETE}
+    order = LeavesFirst()
+    for r in complete.values():
+        order.add(r.key, r.parent, r.last_access)
+    excess = math.inf if max_bytes is None else sum(r.file_bytes for r in rows) - max_bytes
+    chosen = []
+    while excess > 0 and (key := order.victim()) is not None:
+        r = complete[key]
+        if (model is None or r.fingerprint == model) and (
+                older_than is None or r.last_access <= now - older_than):
             chosen.append(r)
             excess -= r.file_bytes
-        candidates = chosen
-    return [Victim(r.key, r.fingerprint, r.file_bytes, r.last_access) for r in candidates]
+            order.remove(key)
+        else:
+            order.skip(key)  # kept: its parent stays too
+    return [Victim(r.key, r.fingerprint, r.file_bytes, r.last_access) for r in chosen]
 
 
 def select_purge(cache: CacheDir) -> list[Victim]:

@@ -15,7 +15,6 @@ through the same path.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import threading
 from collections import OrderedDict
@@ -25,6 +24,7 @@ from typing import Any, Callable, Iterable, Sequence
 import mlx.core as mx
 
 from paged_cache.block import Block
+from paged_cache.tiers.eviction import LeavesFirst
 from paged_cache.tiers.format import META_PARENT
 
 log = logging.getLogger("paged_cache.tiers.hot")
@@ -42,7 +42,6 @@ class _Entry:
     nbytes: int
     persisted: bool   # True when an SSD copy exists or is queued: evicting it loses nothing
     parent: str | None   # meta["parent"] (None for a root or a block without one)
-    tick: int = 0        # last use (insert or get): the LRU order among leaves
 
 
 EvictCallback = Callable[[Block, bool], None]   # (block, persisted)
@@ -64,9 +63,8 @@ class HotTier:
         self._on_evict = on_evict
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._bytes = 0
-        self._tick = 0
-        self._kids: dict[str, int] = {}   # key -> held blocks naming it as parent
-        self._leaves: list[tuple[int, str]] = []   # heap of (tick, key); stale items skipped
+        self._tick = 0                     # uses so far: the last use of each block
+        self._order = LeavesFirst()        # leaves first, least recently used first
         self._ghosts: OrderedDict[str, str] = OrderedDict()   # left key -> its (held) ancestor
         self._lock = threading.RLock()
         self._unreleased = 0   # evicted bytes since the last mx.clear_cache()
@@ -95,7 +93,7 @@ class HotTier:
                 return False
             anchor = self._anchor(parent)
             if anchor is not None:  # the incoming block keeps its ancestors from being leaves
-                self._kids[anchor] = self._kids.get(anchor, 0) + 1
+                self._order.pin(anchor)
             try:
                 while self._bytes + nbytes > self.max_bytes:  # no local may keep an evicted entry
                     victim = self._victim(anchor)
@@ -104,7 +102,7 @@ class HotTier:
                     evicted.append(self._pop(victim))
             finally:
                 if anchor is not None:
-                    self._release_child(anchor)
+                    self._order.unpin(anchor)
             fits = self._bytes + nbytes <= self.max_bytes
             self._evicted(evicted)
             if not fits:
@@ -119,13 +117,9 @@ class HotTier:
         """The least recently used held block with no held child. Without one (every held block
         is an ancestor of an incoming block whose `parent` is held, or parent links form cycles,
         which only foreign meta can make): None if `parent` is held, else plain LRU."""
-        heap = self._leaves
-        while heap:
-            tick, key = heap[0]
-            entry = self._entries.get(key)
-            if entry is not None and entry.tick == tick and not self._kids.get(key):
-                return key
-            heapq.heappop(heap)  # stale: gone, used since, or a parent now
+        key = self._order.victim()
+        if key is not None:
+            return key
         if not self._entries or (parent is not None and parent in self._entries):
             return None
         return next(iter(self._entries))
@@ -151,33 +145,8 @@ class HotTier:
         key = entry.block.key
         self._entries[key] = entry
         self._bytes += entry.nbytes
-        if entry.parent is not None:
-            self._kids[entry.parent] = self._kids.get(entry.parent, 0) + 1
-        self._touch(entry)
-
-    def _touch(self, entry: _Entry) -> None:
-        """Mark `entry` most recently used (its tick orders it among the leaves)."""
         self._tick += 1
-        entry.tick = self._tick
-        if not self._kids.get(entry.block.key):
-            self._push_leaf(entry)
-
-    def _push_leaf(self, entry: _Entry) -> None:
-        heapq.heappush(self._leaves, (entry.tick, entry.block.key))
-        if len(self._leaves) > 2 * len(self._entries) + 64:  # drop stale items (amortized O(1))
-            self._leaves = [(e.tick, k) for k, e in self._entries.items() if not self._kids.get(k)]
-            heapq.heapify(self._leaves)
-
-    def _release_child(self, parent: str) -> None:
-        """One held child of `parent` is gone: `parent` may have become a leaf."""
-        left = self._kids[parent] - 1
-        if left:
-            self._kids[parent] = left
-            return
-        del self._kids[parent]
-        entry = self._entries.get(parent)
-        if entry is not None:
-            self._push_leaf(entry)
+        self._order.add(key, entry.parent, self._tick)
 
     def mark_persisted(self, key: str, persisted: bool = True) -> None:
         """Record that `key` now has an SSD copy (evicting it needs no write), or, with False,
@@ -218,8 +187,8 @@ class HotTier:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self._bytes -= entry.nbytes
+            self._order.remove(key)
             if entry.parent is not None:
-                self._release_child(entry.parent)
                 self._remember(key, self._anchor(entry.parent) or entry.parent)
         return entry
 
@@ -272,7 +241,8 @@ class HotTier:
                 self.counters["misses"] += 1
                 return None
             self._entries.move_to_end(key)
-            self._touch(entry)
+            self._tick += 1
+            self._order.touch(key, self._tick)
             self.counters["hits"] += 1
             return entry.block
 
@@ -299,8 +269,7 @@ class HotTier:
         """Drop every block (no callback) and release MLX's buffer cache."""
         with self._lock:
             self._entries.clear()
-            self._kids.clear()
-            self._leaves.clear()
+            self._order.clear()
             self._ghosts.clear()
             self._bytes = 0
         self.release_memory()

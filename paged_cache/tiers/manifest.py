@@ -7,7 +7,6 @@ byte budget is checked in O(1) inside the same transaction that reserves space f
 
 from __future__ import annotations
 
-import heapq
 import json
 import os
 import sqlite3
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from paged_cache.tiers import format as fmt
+from paged_cache.tiers.eviction import LeavesFirst, eviction_order
 
 SCHEMA_VERSION = "2"  # 2: chain columns (start, token ids, node flags)
 RESERVED, COMPLETE = 0, 1
@@ -353,30 +353,48 @@ class Manifest:
                         evicted.append((key, size))
 
     def _evict(self, need: int, remove_file: Callable[[str], bool]) -> list[tuple[str, int]]:
-        """Free ``need`` bytes inside the caller's transaction, file first, then row.
+        """Free ``need`` bytes inside the caller's transaction, file first, then row, in the
+        eviction order (tiers/eviction.py) of the complete rows.
 
-        Least recently used first, but leaves before their parents: a fetch reads (and so touches)
-        a parent before its children, so plain LRU would evict parents first and strand the rest
-        of their chains on disk where no fetch can reach them. A row whose file could not be
-        removed stays (the bytes are still on disk) and the next candidate is taken.
+        The rows are read least recently used first, in windows (each row with its number of
+        children), until the window holds a leaf: the least recently used leaf is always in it,
+        and a parent evicted there becomes a leaf when its last child goes. A row whose file could
+        not be removed stays (the bytes are still on disk) and the next candidate is taken.
+        Without any leaf (parent links in a cycle, or every leaf's file kept) the least recently
+        used rows go.
         """
         evicted: list[tuple[str, int]] = []
-        kept: set[str] = set()
+        order = LeavesFirst()
+        sizes: dict[str, int] = {}
+        parents: dict[str, str | None] = {}
+        after: tuple[float, str] | None = None   # the last row read
+        window, complete = _LRU_WINDOW, False
         while need > 0:
-            limit = (_LRU_LIMIT + len(kept),)
-            batch = ([r for r in self._db.execute(_LRU_LEAVES, (COMPLETE, *limit)) if r[0] not in kept]
-                     or [r for r in self._db.execute(_LRU_ANY, (COMPLETE, *limit)) if r[0] not in kept])
-            if not batch:
-                break
-            for key, size in batch:
-                if need <= 0:
+            key = order.victim()
+            if key is None and not complete:
+                rows = self._db.execute(_LRU_ROWS if after is None else _LRU_ROWS_AFTER,
+                                        (COMPLETE, *(after or ()), window)).fetchall()
+                for key, parent, size, last, children in rows:
+                    sizes[key], parents[key] = size, parent
+                    order.add(key, parent, last, children=children)
+                complete = len(rows) < window
+                after = (rows[-1][3], rows[-1][0]) if rows else after
+                window *= 2
+                continue
+            if key is None:
+                left = order.by_use()
+                if not left:
                     break
-                if not remove_file(key):
-                    kept.add(key)
-                    continue
-                self._db.execute("DELETE FROM blocks WHERE key = ?", (key,))
-                need -= size
-                evicted.append((key, size))
+                key = left[0]
+            if not remove_file(key):
+                order.skip(key)
+                continue
+            self._db.execute("DELETE FROM blocks WHERE key = ?", (key,))
+            order.remove(key)
+            if parents[key] in order:  # its count, read with the window, included this row
+                order.release(parents[key])
+            need -= sizes[key]
+            evicted.append((key, sizes[key]))
         return evicted
 
     def _apply(self, touches: dict[str, float], forgets: set[str],
@@ -390,34 +408,12 @@ class Manifest:
                                  [(t, k) for k, t in touches.items()])
 
 
-_LRU_LIMIT = 64
-_LRU_LEAVES = ("SELECT key, file_bytes FROM blocks b WHERE state = ? AND NOT EXISTS "
-               "(SELECT 1 FROM blocks c WHERE c.parent = b.key) ORDER BY last_access LIMIT ?")
-_LRU_ANY = "SELECT key, file_bytes FROM blocks WHERE state = ? ORDER BY last_access LIMIT ?"
-
-
-def eviction_order(rows: list[tuple[str, str | None, int, float]]) -> list[tuple[str, int]]:
-    """(key, bytes) of ``rows`` (key, parent, bytes, last access) in eviction order: least
-    recently used leaf first, a parent becoming a leaf once its last child is out; rows left in
-    a cycle last, by LRU. O(n log n), whatever the chain lengths."""
-    info = {key: (parent, size, last) for key, parent, size, last in rows}
-    kids: dict[str, int] = {}
-    for parent, _, _ in info.values():
-        if parent in info:
-            kids[parent] = kids.get(parent, 0) + 1
-    heap = [(last, key) for key, (_, _, last) in info.items() if key not in kids]
-    heapq.heapify(heap)
-    order: list[tuple[str, int]] = []
-    while heap:
-        _, key = heapq.heappop(heap)
-        parent, size, _ = info.pop(key)
-        order.append((key, size))
-        if parent in kids:
-            kids[parent] -= 1
-            if kids[parent] == 0:
-                heapq.heappush(heap, (info[parent][2], parent))
-    order += [(key, size) for key, (_, size, _) in sorted(info.items(), key=lambda kv: kv[1][2])]
-    return order
+_LRU_WINDOW = 64  # complete rows read at first by an eviction (doubled while no leaf is in them)
+# Complete rows least recently used first, each with its number of children (any state).
+_LRU_SELECT = ("SELECT key, parent, file_bytes, last_access, "
+               "(SELECT COUNT(*) FROM blocks c WHERE c.parent = b.key) FROM blocks b WHERE state = ?")
+_LRU_ROWS = _LRU_SELECT + " ORDER BY last_access, key LIMIT ?"
+_LRU_ROWS_AFTER = _LRU_SELECT + " AND (last_access, key) > (?, ?) ORDER BY last_access, key LIMIT ?"
 
 
 def _inode(path: Path) -> int | None:
