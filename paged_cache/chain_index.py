@@ -1,27 +1,24 @@
-"""The chain index: which stored node continues which, with each node's tokens, in one place.
+"""The chain: which stored node continues which, with each node's tokens, in one type.
 
 A node is a block (a run of up to ``block_size`` tokens after its parent) or a checkpoint (the
 state, at its end, of the layers that cannot be cut by token, over tokens a block already holds).
-``ChainNode`` is the typed form of the chain fields of a block's meta (parent, fingerprint, start,
-token ids, checkpoint / restorable flags); every module reads them through it. ``ChainIndex``
-holds the nodes the RAM tier and the SSD write queue hold (the manifest indexes the SSD files), so
-the manager answers "the children of these parents" for a whole chain in one batched lookup.
+``ChainNode`` is the typed form of the chain fields of a block (parent, fingerprint, start, token
+ids, checkpoint / restorable flags); every module reads them through it. Tiers list their nodes
+as plain node rows (tiers/format.py ``NODE_FIELDS``: the hot tier from its blocks' meta, the SSD
+tier from its write queue and the manifest, the remote tier from its listings); ``from_row`` is
+the one place a row becomes a node.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-from typing import Iterable, Mapping
+from typing import Mapping
 
 import numpy as np
 
-from paged_cache.hashing import (ROOT_PARENT, block_key, checkpoint_key, decode_token_ids,
-                                 encode_token_ids)
+from paged_cache.hashing import block_key, checkpoint_key, decode_token_ids, encode_token_ids
 from paged_cache.tiers.format import (META_CHECKPOINT, META_FINGERPRINT, META_PARENT,
-                                      META_RESTORABLE, META_START, META_TOKEN_IDS, META_TOKENS)
-
-MAX_INDEXED = 1 << 18  # nodes remembered for RAM / queued blocks (LRU beyond it)
+                                      META_RESTORABLE, META_START, META_TOKEN_IDS, META_TOKENS,
+                                      NodeRow, node_row)
 
 
 class ChainNode:
@@ -72,25 +69,18 @@ class ChainNode:
     @classmethod
     def from_meta(cls, key: str, meta: Mapping[str, str], tier: str | None = None) -> "ChainNode | None":
         """The node a block's meta describes, or None when its chain fields are missing or malformed."""
-        try:
-            start, ntokens = int(meta[META_START]), int(meta[META_TOKENS])
-            return cls.from_fields(key, meta[META_PARENT], meta[META_FINGERPRINT], start, ntokens,
-                                   meta[META_TOKEN_IDS], meta.get(META_CHECKPOINT) == "1",
-                                   meta.get(META_RESTORABLE, "1") == "1", tier)
-        except (KeyError, ValueError, TypeError):
-            return None
+        return cls.from_row(node_row(key, meta), tier)
 
     @classmethod
-    def from_fields(cls, key: str, parent: object, fingerprint: object, start: object,
-                    ntokens: object, text: object, checkpoint: bool, restorable: bool,
-                    tier: str | None = None) -> "ChainNode | None":
-        """The node of typed chain fields as an index (the manifest) holds them, or None when
-        one is missing or malformed (ids stay in their text form until read)."""
+    def from_row(cls, row: NodeRow, tier: str | None = None) -> "ChainNode | None":
+        """The node of a node row (as a tier lists it), or None when a field is missing or
+        malformed (ids stay in their text form until read; a NULL ``restorable`` reads as 1)."""
+        key, parent, fingerprint, start, ntokens, text, checkpoint, restorable = row
         if (type(start) is not int or type(ntokens) is not int or start < 0 or ntokens < 1
                 or not isinstance(parent, str) or not isinstance(fingerprint, str)
                 or not isinstance(text, str)):
             return None
-        return cls(key, parent, fingerprint, start, text, bool(checkpoint), bool(restorable),
+        return cls(key, parent, fingerprint, start, text, bool(checkpoint), restorable != 0,
                    tier, ntokens)
 
     def keyed_by(self, namespace: str) -> bool:
@@ -102,69 +92,3 @@ class ChainNode:
         """The same node, held in ``tier``."""
         return ChainNode(self.key, self.parent, self.fingerprint, self.start, self.ids,
                          self.checkpoint, self.restorable, tier, self.ntokens)
-
-
-class ChainIndex:
-    """Nodes held in RAM or queued for SSD, by key and by parent; thread-safe and bounded.
-
-    Entries are added by every put and promotion and removed once the block is in neither RAM nor
-    the write queue (on SSD the manifest lists it; elsewhere it is gone); the manager checks
-    presence when it answers, so an entry that outlived its block is harmless.
-    """
-
-    def __init__(self, max_nodes: int = MAX_INDEXED) -> None:
-        self._nodes: OrderedDict[str, ChainNode] = OrderedDict()
-        self._children: dict[str, set[str]] = {}
-        self._max = max_nodes
-        self._lock = threading.Lock()
-
-    def add(self, node: ChainNode) -> None:
-        """Index ``node`` (most recently used)."""
-        with self._lock:
-            self._nodes[node.key] = node
-            self._nodes.move_to_end(node.key)
-            self._children.setdefault(node.parent, set()).add(node.key)
-            while len(self._nodes) > self._max:
-                self._drop(next(iter(self._nodes)))
-
-    def remove(self, key: str) -> None:
-        """Forget ``key`` (it left every tier)."""
-        with self._lock:
-            self._drop(key)
-
-    def _drop(self, key: str) -> None:
-        node = self._nodes.pop(key, None)
-        if node is None:
-            return
-        kids = self._children.get(node.parent)
-        if kids is not None:
-            kids.discard(key)
-            if not kids:
-                del self._children[node.parent]
-
-    def get(self, key: str) -> ChainNode | None:
-        """The indexed node of ``key``, or None."""
-        with self._lock:
-            return self._nodes.get(key)
-
-    def parent_of(self, key: str) -> str | None:
-        """The parent key of an indexed node (None for a root or an unknown key)."""
-        node = self.get(key)
-        return None if node is None or node.parent == ROOT_PARENT else node.parent
-
-    def children(self, parents: Iterable[str], fingerprint: str) -> dict[str, list[ChainNode]]:
-        """parent -> indexed child nodes of ``fingerprint``, for every parent that has some."""
-        out: dict[str, list[ChainNode]] = {}
-        with self._lock:
-            for parent in parents:
-                keys = self._children.get(parent)
-                if keys:
-                    kids = [n for n in map(self._nodes.__getitem__, keys)
-                            if n.fingerprint == fingerprint]
-                    if kids:
-                        out[parent] = kids
-        return out
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._nodes)

@@ -420,10 +420,10 @@ def test_stats_of_a_running_server(tmp_path):
             assert status == 1 and "HTTP 404" in err
             # Every request runs on a new server thread; the sources are read on one thread, so
             # scrapes do not each open (and keep) a manifest connection.
-            connections = len(manager._ssd._manifest._connections)
+            connections = len(manager._keeper._manifest._connections)
             for _ in range(5):
                 cli_json("stats", "--url", url)
-            assert len(manager._ssd._manifest._connections) == connections
+            assert len(manager._keeper._manifest._connections) == connections
         finally:
             server.shutdown()
             server.server_close()

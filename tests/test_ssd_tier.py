@@ -92,12 +92,12 @@ def test_round_trip(tmp_path: Path, compression: str, dtype) -> None:
         assert t.write_sync(blocks[0].key, fmt.raw_tensors(blocks[0]), blocks[0].meta)  # already there
         t.flush()
         for b in blocks:
-            got = t.read(b.key)
+            got = t.read_file(b.key)
             assert got is not None and same(got, b)
         stats = t.stats()
         assert stats["writes"] == 3 and stats["hits"] == 3 and stats["blocks"] == 3
     with tier(tmp_path / "c") as t:  # reopened with the other compression setting: still readable
-        assert all(same(t.read(b.key), b) for b in blocks)
+        assert all(same(t.read_file(b.key), b) for b in blocks)
     if compression == "none":
         path = file_of(tmp_path / "c", blocks[0].key)
         loaded = mx.load(str(path))
@@ -152,12 +152,12 @@ def test_pending_block_is_readable_before_it_is_written(tmp_path: Path) -> None:
             got = t.read_pending(block.key)
             assert got is not None and same(got, block)
             assert got.arrays["keys"] is block.arrays["keys"]  # the queued arrays themselves, no copy
-            assert t.read(block.key) is None  # not on disk yet
+            assert t.read_file(block.key) is None  # not on disk yet
             assert not put(t, make_block("q"))  # queue full (bytes), policy skip
             assert t.stats()["write_drops"] == 1 and t.stats()["queue_bytes"] == block.nbytes
         t.flush()
         assert not t.has_pending(block.key) and t.read_pending(block.key) is None
-        assert same(t.read(block.key), block)
+        assert same(t.read_file(block.key), block)
 
 
 def test_write_on_caller_policy(tmp_path: Path) -> None:
@@ -181,7 +181,7 @@ def test_discard_cancels_and_removes(tmp_path: Path) -> None:
         t.discard(a.key)
         t.flush()
         assert not t.contains(a.key) and not t.contains(b.key)
-        assert t.read(a.key) is None and block_files(root) == []
+        assert t.read_file(a.key) is None and block_files(root) == []
         assert manifest_keys(root) == set()
 
 
@@ -221,13 +221,13 @@ def test_damage_is_a_counted_miss(tmp_path: Path, case: str, compression: str) -
         t.flush()
         path = file_of(root, victim.key)
         _damage(path, case, random.Random(case))
-        assert t.read(victim.key) is None  # no exception
+        assert t.read_file(victim.key) is None  # no exception
         stats = t.stats()
         assert stats["damaged"] == 1 and stats["hits"] == 0
         t.flush()  # the row is dropped by the next manifest transaction
         assert not os.path.lexists(path) and victim.key not in manifest_keys(root)
-        assert t.read(victim.key) is None and t.stats()["misses"] == 1
-        assert same(t.read(other.key), other)
+        assert t.read_file(victim.key) is None and t.stats()["misses"] == 1
+        assert same(t.read_file(other.key), other)
         if case == "symlink":
             assert (root / "outside").exists()  # the link was removed, its target untouched
 
@@ -321,7 +321,7 @@ def test_reconcile_orphans_missing_files_temps_and_strays(tmp_path: Path) -> Non
         assert stats["adopted"] == 1 and stats["rows_dropped"] == 1
         assert stats["temps_removed"] == 1 and stats["strays_removed"] == 2
         assert stats["blocks"] == 3 and stats["bytes"] == disk_bytes(root)
-        assert same(t.read(blocks[0].key), blocks[0]) and t.read(blocks[1].key) is None
+        assert same(t.read_file(blocks[0].key), blocks[0]) and t.read_file(blocks[1].key) is None
     with sqlite3.connect(root / MANIFEST_NAME) as db:
         row = db.execute("SELECT fingerprint, tokens, parent, layers FROM blocks WHERE key = ?",
                          (blocks[0].key,)).fetchone()
@@ -337,7 +337,7 @@ def test_corrupt_manifest_is_rebuilt_from_files(tmp_path: Path) -> None:
     (root / MANIFEST_NAME).write_bytes(b"this is not a database" * 100)
     with tier(root) as t:
         assert t.stats()["adopted"] == 3
-        assert all(same(t.read(b.key), b) for b in blocks)
+        assert all(same(t.read_file(b.key), b) for b in blocks)
 
 
 def manifest_fds(root: Path) -> int:
@@ -362,7 +362,7 @@ def test_short_lived_threads_do_not_leak_manifest_connections(tmp_path: Path) ->
         listed = []
         for _ in range(50):  # a thread-per-request caller: each thread queries the manifest once
             worker = threading.Thread(target=lambda: listed.append(
-                [n.key for n in t.child_nodes([block.meta["parent"]], "m1")]))
+                [row[0] for row in t.children([block.meta["parent"]], "m1")]))
             worker.start()
             worker.join()
         assert listed == [[block.key]] * 50
@@ -382,7 +382,7 @@ def test_chain_listing_uses_the_parent_index(tmp_path: Path) -> None:
         for i in range(300):
             put(t, chained_block(i, parent=parents[i % 2] if i < 4 else key_of(f"other{i}")))
         t.flush()
-        listed = sorted(n.key for n in t.child_nodes(parents, "m1"))
+        listed = sorted(row[0] for row in t.children(parents, "m1"))
         assert listed == sorted(key_of(i) for i in range(4))
         plan = t._manifest._db.execute("EXPLAIN QUERY PLAN " + CHILD_ROWS_SQL,
                                        (0, "m1", "[]")).fetchall()
@@ -437,7 +437,7 @@ def test_sigkill_while_writing_never_serves_a_partial_block(tmp_path: Path, long
             labels = {key_of(i): i for i in range(start + 5000)}  # the child may be ahead of its output
             for path in files:
                 key = path.name[:64]
-                got = t.read(key)
+                got = t.read_file(key)
                 assert got is not None, "a renamed file is always complete"
                 label = labels[key]
                 assert same(got, make_block(label, n=512 + (label % 7) * 300))

@@ -10,7 +10,8 @@ ancestor (the tier remembers the parents of blocks that left, bounded), so a cha
 promoted in order never evicts its own prefix for blocks that could not be reached without it. Evicted blocks go to a callback
 (the manager spills them to SSD or drops them); after large evictions MLX's buffer cache is
 cleared so the freed memory really returns to the system. `demote` and `trim` evict on demand
-through the same path.
+through the same path. It is the manager's first tier (tiers/base.py); the manager passes its
+own lock, so one lock guards the tier and the manager's counters.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import AbstractSet, Any, Callable, Iterable, Sequence
 
 import mlx.core as mx
 
 from paged_cache.block import Block
+from paged_cache.tiers.base import Tier
 from paged_cache.tiers.eviction import LeavesFirst
-from paged_cache.tiers.format import META_PARENT
+from paged_cache.tiers.format import META_FINGERPRINT, META_PARENT, NodeRow, RawTensors, node_row
 
 log = logging.getLogger("paged_cache.tiers.hot")
 
@@ -52,12 +54,15 @@ def _check_max_bytes(max_bytes: Any) -> None:
         raise ValueError(f"max_bytes: expected a non-negative int, got {max_bytes!r}")
 
 
-class HotTier:
-    """LRU of Blocks bounded by ``max_bytes``; thread-safe. ``mx.clear_cache()`` runs whenever
-    ``clear_cache_bytes`` (default: a quarter of the budget, 1-64 MiB) have been evicted."""
+class HotTier(Tier):
+    """LRU of Blocks bounded by ``max_bytes``; thread-safe (under ``lock``, or its own).
+    ``mx.clear_cache()`` runs whenever ``clear_cache_bytes`` (default: a quarter of the budget,
+    1-64 MiB) have been evicted."""
+
+    name = "hot"
 
     def __init__(self, max_bytes: int, on_evict: EvictCallback | None = None, *,
-                 clear_cache_bytes: int | None = None) -> None:
+                 clear_cache_bytes: int | None = None, lock: Any = None) -> None:
         _check_max_bytes(max_bytes)
         self.max_bytes = max_bytes
         self._on_evict = on_evict
@@ -66,7 +71,8 @@ class HotTier:
         self._tick = 0                     # uses so far: the last use of each block
         self._order = LeavesFirst()        # leaves first, least recently used first
         self._ghosts: OrderedDict[str, str] = OrderedDict()   # left key -> its (held) ancestor
-        self._lock = threading.RLock()
+        self._by_parent: dict[str, set[str]] = {}   # meta parent -> held keys (children lookups)
+        self._lock = lock if lock is not None else threading.RLock()
         self._unreleased = 0   # evicted bytes since the last mx.clear_cache()
         self._clear_threshold = clear_cache_bytes if clear_cache_bytes is not None else \
             min(max(max_bytes // 4, CLEAR_CACHE_MIN_BYTES), CLEAR_CACHE_MAX_BYTES)
@@ -145,6 +151,7 @@ class HotTier:
         key = entry.block.key
         self._entries[key] = entry
         self._bytes += entry.nbytes
+        self._by_parent.setdefault(entry.block.meta.get(META_PARENT, ""), set()).add(key)
         self._tick += 1
         self._order.add(key, entry.parent, self._tick)
 
@@ -188,6 +195,11 @@ class HotTier:
         if entry is not None:
             self._bytes -= entry.nbytes
             self._order.remove(key)
+            parent = entry.block.meta.get(META_PARENT, "")
+            siblings = self._by_parent[parent]
+            siblings.discard(key)
+            if not siblings:
+                del self._by_parent[parent]
             if entry.parent is not None:
                 self._remember(key, self._anchor(entry.parent) or entry.parent)
         return entry
@@ -271,6 +283,7 @@ class HotTier:
             self._entries.clear()
             self._order.clear()
             self._ghosts.clear()
+            self._by_parent.clear()
             self._bytes = 0
         self.release_memory()
 
@@ -278,10 +291,35 @@ class HotTier:
         with self._lock:
             return key in self._entries
 
-    def holds(self, keys: Sequence[str]) -> list[bool]:
-        """``key in self`` for every key, under one lock acquisition."""
+    def holds(self, keys: Sequence[str], *, listed: AbstractSet[str] = frozenset(),
+              stop_at_miss: bool = False) -> list[str | None]:
+        """"hot" for every key held, else None, under one lock acquisition."""
         with self._lock:
-            return list(map(self._entries.__contains__, keys))
+            return ["hot" if k in self._entries else None for k in keys]
+
+    def children(self, parents: Sequence[str], fingerprint: str) -> list[NodeRow]:
+        """Node rows of the held blocks of ``fingerprint`` whose parent is one of ``parents``."""
+        out = []
+        with self._lock:
+            for parent in parents:
+                for key in self._by_parent.get(parent, ()):
+                    meta = self._entries[key].block.meta
+                    if meta.get(META_FINGERPRINT) == fingerprint:
+                        out.append(node_row(key, meta))
+        return out
+
+    def read(self, key: str, *, in_place: bool = False) -> tuple[Block, str] | None:
+        """``(block, "hot")`` (now most recently used), or None."""
+        block = self.get(key)
+        return None if block is None else (block, self.name)
+
+    def write(self, block: Block, raw: RawTensors | None = None, *, now: bool = False) -> bool:
+        """``insert`` with no copy elsewhere (evicting it calls the eviction callback)."""
+        return self.insert(block, persisted=False)
+
+    def close(self) -> None:
+        """Drop every block (``clear``)."""
+        self.clear()
 
     def __len__(self) -> int:
         with self._lock:

@@ -61,11 +61,9 @@ CREATE TRIGGER IF NOT EXISTS blocks_upd AFTER UPDATE OF file_bytes ON blocks BEG
 _COLUMNS = ("key", "state", "compression", "file_bytes", "raw_bytes", "tokens", "fingerprint",
             "parent", "layers", "start", "token_ids", "checkpoint", "restorable", "created",
             "last_access", "writer")
-NODE_COLUMNS = ("key", "parent", "fingerprint", "start", "tokens", "token_ids", "checkpoint",
-                "restorable")
 # The children of a chain's blocks, found through the parent index (``+state`` keeps SQLite from
 # choosing the state index instead, which scans every complete row: 100k rows for 500 children).
-CHILD_ROWS_SQL = (f"SELECT {','.join(NODE_COLUMNS)} FROM blocks WHERE +state = ? AND fingerprint = ? "
+CHILD_ROWS_SQL = (f"SELECT {','.join(fmt.NODE_FIELDS)} FROM blocks WHERE +state = ? AND fingerprint = ? "
                   "AND parent IN (SELECT value FROM json_each(?))")
 
 
@@ -93,17 +91,11 @@ class Row:
 
 def row_from_meta(key: str, state: int, file_bytes: int, raw_bytes: int, compression: str,
                   meta: dict[str, str], when: float, writer: str) -> Row:
-    """The row for a block file with this meta (tokens, fingerprint, parent, layer summary)."""
-    tokens = meta.get(fmt.META_TOKENS, "")
-    start = meta.get(fmt.META_START, "")
-    return Row(key=key, state=state, compression=compression, file_bytes=file_bytes,
-               raw_bytes=raw_bytes, tokens=int(tokens) if tokens.isdigit() else None,
-               fingerprint=meta.get(fmt.META_FINGERPRINT), parent=meta.get(fmt.META_PARENT),
-               layers=fmt.layers_summary(meta), start=int(start) if start.isdigit() else None,
-               token_ids=meta.get(fmt.META_TOKEN_IDS),
-               checkpoint=int(meta.get(fmt.META_CHECKPOINT) == "1"),
-               restorable=int(meta.get(fmt.META_RESTORABLE, "1") == "1"),
-               created=when, last_access=when, writer=writer)
+    """The row for a block file with this meta (its node row, layer summary, sizes, times)."""
+    node = dict(zip(fmt.NODE_FIELDS, fmt.node_row(key, meta)))
+    return Row(state=state, compression=compression, file_bytes=file_bytes, raw_bytes=raw_bytes,
+               layers=fmt.layers_summary(meta), created=when, last_access=when, writer=writer,
+               **node)
 
 
 class ManifestError(RuntimeError):
@@ -241,7 +233,7 @@ class Manifest:
         return tuple(self._db.execute("SELECT blocks, bytes FROM totals WHERE id = 0").fetchone())
 
     def child_rows(self, parents: Sequence[str], fingerprint: str) -> list[tuple]:
-        """Chain fields (tuples in ``NODE_COLUMNS`` order, as stored: NULL where a row has no
+        """Chain fields (node rows: tuples in ``format.NODE_FIELDS`` order, as stored: NULL where a row has no
         chain fields) of the complete rows stored under any of ``parents`` for ``fingerprint``:
         one query whatever the number of parents."""
         self.queries += 1

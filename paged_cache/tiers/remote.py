@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from typing import AbstractSet, Any, Callable, Sequence
 
-from paged_cache.block import check_key
+from paged_cache.block import Block, check_key
 from paged_cache.config import REMOTE_QUEUE_DEFAULT
 from paged_cache.tiers import format as fmt
+from paged_cache.tiers.base import Tier
 from paged_cache.tiers.remote_client import client_module, connect, shown
 from paged_cache.tiers.remote_reads import RemoteReads
 from paged_cache.tiers.remote_writer import RemoteWriter
@@ -32,8 +33,11 @@ _COUNTERS = ("hits", "misses", "damaged", "errors", "skipped", "outages", "reads
              "write_errors", "discards")
 
 
-class RemoteTier(RemoteReads, RemoteWriter):
+class RemoteTier(RemoteReads, RemoteWriter, Tier):
     """Blocks on a Valkey / Redis server at ``url``: pipelined reads, a byte-bounded writer thread."""
+
+    name = "remote"
+    shared = True
 
     def __init__(self, url: str, *, timeout: float = 0.5, ttl: float = 0.0,
                  queue_max_bytes: int = REMOTE_QUEUE_DEFAULT, compression: str = "none",
@@ -79,6 +83,33 @@ class RemoteTier(RemoteReads, RemoteWriter):
                 self._read_seconds_max = max(self._read_seconds_max, seconds)
         return result
 
+    # ---- the tier interface (tiers/base.py) ------------------------------------------------
+    def holds(self, keys: Sequence[str], *, listed: AbstractSet[str] = frozenset(),
+              stop_at_miss: bool = False) -> list[str | None]:
+        """"remote" for the keys the server holds now (``held``), else None."""
+        return [self.name if h else None for h in self.held(keys)]
+
+    def children(self, parents: Sequence[str], fingerprint: str) -> list[fmt.NodeRow]:
+        """Node rows of the children the server lists under ``parents`` (``listed_children``)."""
+        out = []
+        for parent in parents:
+            for key in self.listed_children(parent, fingerprint):
+                meta = self.meta(key)
+                if meta is not None:
+                    out.append(fmt.node_row(key, meta))
+        return out
+
+    def read(self, key: str, *, in_place: bool = False) -> tuple[Block, str] | None:
+        """``(block, "remote")`` (``read_block``), or None."""
+        block = self.read_block(key)
+        return None if block is None else (block, self.name)
+
+    def write(self, block: Block, raw: fmt.RawTensors | None = None, *, now: bool = False) -> bool:
+        """Queue the block for the server (``enqueue``); with ``now``, wait until it was sent."""
+        queued = self.enqueue(block.key, raw if raw is not None else fmt.raw_tensors(block),
+                              block.meta)
+        return queued and (not now or self.flush())
+
     # ---- writes (queued for the writer thread) ----------------------------------------------
     def enqueue(self, key: str, raw: fmt.RawTensors, meta: dict[str, str]) -> bool:
         """Queue a block for the server; False (counted) when the queue is full or the server
@@ -86,8 +117,9 @@ class RemoteTier(RemoteReads, RemoteWriter):
         check_key(key)
         return self._queue_write(Write(key, raw, dict(meta), fmt.check_raw(raw)))
 
-    def discard(self, key: str) -> None:
-        """Queue the removal of ``key`` from the server (its child listing entry goes lazily)."""
+    def discard(self, key: str) -> bool:
+        """Queue the removal of ``key`` from the server (its child listing entry goes lazily);
+        False: whether the server held it is not asked."""
         check_key(key)
         with self._lock:
             self._fetched.pop(key, None)
@@ -95,6 +127,7 @@ class RemoteTier(RemoteReads, RemoteWriter):
             self._metas.pop(key, None)
             self._listings.clear()
         self._queue_write(Write(key, None, {}, 0))
+        return False
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write was sent (or dropped); False if ``timeout`` ran out."""

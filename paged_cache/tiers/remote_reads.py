@@ -64,9 +64,9 @@ class RemoteReads:
 
     def plan(self, chain: Sequence[str], on_server: Sequence[str]) -> None:
         """Record a fetch's chain (the keys held somewhere, in order) and which of them only the
-        server holds: ``read`` then fetches up to READ_AHEAD_BLOCKS / READ_AHEAD_BYTES of those
+        server holds: ``read_block`` then fetches up to READ_AHEAD_BLOCKS / READ_AHEAD_BYTES of those
         per round trip, and
-        the first ``children`` call lists the children of the whole chain in one. Drops older
+        the first ``listed_children`` call lists the children of the whole chain in one. Drops older
         read-ahead."""
         with self._lock:
             self._chain = list(chain)
@@ -74,7 +74,7 @@ class RemoteReads:
             self._plan = {k: i for i, k in enumerate(self._plan_keys)}
             self._fetched = {}
 
-    def read(self, key: str) -> Block | None:
+    def read_block(self, key: str) -> Block | None:
         """The verified block for ``key`` (a read-ahead hit or one pipelined round trip that also
         reads the planned keys after it), or None: a miss, damage (counted) or an outage."""
         check_key(key)
@@ -112,7 +112,7 @@ class RemoteReads:
             batch.append(key)
         return batch
 
-    def children(self, parent: str, fingerprint: str) -> list[str]:
+    def listed_children(self, parent: str, fingerprint: str) -> list[str]:
         """Keys the server lists as children of ``parent`` for ``fingerprint`` and still holds;
         their metas are remembered for ``meta``. Two round trips list ``parent`` and every block of
         the planned chain not listed in the last PRESENT_SECONDS. [] during an outage."""

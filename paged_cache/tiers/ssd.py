@@ -1,13 +1,13 @@
 """SSD tier: one safetensors file per block, a SQLite manifest, a byte-bounded writer thread.
 
-Contract with the manager: ``SSDTier(directory, *, max_bytes, compression, queue_max_bytes,
-queue_full_policy)`` with enqueue / write_item / write_sync / release_written / read / open_stored /
-has_pending / read_pending / contains / discard / touch / flush / close / stats. The writer thread
-neither calls MLX nor drops the last reference to a block's buffers (``release_written`` does, on
-a caller thread). Notes: a ``read`` or ``open_stored`` hit also marks
-the block used (LRU); ``read_pending`` returns the queued arrays themselves (no copy); a block
-larger than ``queue_max_bytes`` is never queued (the policy applies); the tier is a context
-manager; ``stats()`` keys are listed in docs/file-format.md.
+The manager uses it through the tier interface (tiers/base.py: holds / children / read / write /
+settle / discard / touch / flush / close / stats), built on the tier's own primitives (enqueue /
+write_item / write_sync / release_written / read / open_stored / has_pending / read_pending /
+contains). The writer thread neither calls MLX nor drops the last reference to a block's buffers
+(``release_written`` does, on a caller thread, through ``settle``). Notes: a ``read`` or
+``open_stored`` hit also marks the block used (LRU); ``read_pending`` returns the queued arrays
+themselves (no copy); a block larger than ``queue_max_bytes`` is never queued (the policy
+applies); the tier is a context manager; ``stats()`` keys are listed in docs/file-format.md.
 
 Layout under ``directory`` (0700, files 0600): ``manifest.sqlite`` (+ WAL), ``blocks/<k[:2]>/<key>
 .safetensors[.lz4]``, ``tmp/`` (files being written; renamed into ``blocks/`` once complete).
@@ -26,12 +26,12 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import AbstractSet, Any, Sequence
 
 from paged_cache.block import Block, check_key
 from paged_cache.config import QUEUE_DEFAULT, QUEUE_FULL_POLICIES
-from paged_cache.chain_index import ChainNode
 from paged_cache.tiers import format as fmt
+from paged_cache.tiers.base import Tier
 from paged_cache.tiers.block_files import BlockFiles
 from paged_cache.tiers.deferred import DeferredUpdates
 from paged_cache.tiers.direct import StoredBlock
@@ -45,11 +45,17 @@ log = logging.getLogger("paged_cache.ssd")
 TOUCH_FLUSH_SECONDS = 1.0  # access times are batched in memory at most this long
 
 
-class SSDTier(WriteBehind):
-    """Block files under ``directory`` with a byte budget shared by every process and model using it."""
+class SSDTier(WriteBehind, Tier):
+    """Block files under ``directory`` with a byte budget shared by every process and model using
+    it. ``writes_new``: every new block is written at put (write-through), else only once the
+    RAM tier evicts it (write-back)."""
+
+    name = "ssd"
+    keeps_evicted = True
 
     def __init__(self, directory: Path, *, max_bytes: int, compression: str = "none",
-                 queue_max_bytes: int = QUEUE_DEFAULT, queue_full_policy: str = "skip") -> None:
+                 queue_max_bytes: int = QUEUE_DEFAULT, queue_full_policy: str = "skip",
+                 writes_new: bool = True) -> None:
         _check_size("max_bytes", max_bytes, minimum=1)
         _check_size("queue_max_bytes", queue_max_bytes, minimum=0)
         if compression not in fmt.COMPRESSIONS:
@@ -63,6 +69,8 @@ class SSDTier(WriteBehind):
         self._max_bytes = max_bytes
         self.compression = compression
         self.queue_full_policy = queue_full_policy
+        self.writes_new = writes_new
+        self._caller_writes = threading.local()  # this thread's writes under "write-on-caller"
         self._writer_id = f"{os.getpid()}:{secrets.token_hex(4)}"
         self._counts: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._count_lock = threading.Lock()
@@ -174,7 +182,7 @@ class SSDTier(WriteBehind):
         self._check_open()
         return self._write_here(item)
 
-    def read(self, key: str) -> Block | None:
+    def read_file(self, key: str) -> Block | None:
         """Read and verify a block from disk; None on a miss or damage (damage is counted, file removed)."""
         return self._hit(key, self._files.read(key))
 
@@ -208,10 +216,11 @@ class SSDTier(WriteBehind):
         check_key(key)
         return key in self._pending or self._files.compression_of(key) is not None
 
-    def discard(self, key: str) -> None:
+    def discard(self, key: str) -> bool:
         """Drop the block: a queued write is cancelled (an in-progress one is waited for), then the
-        file and its manifest row are removed, so ``contains`` is False once this returns."""
-        check_key(key)
+        file and its manifest row are removed, so ``contains`` is False once this returns. True
+        when the block was pending or its file existed."""
+        held = self.contains(key)
         with self._cond:
             self._discarding.add(key)  # no write of it starts until this returns
             item = self._pending.pop(key, None)
@@ -224,6 +233,7 @@ class SSDTier(WriteBehind):
         finally:
             with self._cond:
                 self._discarding.discard(key)
+        return held
 
     def touch(self, key: str) -> None:
         """Mark the block used now (LRU); kept in memory and written to the manifest in batches."""
@@ -274,12 +284,17 @@ class SSDTier(WriteBehind):
 
     # ---- chain lookup --------------------------------------------------------------------
 
-    def child_nodes(self, parents: Sequence[str], fingerprint: str) -> list[ChainNode]:
-        """The nodes (tier "ssd") of the complete blocks (any process's) stored under
-        ``parents`` for ``fingerprint``, in one manifest query; rows without valid chain fields
-        are left out, and so are rows of files this process removed or found missing (their
-        deletion is deferred) unless the file is back (stored again meanwhile: one stat each);
-        [] if the manifest cannot be read now (logged)."""
+    def children(self, parents: Sequence[str], fingerprint: str) -> list[fmt.NodeRow]:
+        """Node rows of the blocks stored under ``parents`` for ``fingerprint``: those in the
+        write queue, then the complete rows of the manifest (any process's), in one query. Rows
+        of files this process removed or found missing (their deletion is deferred) are left out
+        unless the file is back (stored again meanwhile: one stat each); no manifest rows if the
+        manifest cannot be read now (logged)."""
+        wanted = set(parents)
+        with self._cond:
+            out = [fmt.node_row(item.key, item.meta) for item in self._pending.values()
+                   if item.meta.get(fmt.META_PARENT) in wanted
+                   and item.meta.get(fmt.META_FINGERPRINT) == fingerprint]
         # Taken before the query: a removal whose row delete commits while the query reads an
         # older snapshot is still in ``_applying`` now (taken after, it could be missed).
         gone = self._updates.gone()
@@ -287,14 +302,59 @@ class SSDTier(WriteBehind):
             rows = self._manifest.child_rows(parents, fingerprint)
         except sqlite3.Error as exc:
             log.warning("chain lookup of %d parents failed: %s", len(parents), exc)
-            return []
-        out = []
-        for key, parent, fp, start, tokens, token_ids, checkpoint, restorable in rows:
-            node = ChainNode.from_fields(key, parent, fp, start, tokens, token_ids,
-                                         bool(checkpoint), restorable != 0, "ssd")
-            if node is not None and (key not in gone or self._files.compression_of(key) is not None):
-                out.append(node)
+            return out
+        return out + [row for row in rows
+                      if row[0] not in gone or self._files.compression_of(row[0]) is not None]
+
+    # ---- the tier interface (tiers/base.py) ----------------------------------------------
+    def holds(self, keys: Sequence[str], *, listed: AbstractSet[str] = frozenset(),
+              stop_at_miss: bool = False) -> list[str | None]:
+        """"pending" for a key in the write queue, "ssd" for one with a file (a key in
+        ``listed`` needs no stat), else None (see Tier.holds)."""
+        out: list[str | None] = [None] * len(keys)
+        for i, key in enumerate(keys):
+            if self.has_pending(key):
+                out[i] = "pending"
+            elif key in listed or self.contains(key):
+                out[i] = self.name
+            elif stop_at_miss:
+                break
         return out
+
+    def read(self, key: str, *, in_place: bool = False) -> tuple[Any, str] | None:
+        """The queued block ("pending"), else the file's (``open_stored`` with ``in_place``)."""
+        block = self.read_pending(key)
+        if block is not None:
+            return block, "pending"
+        block = self.open_stored(key) if in_place else self.read_file(key)
+        return None if block is None else (block, self.name)
+
+    def write(self, block: Block, raw: fmt.RawTensors | None = None, *, now: bool = False) -> bool:
+        """Queue the block for the writer (a write the caller must do itself under
+        "write-on-caller" is left for ``settle``), or write it now."""
+        raw = raw if raw is not None else fmt.raw_tensors(block)
+        if now:
+            return self.write_sync(block.key, raw, dict(block.meta))
+        writes = getattr(self._caller_writes, "items", None)
+        if writes is None:
+            writes = self._caller_writes.items = []
+        return self.enqueue(block.key, raw, dict(block.meta), overflow=writes)
+
+    def settle(self) -> tuple[list[str], list[tuple[str, int]]]:
+        """This thread's own writes (queue full under "write-on-caller"), then the release of
+        the buffers the writer has finished with: (keys not written, (key, bytes) released)."""
+        failed = []
+        writes = getattr(self._caller_writes, "items", None)
+        while writes:
+            item = writes.pop(0)
+            try:
+                written = self.write_item(item)
+            except RuntimeError:  # closed meanwhile
+                written = False
+            if not written:
+                failed.append(item.key)
+            del item
+        return failed, self.release_written()
 
     # ---- writing -------------------------------------------------------------------------
 
