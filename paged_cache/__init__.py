@@ -1,4 +1,4 @@
-"""paged-cache: a tiered (RAM + SSD) block KV cache for MLX serving engines.
+"""paged-cache: a tiered (RAM, SSD, shared remote) block KV cache for MLX serving engines.
 
 Public names are imported lazily so that `paged-cache --help` and config parsing do not pay for
 importing MLX.

@@ -18,7 +18,7 @@ MAX_PORT = 65535
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the serve subcommand (unknown options are passed to mlx_lm.server)."""
     parser = subparsers.add_parser(
-        "serve", help="run mlx_lm.server with the tiered (RAM + SSD) prompt cache",
+        "serve", help="run mlx_lm.server with the tiered (RAM, SSD, remote) prompt cache",
         description="Start mlx_lm.server (OpenAI-compatible HTTP API) with paged-cache's tiered "
                     "block cache in place of its in-memory LRUPromptCache. Options not listed "
                     "here (--host, --port, --max-tokens, --prompt-cache-bytes, --log-level, ...) "

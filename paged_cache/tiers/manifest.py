@@ -148,7 +148,7 @@ class Manifest:
         self._local = threading.local()
         self._connections: dict[threading.Thread, sqlite3.Connection] = {}
         self._connections_lock = threading.Lock()
-        self.queries = 0  # chain lookups answered (child_nodes), for tests and stats
+        self.queries = 0  # chain lookups answered (child_rows), for tests and stats
         try:
             self.inode = _inode(path)  # before connecting: what a rebuild may remove
             db = self._db
