@@ -16,8 +16,9 @@ from typing import Callable
 from paged_cache.tiers.block_files import BlockFiles
 from paged_cache.tiers.files import (MANIFEST_FILES, MANIFEST_NAME, create_manifest_file,
                                      rebuild_manifest)
-from paged_cache.tiers.manifest import (Manifest, ManifestBusy, ManifestDamaged, ManifestError,
-                                        ManifestReplaced, is_damage)
+from paged_cache.tiers.manifest import (BUSY_TIMEOUT_SECONDS, Manifest, ManifestBusy,
+                                        ManifestDamaged, ManifestError, ManifestReplaced,
+                                        is_damage)
 from paged_cache.tiers.reconcile import reconcile
 
 log = logging.getLogger("paged_cache.ssd")
@@ -28,11 +29,13 @@ OPEN_WAIT_SECONDS = 120.0  # how long open waits for another process's write loc
 class OpenManifest:
     """The SSD tier's manifest (``current``), kept usable: see module doc. ``count`` counts the
     tier's events, ``count_evicted`` the blocks evicted at open, ``on_reopen`` runs after a
-    reopen (the reconciliation adopted every renamed file)."""
+    reopen (the reconciliation adopted every renamed file); ``busy_timeout_s``: how long one
+    statement waits for another process's write lock."""
 
     def __init__(self, files: BlockFiles, *, max_bytes: int, count: Callable[..., None],
                  count_evicted: Callable[[list[tuple[str, int]]], None],
-                 on_reopen: Callable[[], None]) -> None:
+                 on_reopen: Callable[[], None],
+                 busy_timeout_s: float = BUSY_TIMEOUT_SECONDS) -> None:
         self.directory = files.directory
         self.max_bytes = max_bytes
         self._files = files
@@ -40,6 +43,7 @@ class OpenManifest:
         self._count = count
         self._count_evicted = count_evicted
         self._on_reopen = on_reopen
+        self._busy_timeout_s = busy_timeout_s
         self._lock = threading.Lock()   # serializes reopening / rebuilding the manifest
         self.current = self._open(evict=True)
 
@@ -64,7 +68,7 @@ class OpenManifest:
                 damaged, rebuilt = None, True
             create_manifest_file(self._root_fd)
             try:
-                manifest = Manifest(self.directory / MANIFEST_NAME)
+                manifest = Manifest(self.directory / MANIFEST_NAME, busy_timeout_s=self._busy_timeout_s)
             except ManifestBusy as exc:
                 if time.monotonic() >= deadline:
                     raise

@@ -36,7 +36,8 @@ from paged_cache.tiers.block_files import BlockFiles
 from paged_cache.tiers.deferred import DeferredUpdates
 from paged_cache.tiers.direct import StoredBlock
 from paged_cache.tiers.files import LIVE_WRITERS, unlink_quiet
-from paged_cache.tiers.manifest import RESERVED, Manifest, ManifestError, now, row_from_meta
+from paged_cache.tiers.manifest import (BUSY_TIMEOUT_SECONDS, RESERVED, Manifest, ManifestError,
+                                        now, row_from_meta)
 from paged_cache.tiers.manifest_open import OpenManifest
 from paged_cache.tiers.write_queue import Write, WriteBehind
 
@@ -48,14 +49,15 @@ TOUCH_FLUSH_SECONDS = 1.0  # access times are batched in memory at most this lon
 class SSDTier(WriteBehind, Tier):
     """Block files under ``directory`` with a byte budget shared by every process and model using
     it. ``writes_new``: every new block is written at put (write-through), else only once the
-    RAM tier evicts it (write-back)."""
+    RAM tier evicts it (write-back). ``busy_timeout_s``: how long a manifest statement waits
+    for another process's write lock (then the write fails, counted, and is retried later)."""
 
     name = "ssd"
     keeps_evicted = True
 
     def __init__(self, directory: Path, *, max_bytes: int, compression: str = "none",
                  queue_max_bytes: int = QUEUE_DEFAULT, queue_full_policy: str = "skip",
-                 writes_new: bool = True) -> None:
+                 writes_new: bool = True, busy_timeout_s: float = BUSY_TIMEOUT_SECONDS) -> None:
         _check_size("max_bytes", max_bytes, minimum=1)
         _check_size("queue_max_bytes", queue_max_bytes, minimum=0)
         if compression not in fmt.COMPRESSIONS:
@@ -86,7 +88,8 @@ class SSDTier(WriteBehind, Tier):
         try:
             self._manifests = OpenManifest(self._files, max_bytes=max_bytes, count=self._count,
                                            count_evicted=self._count_evicted,
-                                           on_reopen=self._updates.clear_incomplete)
+                                           on_reopen=self._updates.clear_incomplete,
+                                           busy_timeout_s=busy_timeout_s)
         except BaseException:
             self._files.close()
             raise

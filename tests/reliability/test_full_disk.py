@@ -15,10 +15,13 @@ import pytest
 
 from paged_cache.block import Block
 from paged_cache.tiers.files import MANIFEST_NAME
+from paged_cache.tiers.ssd import SSDTier
 from reliability_support import audit, block_files, block_for, key_of, manager_at, same_block
 
 HOT = 256 << 10
 
+
+BUSY = 0.5  # the manifest's busy timeout in the failed-completion test (default 10 s)
 
 def manifest_state(db: sqlite3.Connection, key: str) -> int | None:
     """The state of ``key``'s manifest row (0 reserved, 1 complete), None without one."""
@@ -101,19 +104,19 @@ def test_no_reservation_outlives_a_failed_completion(tmp_path: Path) -> None:
     in this same process as dead (fixed in ssd.py / files.py)."""
     root = tmp_path / "cache"
     big = Block(key_of(0, "big"), {"x": mx.zeros((8 << 20,), dtype=mx.float32)}, {})  # 32 MiB
-    with manager_at(root, hot_cache_max_bytes=0, ssd_max_bytes="1GB") as manager:
+    with SSDTier(root, max_bytes=1 << 30, busy_timeout_s=BUSY) as tier:
         lock = sqlite3.connect(root / MANIFEST_NAME, isolation_level=None, timeout=30)
-        assert manager.put(big)
+        assert tier.write(big)
         deadline = time.monotonic() + 30
         while not os.listdir(root / "tmp"):     # reserved, the temp file is being written
             assert time.monotonic() < deadline
-        lock.execute("BEGIN IMMEDIATE")         # held past the writer's 10 s busy timeout
+        lock.execute("BEGIN IMMEDIATE")         # held past the writer's busy timeout
         if manifest_state(lock, big.key) != 0:
             pytest.skip("the write completed before the lock was taken")
-        time.sleep(11)
+        time.sleep(BUSY + 1)
         lock.execute("COMMIT")
-        manager.flush()
-        assert manager.stats()["ssd"]["write_errors"] == 1
+        tier.flush()
+        assert tier.stats()["write_errors"] == 1
     with manager_at(root, hot_cache_max_bytes=0):   # a reopen in the same process
         pass
     audit(root)                                     # no row is left RESERVED
