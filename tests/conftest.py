@@ -1,10 +1,16 @@
-"""Shared pytest options: `--long` runs the long soak / crash / fuzz variants; `--engine NAME`
-collects tests/engines/test_<NAME>.py, which runs inside that engine's environment
-(`make test-engines`); without it tests/engines is not collected."""
+"""Shared pytest options and fixtures: `--long` runs the long soak / crash / fuzz variants;
+`--engine NAME` collects tests/engines/test_<NAME>.py, which runs inside that engine's
+environment (`make test-engines`; without it tests/engines is not collected); `models` builds
+the tiny random-weight models once per session. Helpers (no fixtures) live in tests/helpers/."""
+
+from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from paged_cache.testing import tiny_model
 
 ENGINE_TESTS = Path(__file__).parent / "engines"
 
@@ -41,3 +47,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "long" in item.keywords:
             item.add_marker(skip)
+
+
+class _Models(dict):
+    """Tiny random-weight models by architecture (default sizes, seed 0), built on first use."""
+
+    def __missing__(self, arch: str) -> Any:
+        self[arch] = model = tiny_model(arch)
+        return model
+
+
+@pytest.fixture(scope="session")
+def models() -> _Models:
+    """``models[arch]``: the session's tiny random-weight model of ``arch`` (built once)."""
+    return _Models()

@@ -18,7 +18,7 @@ from paged_cache.config import CacheConfig  # noqa: E402
 from paged_cache.manager import PagedSSDCacheManager  # noqa: E402
 from paged_cache.prefix_cache import BlockAwarePrefixCache  # noqa: E402
 from paged_cache.testing import tiny_model  # noqa: E402
-from test_prefix_cache_support import assert_exact, prompt, store_prompt  # noqa: E402
+from helpers.prefix import assert_exact, prompt, store_prompt  # noqa: E402
 
 BLOCK = 16
 TOKENS = 4 * BLOCK + 5

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import http.server
-import io
 import json
 import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -19,68 +14,10 @@ import mlx.core as mx
 import pytest
 
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
-from paged_cache.block import Block
-from paged_cache.cli.main import main
-from paged_cache.integrations.stats_http import answer
-from paged_cache.hashing import ROOT_PARENT
 from paged_cache.stats import nested_gauges, render_prometheus
 from paged_cache.testing import tiny_model
-
-FP_A, FP_B = "a" * 64, "b" * 64
-
-
-def run_cli(*argv: str) -> tuple[int, str, str]:
-    """paged_cache.cli.main.main in-process: (exit status, stdout, stderr)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = main(list(argv))
-    return status, out.getvalue(), err.getvalue()
-
-
-def cli_json(*argv: str):
-    status, out, err = run_cli(*argv, "--json")
-    assert status == 0, err
-    return json.loads(out)
-
-
-def key_of(label: object) -> str:
-    return hashlib.sha256(str(label).encode()).hexdigest()
-
-
-def make_block(label: object, *, fingerprint: str, parent: str, tokens: int, start: int = 0,
-               n: int = 64, layers: int = 2) -> Block:
-    """A block of ``layers`` KV-like layers whose content is a pure function of its label."""
-    seed = int(key_of(label)[:6], 16) % 997
-    arrays = {}
-    for i in range(layers):
-        base = mx.arange(n * tokens, dtype=mx.float32).reshape(1, 2, tokens, n // 2) * 0.5 + seed + i
-        arrays[f"l{i}.keys"] = base.astype(mx.float16)
-        arrays[f"l{i}.values"] = (base + 1).astype(mx.float16)
-    meta = {"fingerprint": fingerprint, "parent": parent, "start": str(start), "tokens": str(tokens),
-            "layers": json.dumps([{"type": "KVCache"}] * layers)}
-    return Block(key_of(label), arrays, meta)
-
-
-def chain(prefix: str, fingerprint: str, sizes: list[int], parent: str = ROOT_PARENT) -> list[Block]:
-    """Consecutive blocks of one sequence (each the parent of the next)."""
-    blocks, start = [], 0
-    for j, tokens in enumerate(sizes):
-        b = make_block(f"{prefix}-{j}", fingerprint=fingerprint, parent=parent, tokens=tokens, start=start)
-        blocks.append(b)
-        parent, start = b.key, start + tokens
-    return blocks
-
-
-def store(directory: Path, blocks: list[Block], **config) -> None:
-    opts = dict(ssd_dir=directory, ssd_max_bytes="1GB", hot_cache_max_bytes="1MB", block_size=16)
-    opts.update(config)
-    with PagedSSDCacheManager(CacheConfig(**opts)) as manager:
-        for b in blocks:
-            assert manager.put(b)
-
-
-def disk_files(directory: Path) -> dict[str, Path]:
-    return {p.name.split(".")[0]: p for p in (directory / "blocks").rglob("*") if p.is_file()}
+from helpers.blocks import block_files, key_of
+from helpers.cli import FP_A, FP_B, chain, cli_json, run_cli, serve_stats, store
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +36,7 @@ def synthetic(tmp_path_factory) -> dict:
 def test_inspect_totals_match_what_was_stored(synthetic):
     d, blocks = synthetic["dir"], synthetic["blocks"]
     data = cli_json("inspect", str(d))
-    files = disk_files(d)
+    files = block_files(d)
     assert set(files) == set(blocks)
     assert data["totals"]["blocks"] == len(blocks)
     assert data["totals"]["tokens"] == sum(int(b.meta["tokens"]) for b in blocks.values())
@@ -162,7 +99,7 @@ def test_show_block_layers_and_checksum(synthetic, tmp_path):
 
     copy = tmp_path / "copy"
     shutil.copytree(d, copy)
-    path = disk_files(copy)[block.key]
+    path = block_files(copy)[block.key]
     raw = bytearray(path.read_bytes())
     raw[-3] ^= 0xFF
     path.write_bytes(bytes(raw))
@@ -262,7 +199,7 @@ def test_reading_while_another_process_writes(tmp_path):
     script = f"""
 import sys, time, mlx.core as mx
 sys.path.insert(0, {str(Path(__file__).parent)!r})
-from test_cli_inspect import chain, FP_A
+from helpers.cli import chain, FP_A
 from paged_cache import CacheConfig, PagedSSDCacheManager
 config = CacheConfig(ssd_dir={str(tmp_path)!r}, ssd_max_bytes="400KB", hot_cache_max_bytes="64KB")
 with PagedSSDCacheManager(config) as m:
@@ -332,26 +269,6 @@ def test_a_typo_shows_the_subcommands_own_usage(tmp_path, command):
     assert done.stderr.startswith(f"usage: paged-cache {command} "), done.stderr
     assert done.stderr.strip().splitlines()[-1] == \
         f"paged-cache {command}: error: unrecognized arguments: --jsno"
-
-
-# ---- stats of a running server ---------------------------------------------------------------
-class _Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-
-
-def serve_stats(source, gauges=frozenset()) -> tuple[_Server, str]:
-    """A real HTTP server answering the stats endpoint exactly as `paged-cache serve` must."""
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            if not answer(self, source, gauges):
-                self.send_error(404)
-
-        def log_message(self, *args):
-            pass
-
-    server = _Server(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}"
 
 
 ISSUE_KEYS = {  # the counters issue 6 asks the library to expose, as flattened names

@@ -12,7 +12,8 @@ import pytest
 
 from paged_cache import CacheConfig, PagedSSDCacheManager
 from paged_cache.cachedir.inventory import CacheDir
-from test_cli_inspect import FP_A, FP_B, chain, disk_files, run_cli, store
+from helpers.blocks import block_files
+from helpers.cli import FP_A, FP_B, chain, run_cli, store
 
 
 def manifest_is_consistent(directory: Path) -> dict:
@@ -57,14 +58,14 @@ def test_clean_cache_verifies(cache):
     status, data = verify_json(cache["dir"])
     assert status == 0 and data["findings"] == []
     assert data["files_checked"] == data["manifest_rows"] == len(cache["blocks"])
-    assert data["bytes_checked"] == sum(p.stat().st_size for p in disk_files(cache["dir"]).values())
+    assert data["bytes_checked"] == sum(p.stat().st_size for p in block_files(cache["dir"]).values())
     status, out, _ = run_cli("verify", str(cache["dir"]))
     assert status == 0 and "no problems found" in out
 
 
 def test_verify_finds_every_planted_damage_and_repair_fixes_it(cache, tmp_path):
     d, blocks = cache["dir"], cache["blocks"]
-    files = disk_files(d)
+    files = block_files(d)
     flipped, truncated, header, removed = blocks[1], blocks[2], blocks[3], blocks[4]
     raw = bytearray(files[flipped.key].read_bytes())
     raw[-1] ^= 0x01                                       # one payload bit
@@ -83,9 +84,9 @@ def test_verify_finds_every_planted_damage_and_repair_fixes_it(cache, tmp_path):
     other = chain("u", FP_B, [16])                        # a valid block file nobody indexed
     store(tmp_path / "other", other)
     unindexed = other[0]
-    target = d / "blocks" / unindexed.key[:2] / disk_files(tmp_path / "other")[unindexed.key].name
+    target = d / "blocks" / unindexed.key[:2] / block_files(tmp_path / "other")[unindexed.key].name
     target.parent.mkdir(exist_ok=True)
-    target.write_bytes(disk_files(tmp_path / "other")[unindexed.key].read_bytes())
+    target.write_bytes(block_files(tmp_path / "other")[unindexed.key].read_bytes())
 
     status, data = verify_json(d)
     assert status == 1 and data["exit_status"] == 1
@@ -122,7 +123,7 @@ def test_verify_finds_every_planted_damage_and_repair_fixes_it(cache, tmp_path):
 
 def test_repair_can_delete_damaged_files(cache):
     d, blocks = cache["dir"], cache["blocks"]
-    path = disk_files(d)[blocks[0].key]
+    path = block_files(d)[blocks[0].key]
     path.write_bytes(path.read_bytes()[:50])
     status, _, err = run_cli("verify", str(d), "--remove-damaged")
     assert status == 2 and "--repair" in err
@@ -223,14 +224,14 @@ def test_purge_empties_the_cache_and_leaves_it_usable(cache):
     quarantine = d / "quarantine"
     quarantine.mkdir()
     (quarantine / "old.safetensors.1").write_bytes(b"x" * 10)
-    total = sum(p.stat().st_size for p in disk_files(d).values())
+    total = sum(p.stat().st_size for p in block_files(d).values())
     status, out, _ = run_cli("purge", str(d), "--dry-run", "--json")
     dry = json.loads(out)
     assert status == 0 and dry["blocks"] == len(blocks) and dry["bytes"] == total
-    assert dry["quarantine_files"] == 1 and len(disk_files(d)) == len(blocks)
+    assert dry["quarantine_files"] == 1 and len(block_files(d)) == len(blocks)
     status, out, _ = run_cli("purge", str(d), "--yes")
     assert status == 0 and "freed" in out
-    assert manifest_is_consistent(d) == {} and not disk_files(d) and not any(quarantine.iterdir())
+    assert manifest_is_consistent(d) == {} and not block_files(d) and not any(quarantine.iterdir())
     store(d, blocks[:2])  # still a working cache
     reads_back(d, blocks[:2])
     assert json.loads(run_cli("inspect", str(d), "--json")[1])["totals"]["blocks"] == 2

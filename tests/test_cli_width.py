@@ -18,7 +18,7 @@ import pytest
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
 from paged_cache.cli.main import main
 from paged_cache.testing import tiny_model
-from test_cli_inspect import FP_B, chain, serve_stats, store
+from helpers.cli import FP_B, chain, serve_stats, store
 
 WIDTH = 80
 NAME = "/models/some-organisation/A-Rather-Long-Model-Directory-Name-4bit"

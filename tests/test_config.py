@@ -17,6 +17,8 @@ from paged_cache.cli.options import add_config_arguments, config_from_args
 from paged_cache.config import (CacheConfig, filesystem_space, format_size, parse_size,
                                  physical_memory_bytes)
 
+pytestmark = pytest.mark.unit
+
 
 def parse_cli(argv: list[str], environ: dict[str, str] | None = None) -> CacheConfig:
     parser = argparse.ArgumentParser()

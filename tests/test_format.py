@@ -16,6 +16,8 @@ from safetensors import safe_open
 from paged_cache.block import Block
 from paged_cache.tiers import format as fmt
 
+pytestmark = pytest.mark.unit
+
 KEY = "3f" * 32
 
 

@@ -13,7 +13,7 @@ from paged_cache.caches import PreallocatedRotatingKVCache
 from paged_cache.handlers import Part, Span, handler_for
 from paged_cache.testing import tiny_model
 
-from test_prefix_cache_support import hot_prefix, prefill, prompt, store_prompt
+from helpers.prefix import hot_prefix, prefill, prompt, store_prompt
 
 
 def _positions(n0: int, n1: int) -> tuple[mx.array, mx.array]:

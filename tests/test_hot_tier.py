@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import hashlib
 import threading
 from collections import OrderedDict
 
@@ -14,18 +13,9 @@ from hypothesis import strategies as st
 
 from paged_cache.block import Block
 from paged_cache.tiers.hot import HotTier
+from helpers.blocks import key_of, make_block
 
-
-def key_of(i: int) -> str:
-    return hashlib.sha256(str(i).encode()).hexdigest()
-
-
-def make_block(i: int, nbytes: int, dtype=mx.float32) -> Block:
-    """A block of `nbytes` payload (a multiple of the dtype size) with values derived from i."""
-    n = nbytes // dtype.size
-    array = (mx.arange(n, dtype=mx.float32) + i).astype(dtype)
-    mx.eval(array)
-    return Block(key_of(i), {"k": array}, {"i": str(i)})
+pytestmark = pytest.mark.unit
 
 
 def test_lru_order_and_eviction_callback_sees_lru_first():
@@ -158,7 +148,7 @@ def test_memory_stays_within_budget_while_streaming_blocks_through():
     mx.reset_peak_memory()
     hot = HotTier(budget)
     for i in range(40):
-        hot.insert(make_block(i, block_bytes), persisted=True)   # the test keeps no reference
+        hot.insert(make_block(i, block_bytes, mx.float32), persisted=True)   # the test keeps no reference
         assert mx.get_active_memory() - base_active <= budget + block_bytes
     assert mx.get_peak_memory() - base_active <= budget + 2 * block_bytes
     hot.clear()
@@ -176,9 +166,9 @@ def test_large_eviction_returns_memory_to_the_system(clears):
     mx.clear_cache()
     hot = HotTier(budget, clear_cache_bytes=None if clears else 2**62)
     for i in range(8):
-        hot.insert(make_block(i, 4 * 2**20 - i * 4096), persisted=True)
+        hot.insert(make_block(i, 4 * 2**20 - i * 4096, mx.float32), persisted=True)
     cached_before = mx.get_cache_memory()
-    hot.insert(make_block(100, 30 * 2**20), persisted=True)
+    hot.insert(make_block(100, 30 * 2**20, mx.float32), persisted=True)
     assert len(hot) == 1
     if clears:
         assert mx.get_cache_memory() == 0 and hot.stats()["cache_clears"] >= 1

@@ -17,7 +17,7 @@ from paged_cache.config import CacheConfig
 from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
-from test_prefix_cache_support import prompt, store_prompt
+from helpers.prefix import prompt, store_prompt
 
 DOMAIN = b"paged-cache/block/v1\x00"
 ID_TYPES = {"u2": "<u2", "i4": "<i4", "i8": "<i8"}

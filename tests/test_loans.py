@@ -14,7 +14,7 @@ from paged_cache.config import CacheConfig
 from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
-from test_prefix_cache_support import assert_exact, prefill, prompt
+from helpers.prefix import assert_exact, prefill, prompt
 
 BLOCK = 16
 

@@ -3,71 +3,27 @@
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import weakref
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from paged_cache import Block, CacheConfig, PagedSSDCacheManager, render_prometheus
+from paged_cache import Block, PagedSSDCacheManager, render_prometheus
 from paged_cache.stats import nested_gauges
-
-DTYPES = [mx.float32, mx.float16, mx.bfloat16, mx.uint32]
-
-
-def key_of(i: int) -> str:
-    return hashlib.sha256(f"block-{i}".encode()).hexdigest()
-
-
-def make_block(i: int, nbytes: int = 1024, dtype=None) -> Block:
-    """A block of `nbytes` payload in two arrays whose values are derived from i (dtype by i)."""
-    dtype = dtype or DTYPES[i % len(DTYPES)]
-    n = nbytes // dtype.size
-    base = mx.arange(n, dtype=mx.float32) * 0.37 + i
-    scale = 1000 if dtype == mx.uint32 else 1
-    keys = (base[: n // 2] * scale).astype(dtype).reshape(1, 1, -1)
-    values = (base[n // 2:] * scale).astype(dtype)
-    mx.eval(keys, values)
-    return Block(key_of(i), {"k": keys, "v": values}, {"i": str(i), "tokens": "4"})
-
-
-def assert_same(got: Block, want: Block) -> None:
-    assert got is not None and got.key == want.key and got.meta == want.meta
-    assert set(got.arrays) == set(want.arrays)
-    for name, array in want.arrays.items():
-        assert got.arrays[name].dtype == array.dtype and got.arrays[name].shape == array.shape
-        assert mx.array_equal(got.arrays[name], array).item()
-
-
-def hot_only(**kw) -> PagedSSDCacheManager:
-    return PagedSSDCacheManager(CacheConfig(hot_cache_only=True, **kw))
-
-
-def with_ssd(path: Path, **kw) -> PagedSSDCacheManager:
-    kw.setdefault("ssd_max_bytes", "64MB")
-    return PagedSSDCacheManager(CacheConfig(ssd_dir=path, **kw))
-
-
-def block_files(path: Path) -> list[Path]:
-    return sorted((path / "blocks").rglob("*.safetensors*"))
-
+from helpers.blocks import DTYPES, block_files, key_of, make_block, same_block
+from helpers.managers import new_manager
 
 # ------------------------------------------------------------------------------ hot tier only
 
 def test_hot_hit_returns_the_live_arrays_without_copying():
-    with hot_only(hot_cache_max_bytes="1MB") as manager:
+    with new_manager(hot_cache_max_bytes="1MB") as manager:
         block = make_block(1)
         assert manager.put(block) is True
         got = manager.get(block.key)
@@ -82,7 +38,7 @@ def test_hot_hit_returns_the_live_arrays_without_copying():
 
 
 def test_hot_cache_only_drops_and_counts_evictions_and_oversized_blocks():
-    with hot_only(hot_cache_max_bytes=4096) as manager:
+    with new_manager(hot_cache_max_bytes=4096) as manager:
         blocks = [make_block(i, 1024) for i in range(6)]
         for b in blocks:
             manager.put(b)
@@ -96,7 +52,7 @@ def test_hot_cache_only_drops_and_counts_evictions_and_oversized_blocks():
 
 def test_hot_cache_only_starts_no_thread_and_creates_no_directory(tmp_path):
     before = set(threading.enumerate())
-    with hot_only(hot_cache_max_bytes=8192) as manager:
+    with new_manager(hot_cache_max_bytes=8192) as manager:
         for i in range(20):
             manager.put(make_block(i))
             manager.get(key_of(i // 2))
@@ -129,7 +85,7 @@ def test_hot_cache_only_starts_no_thread_and_creates_no_directory(tmp_path):
 
 
 def test_take_hands_the_block_over_in_hot_cache_only():
-    with hot_only(hot_cache_max_bytes="1MB") as manager:
+    with new_manager(hot_cache_max_bytes="1MB") as manager:
         block = make_block(3)
         manager.put(block)
         got = manager.get(block.key, take=True)
@@ -140,7 +96,7 @@ def test_take_hands_the_block_over_in_hot_cache_only():
 
 
 def test_invalid_input_raises_and_keeps_what_is_stored():
-    with hot_only(hot_cache_max_bytes="1MB") as manager:
+    with new_manager(hot_cache_max_bytes="1MB") as manager:
         good = make_block(1)
         manager.put(good)
         with pytest.raises(TypeError, match="block"):
@@ -160,13 +116,13 @@ def test_invalid_input_raises_and_keeps_what_is_stored():
             with pytest.raises(ValueError, match="key"):
                 manager.get(bad_key)
         assert manager.tier_of(key_of(2)) is None and manager.tier_of(key_of(4)) is None
-        assert_same(manager.get(good.key), good)
+        assert same_block(manager.get(good.key), good)
         with pytest.raises(TypeError, match="config"):
             PagedSSDCacheManager({"hot_cache_only": True})
 
 
 def test_closed_manager_refuses_work_and_close_is_idempotent():
-    manager = hot_only()
+    manager = new_manager()
     manager.put(make_block(1))
     manager.close()
     manager.close()
@@ -183,7 +139,7 @@ def test_memory_is_bounded_while_streaming_blocks_through_the_manager():
     mx.clear_cache()
     base = mx.get_active_memory()
     mx.reset_peak_memory()
-    with hot_only(hot_cache_max_bytes=budget) as manager:
+    with new_manager(hot_cache_max_bytes=budget) as manager:
         for i in range(40):
             # Built without temporaries so the peak is the tier plus the incoming block.
             payload = mx.full((block_bytes // 2,), float(i), dtype=mx.float16)
@@ -200,15 +156,17 @@ def test_memory_is_bounded_while_streaming_blocks_through_the_manager():
 @pytest.mark.parametrize("compression", ["none", "lz4"])
 def test_round_trip_through_ssd_for_every_dtype(tmp_path, compression):
     blocks = [make_block(i, 4096, dtype) for i, dtype in enumerate(DTYPES)]
-    with with_ssd(tmp_path, hot_cache_max_bytes=4096, compression=compression) as manager:
+    with new_manager(tmp_path, ssd_max_bytes="64MB",
+                     hot_cache_max_bytes=4096, compression=compression) as manager:
         for b in blocks:
             assert manager.put(b)
         manager.flush()
         assert [manager.tier_of(b.key) for b in blocks] == ["ssd", "ssd", "ssd", "hot"]
-    with with_ssd(tmp_path, hot_cache_max_bytes=4096, compression=compression) as manager:
+    with new_manager(tmp_path, ssd_max_bytes="64MB",
+                     hot_cache_max_bytes=4096, compression=compression) as manager:
         for b in blocks:
             assert manager.tier_of(b.key) == "ssd"
-            assert_same(manager.get(b.key), b)
+            assert same_block(manager.get(b.key), b)
             assert manager.tier_of(b.key) == "hot"           # promoted
         stats = manager.stats()
         assert stats["hits"]["ssd"] == 4 and stats["promotions"] == 4
@@ -217,7 +175,7 @@ def test_round_trip_through_ssd_for_every_dtype(tmp_path, compression):
 
 def test_write_through_persists_every_put_and_starts_one_writer(tmp_path):
     before = set(threading.enumerate())
-    manager = with_ssd(tmp_path, hot_cache_max_bytes="1MB")
+    manager = new_manager(tmp_path, ssd_max_bytes="64MB", hot_cache_max_bytes="1MB")
     started = set(threading.enumerate()) - before
     assert [t.name for t in started] == ["paged-cache-ssd-writer"]
     blocks = [make_block(i) for i in range(5)]
@@ -231,7 +189,7 @@ def test_write_through_persists_every_put_and_starts_one_writer(tmp_path):
 
 
 def test_take_with_write_through_is_a_free_hand_over(tmp_path):
-    with with_ssd(tmp_path, hot_cache_max_bytes="1MB") as manager:
+    with new_manager(tmp_path, ssd_max_bytes="64MB", hot_cache_max_bytes="1MB") as manager:
         block = make_block(7)
         manager.put(block)
         manager.flush()
@@ -239,13 +197,14 @@ def test_take_with_write_through_is_a_free_hand_over(tmp_path):
         assert got is block and manager.tier_of(block.key) == "ssd"
         assert manager.stats()["hot"]["bytes"] == 0
         again = manager.get(block.key, take=True)          # from SSD, not promoted
-        assert_same(again, block)
+        assert same_block(again, block)
         assert manager.tier_of(block.key) == "ssd" and manager.stats()["promotions"] == 0
 
 
 def test_write_back_writes_on_eviction_take_and_close(tmp_path):
     blocks = [make_block(i, 1024) for i in range(6)]
-    with with_ssd(tmp_path, hot_cache_max_bytes=4096, write_policy="write-back") as manager:
+    with new_manager(tmp_path, ssd_max_bytes="64MB",
+                     hot_cache_max_bytes=4096, write_policy="write-back") as manager:
         for b in blocks[:4]:
             manager.put(b)
         manager.flush()
@@ -257,13 +216,14 @@ def test_write_back_writes_on_eviction_take_and_close(tmp_path):
         taken = manager.get(blocks[5].key, take=True)
         assert taken is blocks[5] and manager.stats()["spills"] == 1
         assert manager.tier_of(blocks[5].key) in ("pending", "ssd")
-    with with_ssd(tmp_path, hot_cache_max_bytes=4096) as manager:
+    with new_manager(tmp_path, ssd_max_bytes="64MB", hot_cache_max_bytes=4096) as manager:
         for b in blocks:
-            assert_same(manager.get(b.key), b)
+            assert same_block(manager.get(b.key), b)
 
 
 def test_write_back_spills_dirty_evictions(tmp_path):
-    with with_ssd(tmp_path, hot_cache_max_bytes=2048, write_policy="write-back") as manager:
+    with new_manager(tmp_path, ssd_max_bytes="64MB",
+                     hot_cache_max_bytes=2048, write_policy="write-back") as manager:
         blocks = [make_block(i, 1024) for i in range(5)]
         for b in blocks:
             manager.put(b)
@@ -272,12 +232,13 @@ def test_write_back_spills_dirty_evictions(tmp_path):
         manager.flush()                                      # + the two dirty hot blocks
         assert len(block_files(tmp_path)) == 5
         for b in blocks[:3]:
-            assert_same(manager.get(b.key), b)
+            assert same_block(manager.get(b.key), b)
 
 
 @pytest.mark.parametrize("policy", ["skip", "write-on-caller"])
 def test_full_write_queue_policies(tmp_path, policy):
-    with with_ssd(tmp_path, hot_cache_max_bytes=2048, write_queue_max_bytes=0,
+    with new_manager(tmp_path, ssd_max_bytes="64MB",
+                     hot_cache_max_bytes=2048, write_queue_max_bytes=0,
                   queue_full_policy=policy) as manager:
         blocks = [make_block(i, 1024) for i in range(4)]
         for b in blocks:
@@ -293,43 +254,44 @@ def test_full_write_queue_policies(tmp_path, policy):
             assert stats["ssd"]["write_on_caller"] == 4 and stats["evicted_dropped"] == 0
             assert len(block_files(tmp_path)) == 4
             for b in blocks:
-                assert_same(manager.get(b.key), b)
+                assert same_block(manager.get(b.key), b)
 
 
 def test_pending_write_is_readable(tmp_path):
     # A 2-block queue and a 0-byte hot tier: right after put, the block is only in the queue
     # or already on disk; either way it reads back exactly.
-    with with_ssd(tmp_path, hot_cache_max_bytes=0, write_queue_max_bytes=4096) as manager:
+    with new_manager(tmp_path, ssd_max_bytes="64MB",
+                     hot_cache_max_bytes=0, write_queue_max_bytes=4096) as manager:
         block = make_block(5, 2048)
         assert manager.put(block) is True
         assert manager.stats()["hot"]["rejected"] == 1
         tier = manager.tier_of(block.key)
         assert tier in ("pending", "ssd")
         got = manager.get(block.key)
-        assert_same(got, block)
+        assert same_block(got, block)
         if manager.stats()["hits"]["pending"]:
             assert got.arrays["k"] is block.arrays["k"]     # the queued arrays themselves
 
 
 def test_discard_drops_from_every_tier(tmp_path):
-    with with_ssd(tmp_path, hot_cache_max_bytes="1MB") as manager:
+    with new_manager(tmp_path, ssd_max_bytes="64MB", hot_cache_max_bytes="1MB") as manager:
         block = make_block(1)
         manager.put(block)
         manager.flush()
         manager.discard(block.key)
         assert manager.tier_of(block.key) is None and manager.get(block.key) is None
-        assert block_files(tmp_path) == [] and manager.stats()["discards"] == 1
+        assert block_files(tmp_path) == {} and manager.stats()["discards"] == 1
         manager.discard(block.key)                            # absent: no error, not counted
         assert manager.stats()["discards"] == 1
 
 
 def test_damaged_file_is_a_counted_miss(tmp_path):
-    with with_ssd(tmp_path, hot_cache_max_bytes=1024) as manager:
+    with new_manager(tmp_path, ssd_max_bytes="64MB", hot_cache_max_bytes=1024) as manager:
         victim, other = make_block(1, 1024), make_block(2, 1024)
         manager.put(victim)
         manager.put(other)                                   # evicts victim from hot
         manager.flush()
-        path = next(p for p in block_files(tmp_path) if p.name.startswith(victim.key))
+        path = block_files(tmp_path)[victim.key]
         data = bytearray(path.read_bytes())
         data[-1] ^= 0xFF
         path.write_bytes(bytes(data))
@@ -340,7 +302,7 @@ def test_damaged_file_is_a_counted_miss(tmp_path):
 
 def test_auto_ssd_budget_is_resolved_within_the_disk(tmp_path):
     free_before = shutil.disk_usage(tmp_path).free           # other processes share the disk:
-    with with_ssd(tmp_path, ssd_max_bytes="auto", hot_cache_max_bytes="1MB") as manager:
+    with new_manager(tmp_path, ssd_max_bytes="auto", hot_cache_max_bytes="1MB") as manager:
         budget = manager.stats()["ssd"]["max_bytes"]
     usage = shutil.disk_usage(tmp_path)                        # bracket the measurement
     low, high = sorted([free_before, usage.free])
@@ -351,7 +313,7 @@ def test_auto_ssd_budget_is_resolved_within_the_disk(tmp_path):
 def test_threads_share_one_manager(tmp_path):
     blocks = [make_block(i, 512) for i in range(48)]
     errors: list[BaseException] = []
-    with with_ssd(tmp_path, hot_cache_max_bytes=512 * 8) as manager:
+    with new_manager(tmp_path, ssd_max_bytes="64MB", hot_cache_max_bytes=512 * 8) as manager:
         def worker(offset: int) -> None:
             try:
                 for r in range(60):
@@ -372,13 +334,13 @@ def test_threads_share_one_manager(tmp_path):
         manager.flush()
         for b in blocks[:10]:
             if manager.contains(b.key):
-                assert_same(manager.get(b.key), b)
+                assert same_block(manager.get(b.key), b)
 
 
 # ------------------------------------------------------------------------------ stats
 
 def test_prometheus_exposition_of_manager_stats(tmp_path):
-    with with_ssd(tmp_path, hot_cache_max_bytes=2048) as manager:
+    with new_manager(tmp_path, ssd_max_bytes="64MB", hot_cache_max_bytes=2048) as manager:
         for i in range(4):
             manager.put(make_block(i))
         manager.get(key_of(0))
@@ -409,178 +371,10 @@ def test_prometheus_exposition_of_manager_stats(tmp_path):
     json.dumps(manager.stats())
 
 
-# ------------------------------------------------------------------------------ stateful
-
-UNIT = 256
-sizes = st.integers(1, 8)
-indexes = st.integers(0, 11)
-
-
-class ManagerMachine(RuleBasedStateMachine):
-    """Random puts / gets / takes / discards against a plain model of what must be retrievable."""
-
-    hot_units = 8
-    config_kw: dict = {}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.dir = Path(tempfile.mkdtemp(prefix="paged-cache-sm-"))
-        self.manager = self.open()
-        self.sizes: dict[int, int] = {}                      # i -> size of the block put under i
-
-    def open(self) -> PagedSSDCacheManager:
-        kw = dict(hot_cache_max_bytes=self.hot_units * UNIT, **self.config_kw)
-        if not kw.get("hot_cache_only"):
-            kw["ssd_dir"] = self.dir / "ssd"
-        return PagedSSDCacheManager(CacheConfig(**kw))
-
-    def expected(self, i: int) -> Block:
-        return make_block(i, self.sizes[i] * UNIT)
-
-    @invariant()
-    def budgets_hold(self) -> None:
-        assert self.manager.stats()["hot"]["bytes"] <= self.hot_units * UNIT
-
-    def teardown(self) -> None:
-        self.manager.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-class HotOnlyMachine(ManagerMachine):
-    """hot_cache_only: an exact LRU model (sizes in UNIT bytes) says what is retrievable."""
-
-    config_kw = dict(hot_cache_only=True)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lru: list[int] = []
-
-    def _evict_for(self, size: int) -> None:
-        while sum(self.sizes[j] for j in self.lru) + size > self.hot_units:
-            self.lru.pop(0)
-
-    @rule(i=indexes, size=sizes)
-    def put(self, i: int, size: int) -> None:
-        new = i not in self.lru
-        if new:
-            self.sizes[i] = size
-        stored = self.manager.put(make_block(i, self.sizes[i] * UNIT))
-        assert stored == (new and self.sizes[i] <= self.hot_units)
-        if new and self.sizes[i] <= self.hot_units:
-            self._evict_for(self.sizes[i])
-            self.lru.append(i)
-        elif not new:
-            self.lru.remove(i)
-            self.lru.append(i)
-
-    @rule(i=indexes, take=st.booleans())
-    def get(self, i: int, take: bool) -> None:
-        got = self.manager.get(key_of(i), take=take)
-        assert (got is not None) == (i in self.lru)
-        if got is not None:
-            assert_same(got, self.expected(i))
-            self.lru.remove(i)
-            if not take:
-                self.lru.append(i)
-
-    @rule(i=indexes)
-    def discard(self, i: int) -> None:
-        self.manager.discard(key_of(i))
-        if i in self.lru:
-            self.lru.remove(i)
-
-    @invariant()
-    def model_matches(self) -> None:
-        assert self.manager._hot.keys() == [key_of(i) for i in self.lru]
-        assert self.manager.stats()["hot"]["bytes"] == sum(self.sizes[i] for i in self.lru) * UNIT
-
-
-class SSDMachine(ManagerMachine):
-    """With an SSD large enough for everything, every put block stays retrievable until discarded
-    (also across close and reopen); the hot tier stays within budget throughout."""
-
-    config_kw = dict(ssd_max_bytes="32MB", queue_full_policy="write-on-caller")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.held: set[int] = set()
-
-    @rule(i=indexes, size=sizes)
-    def put(self, i: int, size: int) -> None:
-        if i not in self.held:
-            self.sizes[i] = size
-        assert self.manager.put(make_block(i, self.sizes[i] * UNIT)) == (i not in self.held)
-        self.held.add(i)
-
-    @rule(i=indexes, take=st.booleans())
-    def get(self, i: int, take: bool) -> None:
-        got = self.manager.get(key_of(i), take=take)
-        assert (got is not None) == (i in self.held)
-        if got is not None:
-            assert_same(got, self.expected(i))
-
-    @rule(i=indexes)
-    def discard(self, i: int) -> None:
-        self.manager.discard(key_of(i))
-        self.held.discard(i)
-
-    @rule()
-    def reopen(self) -> None:
-        self.manager.close()
-        self.manager = self.open()
-
-    @invariant()
-    def everything_held_is_found(self) -> None:
-        assert {i for i in range(12) if self.manager.contains(key_of(i))} == self.held
-
-
-class WriteBackSSDMachine(SSDMachine):
-    config_kw = dict(ssd_max_bytes="32MB", write_policy="write-back", write_queue_max_bytes=2048,
-                     queue_full_policy="write-on-caller")
-
-
-class SmallSSDMachine(ManagerMachine):
-    """A tight SSD budget: blocks may be evicted from SSD too, but whatever is returned is exact
-    and after a flush the files never exceed the budget."""
-
-    ssd_budget = 6000
-    config_kw = dict(ssd_max_bytes=ssd_budget, compression="lz4")
-
-    @rule(i=indexes, size=sizes)
-    def put(self, i: int, size: int) -> None:
-        self.sizes.setdefault(i, size)
-        self.manager.put(make_block(i, self.sizes[i] * UNIT))
-
-    @rule(i=indexes, take=st.booleans())
-    def get(self, i: int, take: bool) -> None:
-        got = self.manager.get(key_of(i), take=take)
-        if got is not None:
-            assert_same(got, self.expected(i))
-
-    @rule()
-    def flush(self) -> None:
-        self.manager.flush()
-        stats = self.manager.stats()["ssd"]
-        assert stats["bytes"] <= self.ssd_budget
-        on_disk = sum(p.stat().st_size for p in block_files(self.dir / "ssd"))
-        assert on_disk == stats["bytes"]
-
-
-_SETTINGS = settings(max_examples=25, stateful_step_count=30, deadline=None)
-TestHotOnlyMachine = HotOnlyMachine.TestCase
-TestHotOnlyMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
-TestSSDMachine = SSDMachine.TestCase
-TestSSDMachine.settings = _SETTINGS
-TestWriteBackSSDMachine = WriteBackSSDMachine.TestCase
-TestWriteBackSSDMachine.settings = _SETTINGS
-TestSmallSSDMachine = SmallSSDMachine.TestCase
-TestSmallSSDMachine.settings = _SETTINGS
-
-
 # ------------------------------------------------------------------------------ demotion
 
 def test_demote_under_write_through_releases_ram_and_keeps_the_ssd_copy(tmp_path):
-    with with_ssd(tmp_path, hot_cache_max_bytes="1MB") as manager:
+    with new_manager(tmp_path, ssd_max_bytes="64MB", hot_cache_max_bytes="1MB") as manager:
         blocks = [make_block(i, 2048) for i in range(4)]
         for b in blocks:
             manager.put(b)
@@ -596,16 +390,17 @@ def test_demote_under_write_through_releases_ram_and_keeps_the_ssd_copy(tmp_path
         assert after["hits"] == before["hits"] and after["hot"]["hits"] == before["hot"]["hits"]
         assert after["hot"]["demote_evictions"] == 2 and after["hot"]["evictions"] == 2
         manager.flush()
-        assert_same(manager.get(blocks[0].key), blocks[0])   # read back from SSD, promoted
+        assert same_block(manager.get(blocks[0].key), blocks[0])   # read back from SSD, promoted
         assert manager.stats()["hits"]["ssd"] == 1 and manager.tier_of(blocks[0].key) == "hot"
 
 
 def test_demote_under_write_back_queues_dirty_blocks_first(tmp_path):
     blocks = [make_block(i, 1024) for i in range(3)]
-    with with_ssd(tmp_path, hot_cache_max_bytes="1MB", write_policy="write-back") as manager:
+    with new_manager(tmp_path, ssd_max_bytes="64MB",
+                     hot_cache_max_bytes="1MB", write_policy="write-back") as manager:
         for b in blocks:
             manager.put(b)
-        assert block_files(tmp_path) == []                   # write-back: nothing written yet
+        assert block_files(tmp_path) == {}                   # write-back: nothing written yet
         assert manager.demote(b.key for b in blocks[:2]) == 2
         assert manager.stats()["spills"] == 2
         manager.flush()
@@ -613,13 +408,13 @@ def test_demote_under_write_back_queues_dirty_blocks_first(tmp_path):
         assert manager.tier_of(blocks[0].key) == "ssd" and manager.tier_of(blocks[2].key) == "hot"
         assert manager.trim_hot(0) == 1 and manager.hot_bytes == 0
         assert manager.stats()["spills"] == 2                # flush had written it already
-    with with_ssd(tmp_path, hot_cache_max_bytes="1MB") as manager:
+    with new_manager(tmp_path, ssd_max_bytes="64MB", hot_cache_max_bytes="1MB") as manager:
         for b in blocks:
-            assert_same(manager.get(b.key), b)
+            assert same_block(manager.get(b.key), b)
 
 
 def test_demote_and_trim_in_hot_cache_only_drop_and_count():
-    with hot_only(hot_cache_max_bytes=8192) as manager:
+    with new_manager(hot_cache_max_bytes=8192) as manager:
         blocks = [make_block(i, 1024) for i in range(5)]
         for b in blocks:
             manager.put(b)
@@ -633,7 +428,7 @@ def test_demote_and_trim_in_hot_cache_only_drop_and_count():
 
 
 def test_demote_and_trim_reject_bad_input_and_keep_what_is_stored():
-    with hot_only(hot_cache_max_bytes=8192) as manager:
+    with new_manager(hot_cache_max_bytes=8192) as manager:
         block = make_block(1)
         manager.put(block)
         with pytest.raises(TypeError, match="keys"):
@@ -651,7 +446,7 @@ def test_demote_and_trim_reject_bad_input_and_keep_what_is_stored():
 
 
 def test_tiers_of_matches_tier_of_in_one_call(tmp_path):
-    with with_ssd(tmp_path, hot_cache_max_bytes=2048) as m:
+    with new_manager(tmp_path, ssd_max_bytes="64MB", hot_cache_max_bytes=2048) as m:
         blocks = [make_block(i) for i in range(4)]
         for b in blocks:
             m.put(b)
@@ -666,7 +461,7 @@ def test_tiers_of_matches_tier_of_in_one_call(tmp_path):
             m.tiers_of([blocks[0].key, "not-a-key"])
         with pytest.raises(TypeError, match="keys"):
             m.tiers_of(blocks[0].key)
-    with hot_only() as m:
+    with new_manager() as m:
         m.put(blocks[0])
         assert m.tiers_of([blocks[0].key, blocks[1].key]) == ["hot", None]
 
@@ -683,7 +478,8 @@ def test_no_mlx_array_is_freed_on_the_ssd_writer_thread(tmp_path):
 
     watch.refs = []
     for policy in ("write-back", "write-through"):
-        with with_ssd(tmp_path / policy, hot_cache_max_bytes=4096, write_policy=policy) as m:
+        with new_manager(tmp_path / policy, ssd_max_bytes="64MB",
+                         hot_cache_max_bytes=4096, write_policy=policy) as m:
             for i in range(40):  # 4 blocks fit the hot tier: the rest are spilled / written
                 m.put(watch(make_block(i)))
             m.flush()
@@ -698,7 +494,7 @@ def test_stats_returns_while_a_flush_waits_on_a_locked_manifest(tmp_path):
     import sqlite3
     import time
 
-    with with_ssd(tmp_path, hot_cache_max_bytes="1MB") as m:
+    with new_manager(tmp_path, ssd_max_bytes="64MB", hot_cache_max_bytes="1MB") as m:
         m.put(make_block(0))
         m.flush()
         other = sqlite3.connect(tmp_path / "manifest.sqlite", timeout=0)

@@ -10,7 +10,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 from paged_cache.caches import make_bounded_cache
 from paged_cache.testing import tiny_model
 
-from test_prefix_cache_support import assert_exact, hot_prefix, prefill, prompt, store_prompt
+from helpers.prefix import assert_exact, hot_prefix, prefill, prompt, store_prompt
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 # which archs restore token-granularly (every layer trimmable when rows are held)

@@ -19,7 +19,7 @@ from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
 
-from test_prefix_cache_support import DECODE_STEPS, hot_prefix, prefill, prompt
+from helpers.prefix import DECODE_STEPS, hot_prefix, prefill, prompt
 
 BLOCK, TOKENS, LAYERS = 64, 1024, 16
 

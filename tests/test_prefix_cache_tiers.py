@@ -12,7 +12,7 @@ from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
 
-from test_prefix_cache_support import assert_exact, hot_prefix, prompt, store_prompt
+from helpers.prefix import assert_exact, hot_prefix, prompt, store_prompt
 
 
 @pytest.mark.parametrize("arch,compression", [("llama", "none"), ("qwen3_next", "lz4"),

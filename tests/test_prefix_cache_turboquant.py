@@ -14,7 +14,7 @@ from mlx_vlm.models.llama.language import Model  # noqa: E402
 from paged_cache.handlers import Span, handler_for  # noqa: E402
 from paged_cache.testing.models import VOCAB  # noqa: E402
 
-from test_prefix_cache_support import assert_exact, hot_prefix, prefill, prompt, store_prompt  # noqa: E402
+from helpers.prefix import assert_exact, hot_prefix, prefill, prompt, store_prompt  # noqa: E402
 
 pytestmark = pytest.mark.turboquant
 BITS = [dict(bits=4), dict(bits=3.5), dict(bits=3, key_bits=2.5)]  # 2.5: a split codec

@@ -27,7 +27,7 @@ from paged_cache.testing.server import ServerCluster, ValkeyServer, client, free
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.remote_client import KEY_PREFIX, block_name, children_name
 
-from test_prefix_cache_support import assert_exact, prompt, store_prompt
+from helpers.prefix import assert_exact, prompt, store_prompt
 
 BLOCK = 16
 WALK = "0" * 64  # a fingerprint for chain walks that only ask where the keys are held
@@ -315,7 +315,7 @@ def test_server_keys_are_namespaced(url: str) -> None:
 
 
 def test_inspect_and_stats_cli_show_the_remote_tier(tmp_path: Path, url: str) -> None:
-    from test_cli_inspect import cli_json, run_cli, serve_stats
+    from helpers.cli import cli_json, run_cli, serve_stats
 
     model = tiny_model("llama")
     config = CacheConfig(block_size=BLOCK, ssd_dir=tmp_path, remote_url=url, remote_timeout=LOADED)
@@ -386,8 +386,8 @@ def test_a_fetch_costs_a_bounded_number_of_round_trips(url: str) -> None:
 
 
 def test_two_servers_share_a_prompt_through_the_remote_tier(tmp_path: Path, url: str) -> None:
-    from test_cli_inspect import run_cli
-    from test_serve_e2e import SYSTEM, ask, live_stats, paged_argv, server
+    from helpers.cli import run_cli
+    from helpers.serve import SYSTEM, ask, live_stats, paged_argv, server
 
     from paged_cache.testing import write_model_dir
 

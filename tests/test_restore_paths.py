@@ -22,7 +22,7 @@ from paged_cache.tiers import format as fmt
 from paged_cache.tiers.direct import StoredBlock, read_stored
 from paged_cache.tiers.ssd import SSDTier
 
-from test_prefix_cache_support import assert_exact, hot_prefix, prompt, store_prompt
+from helpers.prefix import assert_exact, hot_prefix, prompt, store_prompt
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 

@@ -19,7 +19,8 @@ from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
 from paged_cache.tiers.ssd import SSDTier
 from scheduler import Scheduler
-from test_prefix_cache_support import assert_exact, prefill, prompt
+from helpers.prefix import assert_exact, prefill, prompt
+from helpers.managers import new_manager
 
 BLOCK = 16
 ARCHS = ["llama", "gemma3_text", "qwen3_next", "mamba", "baichuan_m1", "llama4"]
@@ -33,12 +34,6 @@ def segment_store(model, prefix: BlockAwarePrefixCache, tokens: list[int]) -> No
     prefix.store(tokens, cache)
 
 
-def manager_for(tmp_path: Path, ssd: bool) -> PagedSSDCacheManager:
-    if ssd:
-        return PagedSSDCacheManager(CacheConfig(block_size=BLOCK, ssd_dir=tmp_path))
-    return PagedSSDCacheManager(CacheConfig(block_size=BLOCK, hot_cache_only=True))
-
-
 @pytest.mark.parametrize("ssd", [False, True], ids=["hot", "ssd"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_shared_system_prompt_is_reused_whole(tmp_path: Path, arch: str, ssd: bool) -> None:
@@ -47,7 +42,7 @@ def test_shared_system_prompt_is_reused_whole(tmp_path: Path, arch: str, ssd: bo
     from the shorter sibling, the longer branch not standing in its way."""
     model = tiny_model(arch)
     system = prompt(45, seed=1)
-    with manager_for(tmp_path, ssd) as manager:
+    with new_manager(tmp_path if ssd else None, block_size=BLOCK) as manager:
         prefix = BlockAwarePrefixCache(manager, model)
         segment_store(model, prefix, system)
         segment_store(model, prefix, system + prompt(30, seed=2))
@@ -60,7 +55,7 @@ def test_store_through_a_stateless_block_end_leaves_a_checkpoint(arch: str) -> N
     """A longer conversation stored first holds no state at 32; storing the 32-token prefix then
     finds its blocks held and writes a checkpoint (state only, no KV rows a block holds)."""
     model = tiny_model(arch)
-    with manager_for(Path("."), ssd=False) as manager:
+    with new_manager(block_size=BLOCK) as manager:
         prefix = BlockAwarePrefixCache(manager, model)
         long = prompt(60, seed=4)
         segment_store(model, prefix, long)
@@ -87,12 +82,12 @@ def test_fetch_after_restart_costs_one_manifest_query(tmp_path: Path, arch: str,
     past the stored chain is looked for on disk."""
     model = tiny_model(arch)
     tokens = prompt(20 * BLOCK + 5, seed=6)
-    with manager_for(tmp_path, ssd=True) as manager:
+    with new_manager(tmp_path, block_size=BLOCK) as manager:
         segment_store(model, BlockAwarePrefixCache(manager, model), tokens)
     looked = []
     contains = SSDTier.contains
     monkeypatch.setattr(SSDTier, "contains", lambda t, key: looked.append(key) or contains(t, key))
-    with manager_for(tmp_path, ssd=True) as manager:
+    with new_manager(tmp_path, block_size=BLOCK) as manager:
         prefix = BlockAwarePrefixCache(manager, model)
         before = manager.stats()["ssd"]["chain_lookups"]
         cache, n = prefix.fetch(tokens + [3])
@@ -136,7 +131,7 @@ def test_namespaces_do_not_share_root_nodes(tmp_path: Path) -> None:
     """Root nodes of every namespace share the parent "": a fetch only takes its own."""
     model = tiny_model("qwen3_next")
     tokens = prompt(BLOCK + 5, seed=8)
-    with manager_for(tmp_path, ssd=True) as manager:
+    with new_manager(tmp_path, block_size=BLOCK) as manager:
         segment_store(model, BlockAwarePrefixCache(manager, model, namespace="a"), tokens)
         other = BlockAwarePrefixCache(manager, model, namespace="b")
         assert other.fetch(tokens + [1]) == (None, 0)
@@ -207,7 +202,7 @@ def test_inspect_counts_checkpoints(tmp_path: Path) -> None:
 
     model = tiny_model("mamba")
     long = prompt(60, seed=4)
-    with manager_for(tmp_path, ssd=True) as manager:
+    with new_manager(tmp_path, block_size=BLOCK) as manager:
         prefix = BlockAwarePrefixCache(manager, model)
         segment_store(model, prefix, long)
         segment_store(model, prefix, long[:32])

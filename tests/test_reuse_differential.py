@@ -29,11 +29,11 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
-from paged_cache.config import CacheConfig
 from paged_cache.integrations.mlx_lm import PagedPromptCache
 from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.testing import ARCHS as TINY_ARCHS
 from paged_cache.testing import tiny_model
+from helpers.managers import new_manager
 
 BLOCK = 16
 KEY = ("/models/tiny", None, None)   # the model key mlx_lm.server passes
@@ -46,6 +46,15 @@ ARCHS = [a for a in ("llama", "gemma3_text", "qwen3_next", "mamba", "baichuan_m1
                      "nemotron_h", "falcon_h1", "granitemoehybrid", "jamba", "lfm2", "deepseek_v41")
          if a in TINY_ARCHS]   # deepseek_v41: mlx-lm 0.32 on
 VARIANTS = ["hot", "ssd", "restart"]
+
+
+def open_variant(root: Path, variant: str) -> PagedSSDCacheManager:
+    """The manager of a variant: hot-only, or with an SSD tier under ``root``; nothing evicted."""
+    ssd = None if variant == "hot" else root / "ssd"
+    return new_manager(ssd, block_size=BLOCK, hot_cache_max_bytes=BIG,
+                       **({} if ssd is None else dict(ssd_max_bytes=BIG)))
+
+
 RECURRENT = ["qwen3_next", "mamba", "baichuan_m1", "nemotron_h", "falcon_h1", "granitemoehybrid",
              "jamba", "lfm2"]
 
@@ -160,14 +169,6 @@ def _cold(model: Any, req: Req, memo: dict) -> list[int]:
     return memo[key]
 
 
-def _manager(root: Path, variant: str) -> PagedSSDCacheManager:
-    if variant == "hot":
-        return PagedSSDCacheManager(CacheConfig(block_size=BLOCK, hot_cache_max_bytes=BIG,
-                                                hot_cache_only=True))
-    return PagedSSDCacheManager(CacheConfig(block_size=BLOCK, hot_cache_max_bytes=BIG,
-                                            ssd_dir=root / "ssd", ssd_max_bytes=BIG))
-
-
 def drive(model: Any, variant: str, ops: list[tuple], memo: dict,
           max_prompt: int = MAX_PROMPT) -> tuple[list, list]:
     """Drive ``ops`` through LRUPromptCache and PagedPromptCache. Returns one row per request
@@ -177,13 +178,13 @@ def drive(model: Any, variant: str, ops: list[tuple], memo: dict,
     history: list[Req] = []
     rows, wrong = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        manager = _manager(Path(tmp), variant)
+        manager = open_variant(Path(tmp), variant)
         paged = PagedPromptCache.for_model(manager, model)
         try:
             for i, op in enumerate(ops):
                 if variant == "restart" and i == len(ops) // 2:
                     manager.close()
-                    manager = _manager(Path(tmp), variant)
+                    manager = open_variant(Path(tmp), variant)
                     paged = PagedPromptCache.for_model(manager, model)
                 req = _next_request(op, history, max_prompt)
                 req.reply = _cold(model, req, memo)

@@ -7,16 +7,10 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from paged_cache.caches import PreallocatedRotatingKVCache, make_bounded_cache
-from paged_cache.testing import tiny_model
 from scheduler import Scheduler, SnapshotStore
 from scheduler.chunks import next_chunk_end
 
 ARCHS = ["llama", "gemma3_text", "qwen3_next", "baichuan_m1"]
-
-
-@pytest.fixture(scope="module")
-def models():
-    return {arch: tiny_model(arch) for arch in ARCHS}
 
 
 def _prompt(n: int, salt: int = 0) -> list[int]:

@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
+from paged_cache import BlockAwarePrefixCache, PagedSSDCacheManager
 from paged_cache.testing import tiny_model
+from helpers.managers import new_manager
 from scheduler import Scheduler
 
 BLOCK = 32
@@ -46,11 +47,6 @@ def _schedulers(manager: PagedSSDCacheManager, model: Any,
     return warm, cold
 
 
-def _manager() -> PagedSSDCacheManager:
-    return PagedSSDCacheManager(CacheConfig(block_size=BLOCK, hot_cache_max_bytes="256MB",
-                                            hot_cache_only=True))
-
-
 def _chunk_id(chunk: int | None) -> str:
     return f"chunk{chunk}" if chunk else "chunk-default"
 
@@ -62,7 +58,7 @@ def test_branch_inside_stored_chain_reuses_to_the_branch_point(arch, branch, chu
     model = _model(arch)
     first = _tokens(3 * BLOCK + 1, seed=1)   # prompt[:-1] is stored: a chain of 3 full blocks
     follow = first[:branch] + _tokens(10, seed=2)
-    with _manager() as manager:
+    with new_manager(block_size=BLOCK, hot_cache_max_bytes="256MB") as manager:
         warm, cold = _schedulers(manager, model, chunk)
         warm.generate(first, max_tokens=STEPS)
         got = warm.generate(follow, max_tokens=STEPS)
@@ -79,7 +75,7 @@ def test_third_conversation_reuses_the_shared_system_prompt(arch, chunk):
     model = _model(arch)
     system = _tokens(2 * BLOCK + 11, seed=3)   # not block-aligned
     cached = []
-    with _manager() as manager:
+    with new_manager(block_size=BLOCK, hot_cache_max_bytes="256MB") as manager:
         warm, cold = _schedulers(manager, model, chunk)
         for conv in range(3):
             prompt = system + _tokens(15 + 4 * conv, seed=10 + conv)

@@ -8,32 +8,19 @@ import random
 import mlx.core as mx
 import pytest
 
-from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
+from paged_cache import BlockAwarePrefixCache
 from paged_cache.caches import make_bounded_cache
-from paged_cache.testing import tiny_model
+from helpers.managers import new_manager
 from scheduler import Scheduler
 
 BLOCK = 16
-
-
-@pytest.fixture(scope="module")
-def models():
-    return {arch: tiny_model(arch) for arch in ("llama", "gemma3_text", "qwen3_next", "baichuan_m1", "mamba")}
-
-
-def _manager(tmp_path=None, hot="64MB"):
-    if tmp_path is None:
-        return PagedSSDCacheManager(CacheConfig(block_size=BLOCK, hot_cache_max_bytes=hot,
-                                                hot_cache_only=True))
-    return PagedSSDCacheManager(CacheConfig(block_size=BLOCK, hot_cache_max_bytes=hot,
-                                            ssd_dir=tmp_path / "ssd", ssd_max_bytes="256MB"))
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3_next", "baichuan_m1", "mamba"])
 @pytest.mark.parametrize("batch", [False, None])
 def test_multi_turn_hits_and_equals_cold(models, arch, batch):
     model = models[arch]
-    with _manager() as manager:
+    with new_manager(block_size=BLOCK, hot_cache_max_bytes="64MB") as manager:
         prefix = BlockAwarePrefixCache(manager, model)
         warm = Scheduler(model, prefix, prefill_chunk_size=32, batch_decode=batch)
         cold = Scheduler(model, prefix, prefill_chunk_size=32, batch_decode=batch, caching=False)
@@ -59,7 +46,7 @@ def test_concurrent_request_hits_prefill_store(models, tmp_path):
     model = models["qwen3_next"]
     system = [(i * 5 + 1) % 256 for i in range(64)]
     prompts = [system + [(i * (k + 3)) % 256 for i in range(10 + 7 * k)] for k in range(4)]
-    with _manager(tmp_path) as manager:
+    with new_manager(tmp_path / "ssd", block_size=BLOCK, hot_cache_max_bytes="64MB", ssd_max_bytes="256MB") as manager:
         sched = Scheduler(model, BlockAwarePrefixCache(manager, model), prefill_chunk_size=32,
                           max_batch=4)
         reqs = [sched.submit(p, max_tokens=12) for p in prompts]
@@ -68,7 +55,7 @@ def test_concurrent_request_hits_prefill_store(models, tmp_path):
         # 64-token state and ends a prefill chunk at 65, where the stored match ended, leaving a
         # checkpoint there that the third and fourth restore
         assert [r.result().cached_tokens for r in reqs] == [0, 64, 65, 65]
-    with _manager() as manager:
+    with new_manager(block_size=BLOCK, hot_cache_max_bytes="64MB") as manager:
         sched = Scheduler(model, BlockAwarePrefixCache(manager, model), prefill_chunk_size=32)
         assert [r.result().tokens for r in reqs] == [
             sched.generate(p, max_tokens=12).tokens for p in prompts]
@@ -76,7 +63,7 @@ def test_concurrent_request_hits_prefill_store(models, tmp_path):
 
 def test_snapshot_lifecycle_finished_cancelled_errored(models):
     model = models["qwen3_next"]
-    with _manager() as manager:
+    with new_manager(block_size=BLOCK, hot_cache_max_bytes="64MB") as manager:
         prefix = BlockAwarePrefixCache(manager, model)
         sched = Scheduler(model, prefix, prefill_chunk_size=BLOCK)
         prompt = [(i * 3) % 256 for i in range(120)]
@@ -119,14 +106,14 @@ def test_snapshot_lifecycle_finished_cancelled_errored(models):
 def test_snapshot_bound_keeps_a_lattice_and_stays_exact(models):
     model = models["qwen3_next"]
     prompt = [(i * 11) % 256 for i in range(200)]
-    with _manager() as manager:
+    with new_manager(block_size=BLOCK, hot_cache_max_bytes="64MB") as manager:
         prefix = BlockAwarePrefixCache(manager, model)
         probe = Scheduler(model, prefix, prefill_chunk_size=BLOCK)
         req = probe.submit(prompt, max_tokens=1)
         probe.step(), probe.step()
         one = req.snapshots.nbytes  # one boundary's snapshot
         probe.run()
-    with _manager() as manager:
+    with new_manager(block_size=BLOCK, hot_cache_max_bytes="64MB") as manager:
         prefix = BlockAwarePrefixCache(manager, model)
         sched = Scheduler(model, prefix, prefill_chunk_size=BLOCK, snapshot_max_bytes=3 * one)
         req = sched.submit(prompt, max_tokens=8)
@@ -147,7 +134,7 @@ def test_snapshot_bound_keeps_a_lattice_and_stays_exact(models):
 def test_bounded_windows_apply_to_restored_caches(models):
     model = models["llama"]
     make = lambda: make_bounded_cache(model, 48, keep=4)  # noqa: E731
-    with _manager() as manager:
+    with new_manager(block_size=BLOCK, hot_cache_max_bytes="64MB") as manager:
         prefix = BlockAwarePrefixCache(manager, model, make_cache=make)
         sched = Scheduler(model, prefix, prefill_chunk_size=BLOCK, max_kv_size=48, keep=4)
         cold = Scheduler(model, prefix, prefill_chunk_size=BLOCK, max_kv_size=48, keep=4,
@@ -168,7 +155,7 @@ def test_bounded_windows_apply_to_restored_caches(models):
 def _soak(model, n_requests: int, budget: int) -> tuple[list[int], dict]:
     rng = random.Random(0)
     system = [rng.randrange(256) for _ in range(32)]
-    with _manager(hot=budget) as manager:
+    with new_manager(block_size=BLOCK, hot_cache_max_bytes=budget) as manager:
         sched = Scheduler(model, BlockAwarePrefixCache(manager, model), prefill_chunk_size=32)
         memory = []
         for i in range(n_requests):

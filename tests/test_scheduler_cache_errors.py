@@ -6,19 +6,12 @@ import logging
 
 import pytest
 
-from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
+from paged_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
+from helpers.managers import new_manager
 from scheduler import Scheduler
 
 BLOCK = 16
-
-
-def _manager(tmp_path=None) -> PagedSSDCacheManager:
-    if tmp_path is None:
-        return PagedSSDCacheManager(CacheConfig(block_size=BLOCK, hot_cache_max_bytes="64MB",
-                                                hot_cache_only=True))
-    return PagedSSDCacheManager(CacheConfig(block_size=BLOCK, hot_cache_max_bytes="64MB",
-                                            ssd_dir=tmp_path / "ssd", ssd_max_bytes="64MB"))
 
 
 def _warnings(caplog) -> list[str]:
@@ -32,7 +25,7 @@ def test_closed_manager_requests_run_uncached_and_are_counted(tmp_path, caplog, 
     Requests still finish with the cold run's tokens; errors are counted, logged once."""
     model = tiny_model("qwen3_next")
     prompt = [(i * 7 + 3) % 256 for i in range(50)]
-    manager = _manager(tmp_path)
+    manager = new_manager(tmp_path / "ssd", block_size=BLOCK, hot_cache_max_bytes="64MB", ssd_max_bytes="64MB")
     with manager:
         sched = Scheduler(model, BlockAwarePrefixCache(manager, model), prefill_chunk_size=BLOCK,
                           batch_decode=batch)
@@ -63,7 +56,7 @@ def test_longcat_flash_ngram_never_fails_a_request(caplog, batch):
     model = tiny_model("longcat_flash_ngram")
     prompts = [[(i * 5 + k) % 256 for i in range(40 + 9 * k)] for k in range(3)]
     prompts.append(prompts[2] + [1, 2, 3])
-    with _manager() as manager, caplog.at_level(logging.DEBUG, logger="paged_cache.scheduler"):
+    with new_manager(block_size=BLOCK, hot_cache_max_bytes="64MB") as manager, caplog.at_level(logging.DEBUG, logger="paged_cache.scheduler"):
         prefix = BlockAwarePrefixCache(manager, model)
         sched = Scheduler(model, prefix, prefill_chunk_size=BLOCK, batch_decode=batch)
         cold = Scheduler(model, prefix, prefill_chunk_size=BLOCK, batch_decode=batch,
@@ -84,7 +77,7 @@ def test_longcat_flash_ngram_stores_and_fetches_exactly():
     longcat_flash_ngram continuation hits and generates the cold run's tokens."""
     model = tiny_model("longcat_flash_ngram")
     prompt = [(i * 5 + 1) % 256 for i in range(50)]
-    with _manager() as manager:
+    with new_manager(block_size=BLOCK, hot_cache_max_bytes="64MB") as manager:
         prefix = BlockAwarePrefixCache(manager, model)
         sched = Scheduler(model, prefix, prefill_chunk_size=BLOCK)
         cold = Scheduler(model, prefix, prefill_chunk_size=BLOCK, caching=False)

@@ -14,7 +14,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from test_serve_e2e import MODES, QUESTIONS, REQUEST_LINE, ask, paged_argv, server
+from helpers.serve import MODES, QUESTIONS, REQUEST_LINE, ask, paged_argv, server
 
 from paged_cache.testing import write_model_dir
 

@@ -3,144 +3,25 @@
 from __future__ import annotations
 
 import json
-import math
-import os
 import re
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from openai import OpenAI
 
 from paged_cache.testing import write_model_dir
+from helpers.blocks import block_files
+from helpers.serve import (MODES, QUESTIONS, REQUEST_LINE, SYSTEM, ask, conversation, live_stats,
+                           paged_argv, parse_prometheus, server)
 
 BYTE_LIMIT = 40_000    # --prompt-cache-bytes for the SSD server: small enough to force spills
-SYSTEM = "You are a terse assistant for a cache test. " * 3
-QUESTIONS = ["What is a KV cache?", "Why split it into blocks of tokens?",
-             "And what happens after a restart of the server?", "Thanks. One more detail?"]
-# Per turn: streamed or not, and a seed (a seeded request takes mlx_lm.server's sequential path;
-# the others go through its BatchGenerator).
-MODES = [(False, None), (True, None), (False, 7), (True, 7)]
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     return write_model_dir(tmp_path_factory.mktemp("model") / "tiny-llama", "llama")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def server(argv: list[str], log: Path, env_extra: dict | None = None):
-    """Start a server subprocess, wait for /health, yield (client, process, base URL); stop it
-    (SIGTERM)."""
-    port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", **(env_extra or {}))
-    with log.open("w") as out:
-        proc = subprocess.Popen([sys.executable, *argv, "--host", "127.0.0.1", "--port", str(port),
-                                 "--max-tokens", "12"], stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"server exited early:\n{log.read_text()[-3000:]}"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, f"server did not start:\n{log.read_text()[-3000:]}"
-            time.sleep(0.3)
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        yield client, proc, f"http://127.0.0.1:{port}"
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-        proc.wait(timeout=60)
-
-
-def ask(client: OpenAI, messages: list[dict], stream: bool, seed: int | None) -> tuple[str, int, int]:
-    """One chat completion (greedy): (text, cached prompt tokens, prompt tokens)."""
-    kw = dict(model="default_model", messages=messages, temperature=0.0, max_tokens=12, seed=seed)
-    if not stream:
-        r = client.chat.completions.create(**kw)
-        return (r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens,
-                r.usage.prompt_tokens)
-    text, usage = "", None
-    for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True},
-                                                **kw):
-        if chunk.choices:
-            text += chunk.choices[0].delta.content or ""
-        if chunk.usage is not None:
-            usage = chunk.usage
-    return text, usage.prompt_tokens_details.cached_tokens, usage.prompt_tokens
-
-
-def conversation(client: OpenAI, turns: int = len(QUESTIONS)) -> list[tuple[str, int, int]]:
-    """A multi-turn chat; each turn's history holds the server's own previous replies."""
-    messages = [{"role": "system", "content": SYSTEM}]
-    results = []
-    for question, (stream, seed) in zip(QUESTIONS[:turns], MODES):
-        messages.append({"role": "user", "content": question})
-        results.append(ask(client, messages, stream, seed))
-        messages.append({"role": "assistant", "content": results[-1][0]})
-    return results
-
-
-def block_files(directory: Path) -> list[Path]:
-    return list(directory.rglob("*.safetensors")) if directory.exists() else []
-
-
-def paged_argv(model_dir: Path, *extra: str) -> list[str]:
-    return ["-m", "paged_cache.cli.main", "serve", "--model", str(model_dir), "--block-size", "16",
-            *extra]
-
-
-SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*) (\S+)$")
-REQUEST_LINE = re.compile(r"paged_cache\.integrations\.mlx_lm INFO request: (\d+)/(\d+) prompt tokens "
-                          r"cached \((hot|ssd|mixed|miss)\), fetch [\d.]+ ms, (.*); hot tier ")
-
-
-def parse_prometheus(text: str) -> dict[str, tuple[str, float]]:
-    """Strict reading of the text exposition format 0.0.4 as `paged-cache serve` writes it (no
-    labels): every sample follows its own HELP and TYPE lines; counters are named *_total."""
-    metrics: dict[str, tuple[str, float]] = {}
-    help_of, type_of = set(), {}
-    assert text.endswith("\n")
-    for line in text.splitlines():
-        if line.startswith("# HELP "):
-            help_of.add(line.split(" ", 3)[2])
-        elif line.startswith("# TYPE "):
-            _, _, name, kind = line.split(" ")
-            assert kind in ("counter", "gauge") and name not in type_of, line
-            type_of[name] = kind
-        else:
-            m = SAMPLE.match(line)
-            assert m, f"not a sample line: {line!r}"
-            name, value = m.groups()
-            assert name in help_of and name in type_of and name not in metrics, line
-            assert type_of[name] == "gauge" or name.endswith("_total"), line
-            number = float(value)
-            assert not math.isnan(number), line
-            metrics[name] = (type_of[name], number)
-    return metrics
-
-
-def live_stats(url: str) -> dict:
-    """`paged-cache stats --url URL --json`, run as a real subprocess."""
-    out = subprocess.run([sys.executable, "-m", "paged_cache.cli.main", "stats", "--url", url,
-                          "--json"], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
 
 
 def check_live_stats(url: str, turns: list[tuple[str, int, int]]) -> None:
@@ -205,8 +86,7 @@ def test_serve_matches_plain_server_and_reuses_across_restart(model_dir, tmp_pat
     info = [ln for ln in re.findall(r"paged_cache\S* INFO (.*)", text)
             if not ln.startswith(("serving with", "SSD tier at"))]   # once, at startup
     assert len(info) == len(MODES), info
-    files = block_files(ssd)
-    assert files
+    assert block_files(ssd)
     # The blocks carry the model as serve was given it; the CLI shows it beside the fingerprint.
     shown = json.loads(subprocess.run(
         [sys.executable, "-m", "paged_cache.cli.main", "inspect", str(ssd), "--json"],
@@ -240,5 +120,5 @@ def test_serve_hot_cache_only_writes_nothing(model_dir, tmp_path):
     assert proc.returncode == 0, log.read_text()[-3000:]
     cached = [c for _, c, _ in results]
     assert cached[0] == 0 and all(b > a for a, b in zip(cached, cached[1:])), cached
-    assert not block_files(xdg) and not (xdg / "paged-cache").exists()
-    assert not block_files(tmp_path)
+    assert not (xdg / "paged-cache").exists()
+    assert not list(tmp_path.rglob("*.safetensors*"))  # no block file anywhere

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import mlx_lm.server
 import pytest
-from test_serve_e2e import ask, conversation, live_stats, paged_argv, server
+from helpers.serve import ask, conversation, live_stats, paged_argv, server
 
 from paged_cache.testing import write_model_dir
 

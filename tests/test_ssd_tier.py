@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import random
 import signal
@@ -25,34 +24,14 @@ from paged_cache.tiers import format as fmt
 from paged_cache.tiers.files import MANIFEST_NAME
 from paged_cache.tiers.manifest import CHILD_ROWS_SQL
 from paged_cache.tiers.ssd import SSDTier
-
-
-def key_of(label: object) -> str:
-    return hashlib.sha256(str(label).encode()).hexdigest()
-
-
-def make_block(label: object, n: int = 256, dtype=mx.float16, model: str = "m1") -> Block:
-    """A block whose content is a pure function of its label (so any reader can verify it)."""
-    seed = int(key_of(label)[:8], 16)
-    values = (mx.arange(n, dtype=mx.float32) * 0.37 + seed % 1000).astype(dtype)
-    return Block(key_of(label), {"keys": values, "values": values[::-1] + 1},
-                 {"fingerprint": model, "tokens": "16", "parent": key_of(f"parent-{label}"),
-                  "layers": '[{"type": "KVCache"}]'})
+from helpers.blocks import block_files, key_of, same_block, stored_block
 
 
 def chained_block(label: object, parent: str | None = None, model: str = "m1") -> Block:
-    """``make_block`` with the chain fields a chain lookup lists (start, token ids)."""
-    block = make_block(label, model=model)
+    """``stored_block`` with the chain fields a chain lookup lists (start, token ids)."""
+    block = stored_block(label, model=model, parent=parent)
     block.meta.update({"start": "0", "token_ids": encode_token_ids(list(range(16)))})
-    if parent is not None:
-        block.meta["parent"] = parent
     return block
-
-
-def same(a: Block, b: Block) -> bool:
-    return a.meta == b.meta and set(a.arrays) == set(b.arrays) and all(
-        a.arrays[n].dtype == b.arrays[n].dtype and bytes(memoryview(a.arrays[n])) == bytes(memoryview(b.arrays[n]))
-        for n in a.arrays)
 
 
 def tier(path: Path, **kw) -> SSDTier:
@@ -63,10 +42,6 @@ def tier(path: Path, **kw) -> SSDTier:
 
 def put(t: SSDTier, block: Block) -> bool:
     return t.enqueue(block.key, fmt.raw_tensors(block), block.meta)
-
-
-def block_files(root: Path) -> list[Path]:
-    return [p for p in (root / "blocks").rglob("*") if p.is_file()]
 
 
 def disk_bytes(root: Path) -> int:
@@ -86,18 +61,18 @@ def manifest_keys(root: Path) -> set[str]:
 @pytest.mark.parametrize("compression", ["none", "lz4"])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16, mx.uint32])
 def test_round_trip(tmp_path: Path, compression: str, dtype) -> None:
-    blocks = [make_block((i, str(dtype)), dtype=dtype) for i in range(3)]
+    blocks = [stored_block((i, str(dtype)), dtype=dtype) for i in range(3)]
     with tier(tmp_path / "c", compression=compression) as t:
         assert all(put(t, b) for b in blocks)
         assert t.write_sync(blocks[0].key, fmt.raw_tensors(blocks[0]), blocks[0].meta)  # already there
         t.flush()
         for b in blocks:
             got = t.read_file(b.key)
-            assert got is not None and same(got, b)
+            assert got is not None and same_block(got, b)
         stats = t.stats()
         assert stats["writes"] == 3 and stats["hits"] == 3 and stats["blocks"] == 3
     with tier(tmp_path / "c") as t:  # reopened with the other compression setting: still readable
-        assert all(same(t.read_file(b.key), b) for b in blocks)
+        assert all(same_block(t.read_file(b.key), b) for b in blocks)
     if compression == "none":
         path = file_of(tmp_path / "c", blocks[0].key)
         loaded = mx.load(str(path))
@@ -111,7 +86,7 @@ def test_round_trip(tmp_path: Path, compression: str, dtype) -> None:
 def test_private_layout_and_symlinked_directory_refused(tmp_path: Path) -> None:
     root = tmp_path / "c"
     with tier(root) as t:
-        put(t, make_block(1))
+        put(t, stored_block(1))
     for p in [root, *root.rglob("*")]:
         mode = stat.S_IMODE(p.lstat().st_mode)
         assert mode == (0o700 if p.is_dir() else 0o600), (p, oct(mode))
@@ -144,25 +119,25 @@ class ManifestLock:
 
 def test_pending_block_is_readable_before_it_is_written(tmp_path: Path) -> None:
     root = tmp_path / "c"
-    block = make_block("p", dtype=mx.bfloat16)
+    block = stored_block("p", dtype=mx.bfloat16)
     with tier(root, queue_max_bytes=block.nbytes) as t:
         with ManifestLock(root):
             assert put(t, block)
             assert t.has_pending(block.key) and t.contains(block.key)
             got = t.read_pending(block.key)
-            assert got is not None and same(got, block)
+            assert got is not None and same_block(got, block)
             assert got.arrays["keys"] is block.arrays["keys"]  # the queued arrays themselves, no copy
             assert t.read_file(block.key) is None  # not on disk yet
-            assert not put(t, make_block("q"))  # queue full (bytes), policy skip
+            assert not put(t, stored_block("q"))  # queue full (bytes), policy skip
             assert t.stats()["write_drops"] == 1 and t.stats()["queue_bytes"] == block.nbytes
         t.flush()
         assert not t.has_pending(block.key) and t.read_pending(block.key) is None
-        assert same(t.read_file(block.key), block)
+        assert same_block(t.read_file(block.key), block)
 
 
 def test_write_on_caller_policy(tmp_path: Path) -> None:
     with tier(tmp_path / "c", queue_max_bytes=0, queue_full_policy="write-on-caller") as t:
-        b = make_block(1)
+        b = stored_block(1)
         assert put(t, b) and not t.has_pending(b.key)
         assert file_of(tmp_path / "c", b.key).exists()  # written before enqueue returned
         assert t.stats()["write_on_caller"] == 1
@@ -171,7 +146,7 @@ def test_write_on_caller_policy(tmp_path: Path) -> None:
 def test_discard_cancels_and_removes(tmp_path: Path) -> None:
     root = tmp_path / "c"
     with tier(root) as t:
-        a, b = make_block("a"), make_block("b")
+        a, b = stored_block("a"), stored_block("b")
         put(t, a)
         t.flush()
         with ManifestLock(root):
@@ -181,7 +156,7 @@ def test_discard_cancels_and_removes(tmp_path: Path) -> None:
         t.discard(a.key)
         t.flush()
         assert not t.contains(a.key) and not t.contains(b.key)
-        assert t.read_file(a.key) is None and block_files(root) == []
+        assert t.read_file(a.key) is None and block_files(root) == {}
         assert manifest_keys(root) == set()
 
 
@@ -215,7 +190,7 @@ def _damage(path: Path, case: str, rng: random.Random) -> None:
                                   "swapped", "symlink", "fifo"])
 def test_damage_is_a_counted_miss(tmp_path: Path, case: str, compression: str) -> None:
     root = tmp_path / "c"
-    victim, other = make_block("victim"), make_block("other")
+    victim, other = stored_block("victim"), stored_block("other")
     with tier(root, compression=compression) as t:
         put(t, victim), put(t, other)
         t.flush()
@@ -227,7 +202,7 @@ def test_damage_is_a_counted_miss(tmp_path: Path, case: str, compression: str) -
         t.flush()  # the row is dropped by the next manifest transaction
         assert not os.path.lexists(path) and victim.key not in manifest_keys(root)
         assert t.read_file(victim.key) is None and t.stats()["misses"] == 1
-        assert same(t.read_file(other.key), other)
+        assert same_block(t.read_file(other.key), other)
         if case == "symlink":
             assert (root / "outside").exists()  # the link was removed, its target untouched
 
@@ -241,7 +216,7 @@ def test_budget_is_never_exceeded_across_models(tmp_path: Path) -> None:
     written = []
     for i in range(120):
         t, model = (a, "model-a") if rng.random() < 0.5 else (b, "model-b")
-        blk = make_block(i, n=rng.choice([64, 256, 1024, 3000]), model=model)
+        blk = stored_block(i, n=rng.choice([64, 256, 1024, 3000]), model=model)
         t.write_sync(blk.key, fmt.raw_tensors(blk), blk.meta) if i % 3 else put(t, blk)
         t.flush()
         written.append(blk)
@@ -249,7 +224,7 @@ def test_budget_is_never_exceeded_across_models(tmp_path: Path) -> None:
     totals = a.stats()
     assert totals["bytes"] == disk_bytes(root) and totals["blocks"] == len(block_files(root))
     assert a.stats()["evictions"] + b.stats()["evictions"] > 0
-    too_big = make_block("big", n=budget)
+    too_big = stored_block("big", n=budget)
     assert not a.write_sync(too_big.key, fmt.raw_tensors(too_big), too_big.meta)
     assert a.stats()["write_too_large"] == 1
     for t in (a, b):
@@ -258,7 +233,7 @@ def test_budget_is_never_exceeded_across_models(tmp_path: Path) -> None:
 
 def test_lru_prefers_recently_used(tmp_path: Path) -> None:
     root = tmp_path / "c"
-    blocks = [make_block(i) for i in range(4)]
+    blocks = [stored_block(i) for i in range(4)]
     size = None
     with tier(root) as t:
         put(t, blocks[0])
@@ -282,7 +257,7 @@ def test_eviction_takes_leaves_before_their_parents(tmp_path: Path) -> None:
     root = tmp_path / "c"
     chain = []
     for i in range(3):
-        block = make_block(f"chain-{i}")
+        block = stored_block(f"chain-{i}")
         if chain:
             block.meta["parent"] = chain[-1].key
         chain.append(block)
@@ -297,14 +272,14 @@ def test_eviction_takes_leaves_before_their_parents(tmp_path: Path) -> None:
         for b in chain:                     # a fetch walks the chain root first
             time.sleep(0.01)
             t.touch(b.key)
-        put(t, make_block("newcomer"))      # needs one block of room
+        put(t, stored_block("newcomer"))      # needs one block of room
         t.flush()
         assert [t.contains(b.key) for b in chain] == [True, True, False]
 
 
 def test_reconcile_orphans_missing_files_temps_and_strays(tmp_path: Path) -> None:
     root = tmp_path / "c"
-    blocks = [make_block(i) for i in range(4)]
+    blocks = [stored_block(i) for i in range(4)]
     with tier(root) as t:
         for b in blocks:
             put(t, b)
@@ -321,7 +296,7 @@ def test_reconcile_orphans_missing_files_temps_and_strays(tmp_path: Path) -> Non
         assert stats["adopted"] == 1 and stats["rows_dropped"] == 1
         assert stats["temps_removed"] == 1 and stats["strays_removed"] == 2
         assert stats["blocks"] == 3 and stats["bytes"] == disk_bytes(root)
-        assert same(t.read_file(blocks[0].key), blocks[0]) and t.read_file(blocks[1].key) is None
+        assert same_block(t.read_file(blocks[0].key), blocks[0]) and t.read_file(blocks[1].key) is None
     with sqlite3.connect(root / MANIFEST_NAME) as db:
         row = db.execute("SELECT fingerprint, tokens, parent, layers FROM blocks WHERE key = ?",
                          (blocks[0].key,)).fetchone()
@@ -330,14 +305,14 @@ def test_reconcile_orphans_missing_files_temps_and_strays(tmp_path: Path) -> Non
 
 def test_corrupt_manifest_is_rebuilt_from_files(tmp_path: Path) -> None:
     root = tmp_path / "c"
-    blocks = [make_block(i) for i in range(3)]
+    blocks = [stored_block(i) for i in range(3)]
     with tier(root) as t:
         for b in blocks:
             put(t, b)
     (root / MANIFEST_NAME).write_bytes(b"this is not a database" * 100)
     with tier(root) as t:
         assert t.stats()["adopted"] == 3
-        assert all(same(t.read_file(b.key), b) for b in blocks)
+        assert all(same_block(t.read_file(b.key), b) for b in blocks)
 
 
 def manifest_fds(root: Path) -> int:
@@ -398,12 +373,12 @@ CHILD = textwrap.dedent("""
     from paged_cache.tiers import format as fmt
     from paged_cache.tiers.ssd import SSDTier
     sys.path.insert(0, {tests!r})
-    from test_ssd_tier import make_block
+    from helpers.blocks import stored_block
     t = SSDTier(Path({root!r}), max_bytes={budget}, compression={comp!r},
                 queue_max_bytes=1 << 20, queue_full_policy="write-on-caller")
     i = {start}
     while True:
-        b = make_block(i, n=512 + (i % 7) * 300)
+        b = stored_block(i, n=512 + (i % 7) * 300)
         raw = fmt.raw_tensors(b)
         t.enqueue(b.key, raw, b.meta) if i % 2 else t.write_sync(b.key, raw, b.meta)
         print(i, flush=True)
@@ -433,12 +408,11 @@ def test_sigkill_while_writing_never_serves_a_partial_block(tmp_path: Path, long
         with tier(root, max_bytes=budget) as t:
             assert list((root / "tmp").iterdir()) == []  # no temp file survives reopening
             files = block_files(root)
-            assert {p.name[:64] for p in files} == manifest_keys(root)
+            assert set(files) == manifest_keys(root)
             labels = {key_of(i): i for i in range(start + 5000)}  # the child may be ahead of its output
-            for path in files:
-                key = path.name[:64]
+            for key in files:
                 got = t.read_file(key)
                 assert got is not None, "a renamed file is always complete"
                 label = labels[key]
-                assert same(got, make_block(label, n=512 + (label % 7) * 300))
+                assert same_block(got, stored_block(label, n=512 + (label % 7) * 300))
             assert t.stats()["damaged"] == 0 and disk_bytes(root) <= budget

@@ -1,13 +1,13 @@
 """Helpers shared by the reliability suite (no tests here): key-derived blocks, directory audits,
 file damage, and the child processes that write into a cache directory while being killed.
 
-Every block's content is a pure function of its key (`block_for`), so any process can check that
+Every block's content is a pure function of its key (`helpers.blocks.random_block`), so any process can check that
 a block it was served is exactly the one that was written under that key.
 """
 
 from __future__ import annotations
 
-import hashlib
+import errno
 import json
 import os
 import random
@@ -21,65 +21,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
-import numpy as np
-
-from paged_cache.block import Block
-from paged_cache.config import CacheConfig
-from paged_cache.manager import PagedSSDCacheManager
+from helpers.blocks import block_files, key_of, random_block
+from helpers.managers import new_manager
 from paged_cache.tiers.files import MANIFEST_NAME
 
 HERE = Path(__file__).resolve().parent
-MODEL_TAG = "reliability-model"
 KEY_RE = r"[0-9a-f]{64}"
 
 
-# ------------------------------------------------------------------------------ blocks
+# ------------------------------------------------------------------------------ managers
 
-def key_of(i: int, space: str = "rel") -> str:
-    """The key of block number ``i`` in a key space (sha256: 64 hex characters)."""
-    return hashlib.sha256(f"{space}:{i}".encode()).hexdigest()
-
-
-def block_for(key: str, model: str = MODEL_TAG) -> Block:
-    """The block stored under ``key``: fp16 keys and bf16 values (any bit pattern) seeded by it."""
-    seed = int(key[:8], 16)
-    n = 256 * (1 + seed % 4)
-    rng = np.random.default_rng(seed)
-    keys = rng.standard_normal(n, dtype=np.float32).astype(np.float16).reshape(2, -1)
-    values = mx.array(rng.integers(0, 1 << 16, size=n, dtype=np.uint16)).view(mx.bfloat16)
-    arrays = {"k": mx.array(keys), "v": values}
-    mx.eval(*arrays.values())
-    return Block(key, arrays, {"fingerprint": model, "tokens": "16", "parent": key_of(seed, "parent"),
-                               "layers": '[{"type": "KVCache"}]'})
-
-
-def same_block(got: Block | None, want: Block) -> bool:
-    """Bit-exact equality of key, meta, dtypes, shapes and bytes."""
-    return (got is not None and got.key == want.key and got.meta == want.meta
-            and set(got.arrays) == set(want.arrays)
-            and all(got.arrays[n].dtype == a.dtype and got.arrays[n].shape == a.shape
-                    and bytes(memoryview(got.arrays[n])) == bytes(memoryview(a))
-                    for n, a in want.arrays.items()))
-
-
-def manager_at(root: Path, **kw: Any) -> PagedSSDCacheManager:
-    """A manager with an SSD tier at ``root`` (small hot tier unless given)."""
-    kw.setdefault("hot_cache_max_bytes", 16 << 10)
-    kw.setdefault("ssd_max_bytes", 64 << 20)
-    return PagedSSDCacheManager(CacheConfig(ssd_dir=root, **kw))
+SMALL = dict(hot_cache_max_bytes=16 << 10, ssd_max_bytes=64 << 20)  # small hot tier, room on SSD
 
 
 # ------------------------------------------------------------------------------ directory audits
-
-def block_files(root: Path) -> dict[str, Path]:
-    """key -> path of every regular file under blocks/ (names are checked by `audit`)."""
-    out = {}
-    for path in (root / "blocks").rglob("*"):
-        if path.is_file() and not path.is_symlink():
-            out[path.name[:64]] = path
-    return out
-
 
 def manifest_rows(root: Path) -> dict[str, tuple[int, int]]:
     """key -> (state, file_bytes) of every manifest row."""
@@ -127,6 +82,18 @@ def audit(root: Path, budget: int | None = None) -> Audit:
     return Audit(files, size)
 
 
+def fill(path: Path, leave: int) -> int:
+    """Create ``path`` taking all free space but ``leave`` bytes; return its size."""
+    st = os.statvfs(path.parent)
+    size = max(st.f_bavail * st.f_frsize - leave, 0)
+    with open(path, "wb") as fh:
+        try:
+            fh.write(b"\0" * size)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+    return path.stat().st_size
+
+
 # ------------------------------------------------------------------------------ damage
 
 DAMAGE_KINDS = ("bit_flips", "truncated", "zero_length", "garbage_header", "header_length",
@@ -171,7 +138,8 @@ def damage(path: Path, kind: str, rng: random.Random, other: Path | None = None)
 
 def spawn(role: str, log: Path, **kwargs: Any) -> subprocess.Popen:
     """Run ``child_<role>(**kwargs)`` of this module in a fresh Python process, stdout -> ``log``."""
-    code = (f"import sys, json; sys.path.insert(0, {str(HERE)!r}); import reliability_support as s; "
+    code = (f"import sys, json; sys.path[:0] = [{str(HERE)!r}, {str(HERE.parent)!r}]; "
+            "import reliability_support as s; "
             f"s.child_{role}(**json.loads(sys.argv[1]))")
     with open(log, "w") as out:
         return subprocess.Popen([sys.executable, "-c", code, json.dumps(kwargs)], stdout=out,
@@ -205,14 +173,14 @@ def child_writer(root: str, start: int, budget: int, compression: str, queue: in
                   queue_full_policy="write-on-caller", hot_cache_max_bytes=32 << 10)
     deadline = None if stop_after is None else time.monotonic() + stop_after
     end = None if limit is None else start + limit
-    with manager_at(Path(root), **config) as manager:
+    with new_manager(Path(root), **SMALL | dict(**config)) as manager:
         print("ready", flush=True)
         i = start
         while deadline is None or time.monotonic() < deadline:
             if i == end:
                 time.sleep(0.01)
                 continue
-            manager.put(block_for(key_of(i, space)))
+            manager.put(random_block(key_of(i, space)))
             gone = discarded_by_writer(i)
             if gone is not None:
                 manager.discard(key_of(gone, space))

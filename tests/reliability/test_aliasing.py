@@ -13,7 +13,7 @@ from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.layout import layer_arrays
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
-from test_prefix_cache_support import assert_exact, prompt, store_prompt
+from helpers.prefix import assert_exact, prompt, store_prompt
 
 BLOCK = 16
 

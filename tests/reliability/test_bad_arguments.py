@@ -19,8 +19,10 @@ from paged_cache.config import CacheConfig
 from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
-from reliability_support import audit, block_for, key_of, manager_at, same_block
-from test_prefix_cache_support import prompt, store_prompt
+from helpers.blocks import key_of, random_block, same_block
+from helpers.managers import new_manager
+from reliability_support import SMALL, audit
+from helpers.prefix import prompt, store_prompt
 
 INT64_MAX = 2**63 - 1
 
@@ -76,8 +78,8 @@ def test_an_ssd_dir_with_a_nul_byte_is_refused_by_name(tmp_path: Path) -> None:
 
 def test_an_ssd_dir_on_a_read_only_filesystem_is_refused_by_name(tmp_path: Path) -> None:
     root = tmp_path / "ro"
-    with manager_at(root / "cache") as manager:
-        manager.put(block_for(key_of(1, "ro")))
+    with new_manager(root / "cache", **SMALL) as manager:
+        manager.put(random_block(key_of(1, "ro")))
     if subprocess.run(["mount", "--bind", str(root), str(root)], capture_output=True).returncode:
         pytest.skip("cannot bind-mount here (needs root)")
     try:
@@ -86,8 +88,8 @@ def test_an_ssd_dir_on_a_read_only_filesystem_is_refused_by_name(tmp_path: Path)
         _refused(root / "new", "Read-only file system")
     finally:
         subprocess.run(["umount", "-l", str(root)], capture_output=True)
-    with manager_at(root / "cache") as manager:                  # nothing stored was touched
-        assert same_block(manager.get(key_of(1, "ro")), block_for(key_of(1, "ro")))
+    with new_manager(root / "cache", **SMALL) as manager:                  # nothing stored was touched
+        assert same_block(manager.get(key_of(1, "ro")), random_block(key_of(1, "ro")))
     audit(root / "cache")
 
 

@@ -16,8 +16,9 @@ import pytest
 
 from paged_cache.cachedir.inventory import CacheDir
 from paged_cache.cachedir.maintenance import delete_blocks, select_prune
-from reliability_support import (audit, block_for, key_of, manager_at, printed_indices, progress,
-                                 same_block, spawn, wait_for_line)
+from helpers.blocks import key_of, random_block, same_block
+from helpers.managers import new_manager
+from reliability_support import SMALL, audit, printed_indices, progress, spawn, wait_for_line
 
 THREADS = 8
 HOT = 24 << 10
@@ -32,13 +33,12 @@ DEADLINE_S = 300
 def test_threads_store_fetch_evict(tmp_path: Path, long_run: bool, policy: dict, record) -> None:
     root = tmp_path / "cache"
     total_ops = 16_000 if long_run else 2_000
-    blocks = {b.key: b for b in (block_for(key_of(i, "threads")) for i in range(96))}
+    blocks = {b.key: b for b in (random_block(key_of(i, "threads")) for i in range(96))}
     keys = sorted(blocks)
     errors: list[BaseException] = []
     counts = dict(puts=0, hits=0, misses=0, takes=0, discards=0)
     counts_lock = threading.Lock()
-    with manager_at(root, hot_cache_max_bytes=HOT, ssd_max_bytes=SSD,
-                    write_queue_max_bytes=16 << 10, **policy) as manager:
+    with new_manager(root, **SMALL | dict(hot_cache_max_bytes=HOT, ssd_max_bytes=SSD, write_queue_max_bytes=16 << 10, **policy)) as manager:
         def worker(seed: int) -> None:
             rng, mine = random.Random(seed), dict.fromkeys(counts, 0)
             try:
@@ -95,7 +95,7 @@ def test_two_processes_share_a_directory(tmp_path: Path, long_run: bool, record)
     reads = hits = discards = prunes = pruned_bytes = 0
     try:
         wait_for_line(log, child, "ready")
-        with manager_at(root, ssd_max_bytes=budget, hot_cache_max_bytes=8 << 10) as manager:
+        with new_manager(root, **SMALL | dict(ssd_max_bytes=budget, hot_cache_max_bytes=8 << 10)) as manager:
             while child.poll() is None:
                 done = printed_indices(log)
                 if not done:
@@ -106,7 +106,7 @@ def test_two_processes_share_a_directory(tmp_path: Path, long_run: bool, record)
                 reads += 1
                 if got is not None:
                     hits += 1
-                    assert same_block(got, block_for(key)), "wrong block across processes"
+                    assert same_block(got, random_block(key)), "wrong block across processes"
                 if reads % 10 == 0:
                     manager.discard(key_of(rng.randint(0, done[-1]), "shared"))
                     discards += 1
@@ -122,9 +122,9 @@ def test_two_processes_share_a_directory(tmp_path: Path, long_run: bool, record)
             child.kill()
     assert progress(log)[-1] == "done", "the writer did not finish cleanly"
     files = audit(root, budget).files
-    with manager_at(root, ssd_max_bytes=budget, hot_cache_max_bytes=0) as manager:
+    with new_manager(root, **SMALL | dict(ssd_max_bytes=budget, hot_cache_max_bytes=0)) as manager:
         for key in files:
-            assert same_block(manager.get(key), block_for(key))
+            assert same_block(manager.get(key), random_block(key))
     record("two_processes", seconds=seconds, blocks_written=len(printed_indices(log)), reads=reads,
            hits=hits, discards=discards, prunes=prunes, pruned_bytes=pruned_bytes,
            files_at_end=len(files))

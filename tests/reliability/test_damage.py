@@ -21,9 +21,10 @@ from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
 from paged_cache.tiers.files import MANIFEST_NAME
-from reliability_support import (DAMAGE_KINDS, audit, block_files, block_for, damage, key_of,
-                                 manager_at, manifest_rows, same_block)
-from test_prefix_cache_support import assert_exact, prompt, store_prompt
+from helpers.blocks import block_files, key_of, random_block, same_block
+from helpers.managers import new_manager
+from reliability_support import DAMAGE_KINDS, SMALL, audit, damage, manifest_rows
+from helpers.prefix import assert_exact, prompt, store_prompt
 
 MODES = ("open", "reopen", "unindexed")
 
@@ -47,15 +48,15 @@ def test_damaged_files_are_counted_misses(tmp_path: Path, long_run: bool, record
     rng = random.Random(777)
     cases = 1000 if long_run else 100
     opts = dict(hot_cache_max_bytes=0)        # every read goes to the file
-    bystanders = [block_for(key_of(i, "bystander")) for i in range(4)]
-    manager = manager_at(root, **opts)
+    bystanders = [random_block(key_of(i, "bystander")) for i in range(4)]
+    manager = new_manager(root, **SMALL | dict(**opts))
     for b in bystanders:
         manager.put(b)
     tally = {kind: {"missed": 0, "served": 0} for kind in DAMAGE_KINDS}
     for case in range(cases):
         kind, mode = DAMAGE_KINDS[case % len(DAMAGE_KINDS)], rng.choice(MODES)
-        victim = block_for(key_of(case, "victim"))
-        other = block_for(key_of(case, "other"), model="other-model" if kind == "wrong_model"
+        victim = random_block(key_of(case, "victim"))
+        other = random_block(key_of(case, "other"), model="other-model" if kind == "wrong_model"
                           else "reliability-model")
         manager.put(victim)
         manager.put(other)
@@ -68,7 +69,7 @@ def test_damaged_files_are_counted_misses(tmp_path: Path, long_run: bool, record
         if mode == "unindexed":
             _drop_row(root, victim.key)
         if mode != "open":
-            manager = manager_at(root, **opts, compression=rng.choice(["none", "lz4"]))
+            manager = new_manager(root, **SMALL | dict(**opts, compression=rng.choice(["none", "lz4"])))
         before = manager.stats()["ssd"]["damaged"] if mode == "open" else 0
 
         hurt = [victim, other] if kind == "swapped_names" else [victim]
@@ -108,7 +109,7 @@ def test_fetch_stops_the_chain_at_the_first_bad_block(tmp_path: Path, kind: str)
     root = tmp_path / "cache"
     rng = random.Random(kind)
     k = CHAIN_DAMAGE.index(kind)
-    with manager_at(root, block_size=block, hot_cache_max_bytes=0) as manager:
+    with new_manager(root, **SMALL | dict(block_size=block, hot_cache_max_bytes=0)) as manager:
         prefix = BlockAwarePrefixCache(manager, model)
         tokens = store_prompt(model, prefix, prompt(5 * block + 7))
         manager.flush()
@@ -123,7 +124,7 @@ def test_fetch_stops_the_chain_at_the_first_bad_block(tmp_path: Path, kind: str)
             manager.flush()
             other = block_files(root)[chain_keys(alien.fingerprint, "", tokens, block)[k]]
         damage(files[keys[k]], kind, rng, other)
-    with manager_at(root, block_size=block, hot_cache_max_bytes=0) as manager:   # a restart
+    with new_manager(root, **SMALL | dict(block_size=block, hot_cache_max_bytes=0)) as manager:   # a restart
         prefix = BlockAwarePrefixCache(manager, model)
         query = tokens + [1, 2, 3]
         assert assert_exact(model, prefix, query) == k * block

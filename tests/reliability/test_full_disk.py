@@ -3,7 +3,6 @@ each episode is logged once and counted, nothing partial is left, writing resume
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import sqlite3
@@ -16,7 +15,9 @@ import pytest
 from paged_cache.block import Block
 from paged_cache.tiers.files import MANIFEST_NAME
 from paged_cache.tiers.ssd import SSDTier
-from reliability_support import audit, block_files, block_for, key_of, manager_at, same_block
+from helpers.blocks import block_files, key_of, random_block, same_block
+from helpers.managers import new_manager
+from reliability_support import SMALL, audit, fill
 
 HOT = 256 << 10
 
@@ -29,18 +30,6 @@ def manifest_state(db: sqlite3.Connection, key: str) -> int | None:
     return None if row is None else row[0]
 
 
-def _fill(path: Path, leave: int) -> int:
-    """Create ``path`` taking all free space but ``leave`` bytes; return its size."""
-    st = os.statvfs(path.parent)
-    size = max(st.f_bavail * st.f_frsize - leave, 0)
-    with open(path, "wb") as fh:
-        try:
-            fh.write(b"\0" * size)
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC
-    return path.stat().st_size
-
-
 def _episode_logs(caplog: pytest.LogCaptureFixture) -> tuple[int, int]:
     failed = [r for r in caplog.records if r.name == "paged_cache.ssd" and "failed" in r.getMessage()]
     resumed = [r for r in caplog.records if r.name == "paged_cache.ssd" and "resumed" in r.getMessage()]
@@ -51,13 +40,13 @@ def _episodes(root: Path, filler: Path, caplog: pytest.LogCaptureFixture, count:
     """Fill the disk ``count`` times through a manager at ``root``, checking each episode."""
     caplog.set_level(logging.INFO, logger="paged_cache")
     i, episodes = 0, []
-    with manager_at(root, hot_cache_max_bytes=HOT, ssd_max_bytes="64MB") as manager:
+    with new_manager(root, **SMALL | dict(hot_cache_max_bytes=HOT, ssd_max_bytes="64MB")) as manager:
         for episode in range(count):
-            _fill(filler, leave=96 << 10)
+            fill(filler, leave=96 << 10)
             errors_before = manager.stats()["ssd"]["write_errors"]
             recent: list = []
             while manager.stats()["ssd"]["write_errors"] == errors_before or len(recent) < 40:
-                block = block_for(key_of(i, "full"))
+                block = random_block(key_of(i, "full"))
                 assert manager.put(block)                      # never raises, never refuses
                 recent = (recent + [block])[-40:]
                 manager.flush()
@@ -74,7 +63,7 @@ def _episodes(root: Path, filler: Path, caplog: pytest.LogCaptureFixture, count:
 
             filler.unlink()                                    # space returns
             errors = ssd["write_errors"]
-            resumed = [block_for(key_of(i + j, "full")) for j in range(10)]
+            resumed = [random_block(key_of(i + j, "full")) for j in range(10)]
             i += 10
             for block in resumed:
                 assert manager.put(block)
@@ -92,9 +81,9 @@ def test_enospc_keeps_serving_and_resumes(small_fs, caplog, record) -> None:
     root = mnt / "cache"
     episodes = _episodes(root, mnt / "filler", caplog, count=2)
     files = audit(root).files
-    with manager_at(root, hot_cache_max_bytes=0) as manager:   # every file left is whole
+    with new_manager(root, **SMALL | dict(hot_cache_max_bytes=0)) as manager:   # every file left is whole
         for key in files:
-            assert same_block(manager.get(key), block_for(key))
+            assert same_block(manager.get(key), random_block(key))
     record("full_disk", filesystem=fs_kind, episodes=episodes, files_left=len(files))
 
 
@@ -117,6 +106,6 @@ def test_no_reservation_outlives_a_failed_completion(tmp_path: Path) -> None:
         lock.execute("COMMIT")
         tier.flush()
         assert tier.stats()["write_errors"] == 1
-    with manager_at(root, hot_cache_max_bytes=0):   # a reopen in the same process
+    with new_manager(root, **SMALL | dict(hot_cache_max_bytes=0)):   # a reopen in the same process
         pass
     audit(root)                                     # no row is left RESERVED

@@ -20,8 +20,10 @@ from paged_cache.hashing import chain_keys
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
 from paged_cache.tiers.files import MANIFEST_NAME
-from reliability_support import block_files, block_for, damage, key_of, manager_at, same_block
-from test_prefix_cache_support import assert_exact, store_prompt
+from helpers.blocks import block_files, key_of, random_block, same_block
+from helpers.managers import new_manager
+from reliability_support import SMALL, damage
+from helpers.prefix import assert_exact, store_prompt
 
 BLOCK = 4
 HOT = 6 << 10
@@ -50,8 +52,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.open()
 
     def open(self) -> None:
-        self.manager = manager_at(self.dir, block_size=BLOCK, hot_cache_max_bytes=HOT,
-                                  queue_full_policy="write-on-caller")
+        self.manager = new_manager(self.dir, **SMALL | dict(block_size=BLOCK, hot_cache_max_bytes=HOT, queue_full_policy="write-on-caller"))
         self.prefix = BlockAwarePrefixCache(self.manager, MODEL)
 
     def keys(self, tokens: list[int]) -> list[str]:
@@ -177,8 +178,8 @@ def test_fuzzed_block_files_are_misses_or_exact(tmp_path: Path, long_run: bool) 
     @_fuzz_settings(long_run)
     @given(ops=mutations, compression=st.sampled_from(["none", "lz4"]), adopt=st.booleans())
     def check(ops, compression: str, adopt: bool) -> None:
-        block = block_for(key_of(next(counter), "fuzz"))
-        with manager_at(root, hot_cache_max_bytes=0, compression=compression) as manager:
+        block = random_block(key_of(next(counter), "fuzz"))
+        with new_manager(root, **SMALL | dict(hot_cache_max_bytes=0, compression=compression)) as manager:
             manager.put(block)
             manager.flush()
             path = block_files(root)[block.key]
@@ -194,7 +195,7 @@ def test_fuzzed_block_files_are_misses_or_exact(tmp_path: Path, long_run: bool) 
                 return
         with sqlite3.connect(root / MANIFEST_NAME) as db:
             db.execute("DELETE FROM blocks WHERE key = ?", (block.key,))
-        with manager_at(root, hot_cache_max_bytes=0) as manager:     # adopted or removed at open
+        with new_manager(root, **SMALL | dict(hot_cache_max_bytes=0)) as manager:     # adopted or removed at open
             got = manager.get(block.key)
             TALLY["served" if got else "missed"] += 1
             assert got is None or same_block(got, block)

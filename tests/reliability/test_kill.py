@@ -13,13 +13,15 @@ import signal
 import time
 from pathlib import Path
 
-from reliability_support import (audit, block_for, discarded_by_writer, key_of, manager_at,
-                                 printed_indices, same_block, spawn, wait_for_line)
+from helpers.blocks import key_of, random_block, same_block
+from helpers.managers import new_manager
+from reliability_support import (SMALL, audit, discarded_by_writer, printed_indices, spawn,
+                                 wait_for_line)
 
 BUDGET = 1 << 20            # bytes on SSD (evictions start after a few runs)
 QUEUE = 32 << 10            # write queue bound: the most a kill may lose (plus blocks in flight)
 RUN_LIMIT = 150             # blocks per child run (< BUDGET, so a run never evicts its own blocks)
-MAX_BLOCK_BYTES = 4096     # largest block_for() payload: one in the writer, one on the caller
+MAX_BLOCK_BYTES = 4096     # largest random_block() payload: one in the writer, one on the caller
 STARTUP_BOUND_S = 5.0       # generous: a fresh open reconciles without reading payloads
 
 
@@ -42,7 +44,7 @@ def test_sigkill_at_random_moments(tmp_path: Path, long_run: bool, record) -> No
         done = printed_indices(log)
 
         t0 = time.perf_counter()
-        with manager_at(root, ssd_max_bytes=BUDGET) as manager:
+        with new_manager(root, **SMALL | dict(ssd_max_bytes=BUDGET)) as manager:
             open_times.append(time.perf_counter() - t0)
             assert open_times[-1] < STARTUP_BOUND_S
             files = audit(root, BUDGET).files     # no temp file, rows == files, totals, budget
@@ -52,12 +54,12 @@ def test_sigkill_at_random_moments(tmp_path: Path, long_run: bool, record) -> No
                 assert key in ever, "a file the children never wrote"
                 got = manager.get(key)
                 assert got is not None, "a complete file is always served"
-                assert same_block(got, block_for(key))
+                assert same_block(got, random_block(key))
             assert manager.stats()["ssd"]["damaged"] == 0
             # What this run lost: printed (so queued) blocks, not discarded, without a file.
             gone = {discarded_by_writer(i) for i in done}
             missing = [i for i in done if i not in gone and key_of(i) not in files]
-            lost_bytes = sum(block_for(key_of(i)).nbytes for i in missing)
+            lost_bytes = sum(random_block(key_of(i)).nbytes for i in missing)
             assert lost_bytes <= QUEUE + 2 * MAX_BLOCK_BYTES, (missing, lost_bytes)
         stored += len(done)
         lost += len(missing)

@@ -31,10 +31,10 @@ from paged_cache.cachedir.maintenance import verify
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.files import MANIFEST_NAME
 from paged_cache.tiers.ssd import SSDTier
-from reliability_support import (audit, block_files, block_for, key_of, manager_at,
-                                 manifest_rows, same_block)
-from test_cli_inspect import run_cli
-from test_full_disk import _fill
+from helpers.blocks import block_files, key_of, random_block, same_block
+from helpers.managers import new_manager
+from helpers.cli import run_cli
+from reliability_support import SMALL, audit, fill, manifest_rows
 
 MANIFEST_ROW_BOUND = 1024  # bytes of manifest.sqlite per block, at most (docs/file-format.md)
 LOCK_HOLD_SECONDS = 12.0  # longer than SQLite's 10 s busy timeout of every manifest connection
@@ -59,8 +59,8 @@ def _hold_lock(root: Path, seconds: float) -> subprocess.Popen:
 
 def _stored(root: Path, space: str, count: int) -> list[Block]:
     """``count`` key-derived blocks stored through a manager at ``root`` (closed again)."""
-    blocks = [block_for(key_of(i, space)) for i in range(count)]
-    with manager_at(root) as manager:
+    blocks = [random_block(key_of(i, space)) for i in range(count)]
+    with new_manager(root, **SMALL) as manager:
         for block in blocks:
             manager.put(block)
     return blocks
@@ -84,7 +84,7 @@ def test_a_manifest_locked_past_the_busy_timeout_is_waited_for_never_rebuilt(
     flusher = threading.Thread(target=running.flush)    # its deferred update waits, then fails
     flusher.start()
     try:
-        with manager_at(tmp_path) as manager:           # opens while the lock is held
+        with new_manager(tmp_path, **SMALL) as manager:           # opens while the lock is held
             assert "ssd" in manager.stats(), manager.stats().get("ssd_error")
             assert all(same_block(manager.get(b.key), b) for b in blocks)
     finally:
@@ -173,7 +173,7 @@ def test_a_discard_racing_a_store_of_the_same_key_keeps_the_new_row(tmp_path: Pa
     budget = 200_000
     with SSDTier(tmp_path, max_bytes=budget) as a, SSDTier(tmp_path, max_bytes=budget) as b:
         for i in range(rounds):
-            block = block_for(key_of(i, "race"))
+            block = random_block(key_of(i, "race"))
             raw, meta = fmt.raw_tensors(block), dict(block.meta)
             assert a.write_sync(block.key, raw, meta)
             a.discard(block.key)
@@ -208,7 +208,7 @@ def test_a_block_file_that_cannot_be_removed_keeps_its_row(
     root = tmp_path / "c"
     with SSDTier(root, max_bytes=1 << 30) as ssd:
         for i in range(60):
-            block = block_for(key_of(i, "unlink"))
+            block = random_block(key_of(i, "unlink"))
             assert ssd.write_sync(block.key, fmt.raw_tensors(block), dict(block.meta))
     files = block_files(root)
     stuck_fan = root / "blocks" / sorted(files)[0][:2]
@@ -260,9 +260,9 @@ def test_a_zeroed_manifest_page_is_reported_and_rebuilt(tmp_path: Path, page: st
     assert set(manifest_rows(tmp_path)) == {b.key for b in blocks}
 
     _zero_page(tmp_path, page)                                   # damaged again: the library
-    with manager_at(tmp_path) as manager:                        # rebuilds it itself, at open
+    with new_manager(tmp_path, **SMALL) as manager:                        # rebuilds it itself, at open
         assert all(same_block(manager.get(b.key), b) for b in blocks)   # or when a write meets it
-        more = [block_for(key_of(i, "page-after")) for i in range(6)]
+        more = [random_block(key_of(i, "page-after")) for i in range(6)]
         for block in more:
             manager.put(block)
         manager.flush()
@@ -277,14 +277,14 @@ def test_a_manifest_damaged_while_open_is_rebuilt_when_found(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="paged_cache")
     blocks = _stored(tmp_path, "live", 12)
-    with manager_at(tmp_path, write_policy="write-through") as manager:
+    with new_manager(tmp_path, **SMALL | dict(write_policy="write-through")) as manager:
         db = sqlite3.connect(tmp_path / MANIFEST_NAME)           # damage it under the open tier:
         db.execute("PRAGMA writable_schema = ON")                # the schema names a table that
         db.execute("UPDATE sqlite_master SET rootpage = 1 WHERE name = 'blocks'")  # is not there
         db.execute("PRAGMA writable_schema = OFF")
         db.commit()
         db.close()
-        more = [block_for(key_of(i, "live-after")) for i in range(6)]
+        more = [random_block(key_of(i, "live-after")) for i in range(6)]
         for block in more:
             manager.put(block)
             manager.flush()
@@ -314,10 +314,10 @@ def test_damage_to_the_directory_structure_is_repaired_at_open(
         (target / "inner" / "file").write_bytes(b"x")
     else:
         target.write_bytes(b"not a directory")
-    with manager_at(tmp_path) as manager:
+    with new_manager(tmp_path, **SMALL) as manager:
         assert "ssd" in manager.stats()
         assert all(same_block(manager.get(b.key), b) == kept for b in blocks)
-        manager.put(block_for(key_of(99, "tree")))
+        manager.put(random_block(key_of(99, "tree")))
     assert any("not a" in m for m in _messages(caplog)), "the repair was not reported"
     audit(tmp_path)
 
@@ -328,9 +328,9 @@ def test_reopening_on_a_filesystem_the_cache_filled_never_raises(
     mnt, kind = small_fs
     root = mnt / "cache"
     i = 0
-    with manager_at(root, ssd_max_bytes="64MB", hot_cache_max_bytes=64 << 10) as manager:
+    with new_manager(root, **SMALL | dict(ssd_max_bytes="64MB", hot_cache_max_bytes=64 << 10)) as manager:
         while manager.stats()["ssd"]["write_errors"] == 0:
-            manager.put(block_for(key_of(i, "fill")))
+            manager.put(random_block(key_of(i, "fill")))
             manager.flush()
             i += 1
             assert i < 10_000, "the filesystem never filled up"
@@ -343,17 +343,17 @@ def test_reopening_on_a_filesystem_the_cache_filled_never_raises(
     db.commit()
     db.close()
     stored = block_files(root)
-    _fill(mnt / "filler", leave=0)                        # then nothing is left free
+    fill(mnt / "filler", leave=0)                        # then nothing is left free
     for attempt in range(2):                              # reopen on the full filesystem, twice
-        with manager_at(root, ssd_max_bytes="64MB") as manager:
+        with new_manager(root, **SMALL | dict(ssd_max_bytes="64MB")) as manager:
             stats = manager.stats()
             if "ssd" in stats:
                 key = sorted(stored)[0]
-                assert manager.get(key) is None or same_block(manager.get(key), block_for(key))
+                assert manager.get(key) is None or same_block(manager.get(key), random_block(key))
             else:
                 assert "(0 bytes free" in stats["ssd_error"], stats["ssd_error"]
                 assert any("hot tier only" in m for m in _messages(caplog))
-            block = block_for(key_of(10_000 + attempt, "fill"))
+            block = random_block(key_of(10_000 + attempt, "fill"))
             assert manager.put(block) and same_block(manager.get(block.key), block)
     record("reopen_on_full_fs", fs=kind, blocks=len(stored), ssd_available="ssd" in stats,
            ssd_error=stats.get("ssd_error"))

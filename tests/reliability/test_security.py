@@ -32,9 +32,10 @@ from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.files import MANIFEST_NAME
-from reliability_support import (KEY_RE, audit, block_files, block_for, key_of, manager_at,
-                                 same_block)
-from test_prefix_cache_support import prompt, store_prompt
+from helpers.blocks import block_files, key_of, random_block, same_block
+from helpers.managers import new_manager
+from reliability_support import KEY_RE, SMALL, audit
+from helpers.prefix import prompt, store_prompt
 
 FP = "f" * 64
 
@@ -81,7 +82,7 @@ def test_block_keys_are_cryptographic_and_commit_to_every_input() -> None:
 def test_namespaces_keep_tenants_apart(tmp_path: Path) -> None:
     model = tiny_model("llama")
     tokens = prompt(3 * 16 + 5)
-    with manager_at(tmp_path / "c", block_size=16, hot_cache_max_bytes=1 << 20) as manager:
+    with new_manager(tmp_path / "c", **SMALL | dict(block_size=16, hot_cache_max_bytes=1 << 20)) as manager:
         alice = BlockAwarePrefixCache(manager, model, namespace="alice")
         bob = BlockAwarePrefixCache(manager, model, namespace="bob")
         anon = BlockAwarePrefixCache(manager, model)
@@ -90,7 +91,7 @@ def test_namespaces_keep_tenants_apart(tmp_path: Path) -> None:
             assert other.fetch(tokens + [1]) == (None, 0)
         assert alice.fetch(tokens + [1])[1] == len(tokens)
         manager.flush()
-    with manager_at(tmp_path / "c", block_size=16, hot_cache_max_bytes=0) as manager:  # from SSD
+    with new_manager(tmp_path / "c", **SMALL | dict(block_size=16, hot_cache_max_bytes=0)) as manager:  # from SSD
         for ns in ("bob", "", "alice/", "ALICE"):
             assert BlockAwarePrefixCache(manager, model, namespace=ns).fetch(tokens + [1]) == (None, 0)
         assert BlockAwarePrefixCache(manager, model, namespace="alice").fetch(tokens + [1])[1] == \
@@ -107,15 +108,15 @@ def test_cache_directory_and_files_are_private(tmp_path: Path) -> None:
     old = os.umask(0)   # a permissive umask must not leak into the modes
     try:
         root = tmp_path / "c"
-        with manager_at(root, compression="lz4") as manager:
+        with new_manager(root, **SMALL | dict(compression="lz4")) as manager:
             for i in range(4):
-                manager.put(block_for(key_of(i)))
+                manager.put(random_block(key_of(i)))
             manager.flush()
             for path, mode in _tree_modes(root).items():
                 assert mode == (0o700 if path.is_dir() else 0o600), (path, oct(mode))
         os.chmod(root, 0o755)                          # loosened by someone: tightened on open
         os.chmod(root / "blocks", 0o777)
-        with manager_at(root):
+        with new_manager(root, **SMALL):
             assert stat.S_IMODE(root.stat().st_mode) == 0o700
             assert stat.S_IMODE((root / "blocks").stat().st_mode) == 0o700
     finally:
@@ -126,7 +127,7 @@ def _outside(tmp_path: Path) -> tuple[Path, dict[Path, tuple[bytes, int]]]:
     """A directory outside the cache holding a valid block file and a sentinel file."""
     target = tmp_path / "outside"
     target.mkdir()
-    victim = block_for(key_of("victim"))
+    victim = random_block(key_of("victim"))
     encoded = fmt.encode(victim.key, fmt.raw_tensors(victim), victim.meta)
     (target / (victim.key + ".safetensors")).write_bytes(
         b"".join(bytes(memoryview(c).cast("B")) for c in encoded.chunks))
@@ -149,8 +150,8 @@ def test_planted_symlinks_are_refused_never_followed(tmp_path: Path, place: str,
     root = tmp_path / "c"
     target, before = _outside(tmp_path)
     victim_key = key_of("victim")
-    with manager_at(root, hot_cache_max_bytes=0) as manager:
-        manager.put(block_for(key_of(1)))
+    with new_manager(root, **SMALL | dict(hot_cache_max_bytes=0)) as manager:
+        manager.put(random_block(key_of(1)))
         manager.flush()
     link = {"block_file": root / "blocks" / victim_key[:2] / (victim_key + ".safetensors"),
             "fanout_dir": root / "blocks" / victim_key[:2],
@@ -172,21 +173,21 @@ def test_planted_symlinks_are_refused_never_followed(tmp_path: Path, place: str,
         plant()
         if place in ("tmp_dir", "blocks_dir"):
             with pytest.raises(ValueError, match="symlink"):   # refused at open
-                manager_at(root)
+                new_manager(root, **SMALL)
             assert _snapshot(target) == before
             return
-        manager = manager_at(root, hot_cache_max_bytes=0)
+        manager = new_manager(root, **SMALL | dict(hot_cache_max_bytes=0))
     else:
-        manager = manager_at(root, hot_cache_max_bytes=0)
+        manager = new_manager(root, **SMALL | dict(hot_cache_max_bytes=0))
         plant()
     with manager:
         assert manager.get(victim_key) is None                     # never served through a link
         for i in range(2, 12):                                     # writes go to real files only
-            manager.put(block_for(key_of(i)))
-        fresh = block_for(victim_key)
+            manager.put(random_block(key_of(i)))
+        fresh = random_block(victim_key)
         manager.put(fresh)                                         # same fan-out as the link
         manager.flush()
-        assert same_block(manager.get(key_of(3)), block_for(key_of(3)))
+        assert same_block(manager.get(key_of(3)), random_block(key_of(3)))
     assert _snapshot(target) == before, "a file outside the cache was changed"
     if place not in ("tmp_dir", "blocks_dir"):
         assert not any(p.is_symlink() for p in [root, *root.rglob("*")])
@@ -195,7 +196,7 @@ def test_planted_symlinks_are_refused_never_followed(tmp_path: Path, place: str,
 def test_file_names_come_only_from_hex_digests(tmp_path: Path) -> None:
     root = tmp_path / "c"
     model = tiny_model("llama")
-    with manager_at(root, block_size=16) as manager:
+    with new_manager(root, **SMALL | dict(block_size=16)) as manager:
         for ns in ("../../etc", "a/b", "\x00", "tenant ünïcode", "x" * 300):
             store_prompt(model, BlockAwarePrefixCache(manager, model, namespace=ns,
                                                       model_id="../../" + ns), prompt(40))
@@ -218,8 +219,8 @@ def _tampered_manifest(tmp_path: Path) -> tuple[Path, Path]:
     """A cache whose manifest holds a row keyed ``../victim`` (so ``blocks/<key[:2]>/<key>
     .safetensors`` names tmp_path/victim.safetensors, a file outside the cache) of 1 GB."""
     root = tmp_path / "c"
-    with manager_at(root) as manager:
-        manager.put(block_for(key_of(1)))
+    with new_manager(root, **SMALL) as manager:
+        manager.put(random_block(key_of(1)))
     victim = tmp_path / "victim.safetensors"
     victim.write_bytes(b"precious")
     with sqlite3.connect(root / MANIFEST_NAME) as db:
@@ -232,8 +233,8 @@ def _tampered_manifest(tmp_path: Path) -> tuple[Path, Path]:
 def test_manifest_keys_never_name_files_outside_the_cache(tmp_path: Path) -> None:
     """Eviction of a tampered row must not delete the path its key spells (fixed in ssd.py)."""
     root, victim = _tampered_manifest(tmp_path)
-    with manager_at(root, ssd_max_bytes=1 << 20) as manager:  # over budget: evicts the evil row
-        manager.put(block_for(key_of(2)))
+    with new_manager(root, **SMALL | dict(ssd_max_bytes=1 << 20)) as manager:  # over budget: evicts the evil row
+        manager.put(random_block(key_of(2)))
         manager.flush()
     assert victim.read_bytes() == b"precious"
 
@@ -294,8 +295,8 @@ def test_header_claiming_a_huge_tensor_allocates_nothing(tmp_path: Path, compres
                                                          claim: int) -> None:
     root = tmp_path / "c"
     key = key_of(("huge", claim))
-    with manager_at(root, hot_cache_max_bytes=0, ssd_max_bytes="1GB") as manager:
-        manager.put(block_for(key_of(0)))
+    with new_manager(root, **SMALL | dict(hot_cache_max_bytes=0, ssd_max_bytes="1GB")) as manager:
+        manager.put(random_block(key_of(0)))
         manager.flush()
         fan = root / "blocks" / key[:2]
         fan.mkdir(mode=0o700, exist_ok=True)
@@ -310,7 +311,7 @@ def test_header_claiming_a_huge_tensor_allocates_nothing(tmp_path: Path, compres
         assert manager.stats()["ssd"]["damaged"] == 1
     (fan / (key + fmt.SUFFIXES[compression])).write_bytes(_huge_claim_file(key, claim, compression))
     tracemalloc.start()
-    with manager_at(root, hot_cache_max_bytes=0, ssd_max_bytes="1GB") as manager:  # adoption path
+    with new_manager(root, **SMALL | dict(hot_cache_max_bytes=0, ssd_max_bytes="1GB")) as manager:  # adoption path
         assert manager.get(key) is None
     traced = max(traced, tracemalloc.get_traced_memory()[1])
     tracemalloc.stop()

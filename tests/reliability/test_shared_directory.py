@@ -10,7 +10,7 @@ from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
 from reliability_support import audit
-from test_prefix_cache_support import assert_exact, prompt, store_prompt
+from helpers.prefix import assert_exact, prompt, store_prompt
 
 
 def _prefix(root: Path, model: object, block: int) -> BlockAwarePrefixCache:

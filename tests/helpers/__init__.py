@@ -1,0 +1,3 @@
+"""Helpers of the test suite (no tests here): blocks and keys (``blocks``), managers
+(``managers``), the prefix cache driven by hand (``prefix``), the ``paged-cache`` command
+in-process (``cli``) and a ``paged-cache serve`` subprocess (``serve``)."""
