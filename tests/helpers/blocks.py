@@ -52,7 +52,7 @@ def stored_block(label: object, n: int = 256, dtype=mx.float16, model: str = "m1
     return make_block(label, 2 * n * dtype.size, dtype, meta, names=("keys", "values"))
 
 
-def random_block(key: str, model: str) -> Block:
+def random_block(key: str, model: str = "m1") -> Block:
     """The block stored under ``key``: fp16 keys and bf16 values (any bit pattern) seeded by it."""
     seed = int(key[:8], 16)
     n = 256 * (1 + seed % 4)
