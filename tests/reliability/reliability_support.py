@@ -166,7 +166,7 @@ def discarded_by_writer(i: int) -> int | None:
 
 
 def child_writer(root: str, start: int, budget: int, compression: str, queue: int,
-                 space: str = "rel", stop_after: float | None = None, limit: int | None = None) -> None:
+                 space: str = "", stop_after: float | None = None, limit: int | None = None) -> None:
     """Store key-derived blocks through a manager, printing each index, until ``stop_after``
     seconds or ``limit`` blocks (then idle until killed, or exit if ``stop_after`` is set)."""
     config = dict(ssd_max_bytes=budget, compression=compression, write_queue_max_bytes=queue,
