@@ -1,4 +1,4 @@
-"""`paged-cache config`: print the effective configuration and where each value came from."""
+"""Resolve default < --config TOML < PAGED_CACHE_* env < flags and print it."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import argparse
 import json
 from typing import Any
 
-from paged_cache.cli.options import add_config_arguments, config_from_args
-from paged_cache.cli.render import fail
+from paged_cache.cli.options import add_config_arguments
+from paged_cache.cli.render import config_command
 from paged_cache.config import CacheConfig, format_size
 
 
@@ -15,10 +15,10 @@ def register(subparsers: Any) -> None:
     """Add the `config` subcommand."""
     parser = subparsers.add_parser(
         "config", help="show the effective cache configuration and each value's source",
-        description="Resolve default < --config TOML < PAGED_CACHE_* env < flags and print it.")
+        description=__doc__)
     add_config_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=config_command("config", run))
 
 
 def _describe(config: CacheConfig) -> dict[str, Any]:
@@ -39,12 +39,8 @@ def _describe(config: CacheConfig) -> dict[str, Any]:
     return out
 
 
-def run(args: argparse.Namespace) -> int:
-    """Print the configuration; exit status 2 with the error on stderr when it is invalid."""
-    try:
-        config = config_from_args(args)
-    except ValueError as exc:
-        return fail("config", str(exc))
+def run(args: argparse.Namespace, config: CacheConfig) -> int:
+    """Print the configuration (an invalid one: exit status 2, ``config_command``)."""
     described = _describe(config)
     if args.json:
         print(json.dumps(described, indent=2))

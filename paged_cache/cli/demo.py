@@ -1,12 +1,17 @@
-"""`paged-cache demo`: the multi-turn chat workload with the tiered cache (see paged_cache.cli.demo_workload)."""
+"""Run several chat conversations that share a system prompt through the Scheduler with the
+tiered cache, restart the cache manager between two phases (so SSD hits show), and compare every
+turn with a cold prefill. Prints a table per turn and a summary; writes demo.png and
+demo-results.json. The embedded model has random weights: its text is meaningless, the cache
+mechanics are real."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from paged_cache.cli.options import add_config_arguments, config_from_args
-from paged_cache.cli.render import fail
+from paged_cache.cli.options import add_config_arguments
+from paged_cache.cli.render import config_command, fail
+from paged_cache.config import CacheConfig
 
 DEFAULT_OUTPUT = Path("demo-output")
 
@@ -15,12 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the demo subcommand."""
     parser = subparsers.add_parser(
         "demo", help="run the multi-turn chat demo (tiny embedded model, TTFT and memory per turn)",
-        description="Run several chat conversations that share a system prompt through the "
-                    "Scheduler with the tiered cache, restart the cache manager between two "
-                    "phases (so SSD hits show), and compare every turn with a cold prefill. "
-                    "Prints a table per turn and a summary; writes demo.png and "
-                    "demo-results.json. The embedded model has random weights: its text is "
-                    "meaningless, the cache mechanics are real.")
+        description=__doc__)
     parser.add_argument("--model", type=Path, default=None,
                         help="an mlx-lm model directory to use instead of the embedded tiny model")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT,
@@ -29,15 +29,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--short", action="store_true",
                         help="a few short turns (CI smoke run)")
     add_config_arguments(parser)
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=config_command("demo", run))
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the demo; exit status 2 on a bad option."""
-    try:
-        config = config_from_args(args)
-    except ValueError as error:
-        return fail("demo", str(error))
+def run(args: argparse.Namespace, config: CacheConfig) -> int:
+    """Run the demo with the cache ``config``; exit status 2 on a bad option."""
     if args.model is not None and not (args.model / "config.json").is_file():
         return fail("demo", f"--model: {args.model} is not an mlx-lm model directory "
                             "(no config.json)")

@@ -72,6 +72,19 @@ def fail(command: str, message: str, status: int = EXIT_USAGE) -> int:
     return status
 
 
+def config_command(command: str, handler: Callable[[argparse.Namespace, Any], int]
+                   ) -> Callable[[argparse.Namespace], int]:
+    """Wrap a handler: build the CacheConfig of the flags, environment and file, turning an invalid
+    value into exit status 2 with the error (the handler gets ``(args, config)``)."""
+    def run(args: argparse.Namespace) -> int:
+        try:
+            config = config_from_args(args)
+        except ValueError as exc:
+            return fail(command, str(exc))
+        return handler(args, config)
+    return run
+
+
 def dir_command(command: str, handler: Handler) -> Callable[[argparse.Namespace], int]:
     """Wrap a handler: resolve and open DIR, turning a non-cache path or bad value into exit 2."""
     def run(args: argparse.Namespace) -> int:

@@ -1,5 +1,7 @@
-"""`paged-cache serve --model DIR [cache flags] [mlx_lm.server options]`: mlx_lm.server with the
-tiered prompt cache in place of its LRUPromptCache."""
+"""Start mlx_lm.server (OpenAI-compatible HTTP API) with paged-cache's tiered block cache in
+place of its in-memory LRUPromptCache. Options not listed here (--host, --port, --max-tokens,
+--prompt-cache-bytes, --log-level, ...) are passed to mlx_lm.server unchanged; see
+`mlx_lm.server --help`."""
 
 from __future__ import annotations
 
@@ -8,8 +10,9 @@ import logging
 import os
 import sys
 
-from paged_cache.cli.options import add_config_arguments, config_from_args
-from paged_cache.cli.render import fail
+from paged_cache.cli.options import add_config_arguments
+from paged_cache.cli.render import config_command, fail
+from paged_cache.config import CacheConfig
 
 SERVER_LOG_DEFAULT = "INFO"   # mlx_lm.server's own --log-level default
 MAX_PORT = 65535
@@ -19,14 +22,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the serve subcommand (unknown options are passed to mlx_lm.server)."""
     parser = subparsers.add_parser(
         "serve", help="run mlx_lm.server with the tiered (RAM, SSD, remote) prompt cache",
-        description="Start mlx_lm.server (OpenAI-compatible HTTP API) with paged-cache's tiered "
-                    "block cache in place of its in-memory LRUPromptCache. Options not listed "
-                    "here (--host, --port, --max-tokens, --prompt-cache-bytes, --log-level, ...) "
-                    "are passed to mlx_lm.server unchanged; see `mlx_lm.server --help`.")
+        description=__doc__)
     parser.add_argument("--model", required=True,
                         help="mlx-lm model directory or Hugging Face repo (as mlx_lm.server)")
     add_config_arguments(parser)
-    parser.set_defaults(func=run, accepts_extra_args=True)
+    parser.set_defaults(func=config_command("serve", run), accepts_extra_args=True)
 
 
 def check_server_options(serve: argparse.ArgumentParser, server_argv: list[str]) -> None:
@@ -70,12 +70,8 @@ def _model_error(model: str) -> str | None:
     return None
 
 
-def run(args: argparse.Namespace) -> int:
-    """Build the cache config from the shared flags and run the server until stopped."""
-    try:
-        config = config_from_args(args)
-    except ValueError as error:
-        return fail("serve", str(error))
+def run(args: argparse.Namespace, config: CacheConfig) -> int:
+    """Run the server with the cache ``config`` until stopped."""
     if (problem := _model_error(args.model)) is not None:
         return fail("serve", problem)
     model = os.path.expanduser(args.model) if args.model.startswith("~") else args.model

@@ -1,4 +1,6 @@
-"""`paged-cache verify DIR [--repair]`: check every block file and the manifest's agreement with disk."""
+"""Reads every block file (header, key, payload checksum) and reports damaged files, orphans
+(stray or temp files of dead writers, manifest rows without a file) and unindexed block files.
+Exit status 1 when something was found and not repaired."""
 
 from __future__ import annotations
 
@@ -18,10 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the verify subcommand."""
     p = subparsers.add_parser(
         "verify", help="check every block's header and checksum; --repair fixes what it finds",
-        description="Reads every block file (header, key, payload checksum) and reports damaged "
-                    "files, orphans (stray or temp files of dead writers, manifest rows without a "
-                    "file) and unindexed block files. Exit status 1 when something was found and "
-                    "not repaired.")
+        description=__doc__)
     render.add_dir_arguments(p)
     p.add_argument("--repair", action="store_true",
                    help="quarantine damaged files (to DIR/quarantine/), remove orphans, adopt "
