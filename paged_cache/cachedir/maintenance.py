@@ -229,9 +229,7 @@ def select_prune(rows: Iterable[Row], *, model: str | None = None, older_than: f
     rows = list(rows)
     now = time.time() if now is None else now
     complete = {r.key: r for r in rows if r.state == COMPLETE}
-    order = LeavesFirst()
-    for r in complete.values():
-        order.add(r.key, r.parent, r.last_access)
+    order = LeavesFirst((r.key, r.parent, r.last_access) for r in complete.values())
     excess = math.inf if max_bytes is None else sum(r.file_bytes for r in rows) - max_bytes
     chosen = []
     while excess > 0 and (key := order.victim()) is not None:

@@ -21,11 +21,19 @@ class LeavesFirst:
     block whose parent is on SSD only), unless ``add`` is given the entry's child count itself
     (a window of manifest rows whose children were counted by the database)."""
 
-    def __init__(self) -> None:
+    def __init__(self, rows: Iterable[tuple[str, str | None, float]] = ()) -> None:
+        """Hold ``rows`` (key, parent, last use) at once (children counted from them)."""
         self._last: dict[str, float] = {}          # entry -> last use
         self._parent: dict[str, str | None] = {}   # entry -> parent counted, or None
         self._kids: dict[str, int] = {}            # key -> held children (and pins)
-        self._heap: list[tuple[float, str]] = []   # (last use, key) of leaves; stale items skipped
+        for key, parent, last in rows:
+            self._last[key] = last
+            self._parent[key] = parent
+            if parent is not None:
+                self._kids[parent] = self._kids.get(parent, 0) + 1
+        # (last use, key) of leaves; stale items are skipped by victim()
+        self._heap = [(t, k) for k, t in self._last.items() if k not in self._kids]
+        heapq.heapify(self._heap)
 
     def add(self, key: str, parent: str | None, last: float, *, children: int | None = None) -> None:
         """Hold ``key`` (not held yet). ``children``: its count of held children, given instead of
@@ -118,11 +126,9 @@ def eviction_order(rows: Iterable[tuple[str, str | None, int, float]]) -> list[t
     """(key, bytes) of ``rows`` (key, parent, bytes, last use) in eviction order: least recently
     used leaf first, a parent once its last child is out; rows left in a cycle last, by last use.
     O(n log n), whatever the chain lengths."""
-    order = LeavesFirst()
-    sizes: dict[str, int] = {}
-    for key, parent, size, last in rows:
-        sizes[key] = size
-        order.add(key, parent, last)
+    rows = list(rows)
+    sizes = {key: size for key, _, size, _ in rows}
+    order = LeavesFirst((key, parent, last) for key, parent, _, last in rows)
     out: list[tuple[str, int]] = []
     while (key := order.victim()) is not None:
         out.append((key, sizes[key]))

@@ -322,6 +322,8 @@ class Manifest:
         deleted in one short transaction (only rows whose file is still gone: a key stored again
         meanwhile keeps its row), so other processes are never held up by a long eviction.
         """
+        if self.totals()[1] <= max_bytes:  # within budget (every open but a shrunk budget's)
+            return []
         cur = self._db.execute("SELECT key, parent, file_bytes, last_access FROM blocks "
                                "WHERE state = ?", (COMPLETE,))
         order = iter(eviction_order(cur.fetchall()))
