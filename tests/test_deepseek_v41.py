@@ -15,7 +15,7 @@ from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import ARCHS, tiny_model
 from scheduler import Scheduler
-from test_prefix_cache_support import assert_exact, hot_prefix, prompt, store_prompt
+from helpers.prefix import assert_exact, hot_prefix, prompt, store_prompt
 
 pytestmark = pytest.mark.skipif(
     "deepseek_v41" not in ARCHS,

@@ -45,7 +45,7 @@ def _two_first_blocks(model: object, variant: str, root: Path, system: list[int]
     """Two root blocks sharing a request's first 2 tokens: one from a 92-token prompt prefilled in
     block chunks (its window had dropped rows 0-12 when stored), one from a system prompt (rows
     held); then requests sharing those 2 tokens. Which block a fetch tried first decided the hit."""
-    from test_prefix_cache_support import prefill
+    from helpers.prefix import prefill
 
     import test_reuse_differential as diff
     from paged_cache.prefix_cache import BlockAwarePrefixCache

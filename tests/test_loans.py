@@ -12,50 +12,24 @@ from mlx_lm.models.cache import QuantizedKVCache
 
 from paged_cache.config import CacheConfig
 from paged_cache.manager import PagedSSDCacheManager
-from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
-from helpers.prefix import assert_exact, prefill, prompt
-
-BLOCK = 16
-
-
-def _prefix(model, make_cache=None) -> BlockAwarePrefixCache:
-    manager = PagedSSDCacheManager(CacheConfig(block_size=BLOCK, hot_cache_only=True))
-    return BlockAwarePrefixCache(manager, model, make_cache=make_cache)
-
-
-def _stored(model, prefix: BlockAwarePrefixCache, tokens: list[int]) -> None:
-    cache = prefix.make_cache()
-    prefill(model, cache, tokens, 0, BLOCK)
-    prefix.store(tokens, cache, consume=True)
-
-
-def _lent(blocks: int, more: list[int], model=None, make_cache=None) -> tuple:
-    """A stored ``blocks``-block history fetched (+ ``more``): every block handed over, one loan
-    open. Returns (model, prefix, history, the fetched cache)."""
-    model = model or tiny_model("llama")
-    prefix = _prefix(model, make_cache)
-    history = prompt(blocks * BLOCK)
-    _stored(model, prefix, history)
-    cache, n = prefix.fetch(history + more)
-    assert n == len(history) and prefix.stats()["loans_open"] == 1
-    assert prefix.manager.hot_bytes == 0          # handed over: the live cache is the only copy
-    return model, prefix, history, cache
+from helpers.loans import BLOCK, changed_then_asked_again, lent, stored, trim_and_extend
+from helpers.prefix import assert_exact, prompt
 
 
 def test_concurrent_fetches_of_one_prefix_all_hit_exactly() -> None:
-    model, prefix, history, first = _lent(5, [1, 2])
+    model, prefix, history, first = lent(5, [1, 2])
     model(mx.array([[1, 2]]), cache=first)        # the first request moves on meanwhile
     for tail in ([3, 4], [5, 6, 7]):              # two more requests for the same prefix
         assert assert_exact(model, prefix, history + tail) == len(history)
     assert prefix.stats()["loans_returned"] >= 1
-    _stored(model, prefix, history + [1, 2])      # the first request's own store
+    stored(model, prefix, history + [1, 2])      # the first request's own store
     assert prefix.stats()["loans_open"] == 0
     prefix.manager.close()
 
 
 def test_a_dropped_request_gives_its_blocks_back() -> None:
-    model, prefix, history, cache = _lent(4, [9])
+    model, prefix, history, cache = lent(4, [9])
     del cache                                     # the client went away: no store
     gc.collect()
     other = prompt(2 * BLOCK, seed=7)              # any later call settles the orphaned loan
@@ -66,7 +40,7 @@ def test_a_dropped_request_gives_its_blocks_back() -> None:
 
 
 def test_a_request_that_stores_settles_its_loan_without_a_copy() -> None:
-    model, prefix, history, cache = _lent(3, [4, 5])
+    model, prefix, history, cache = lent(3, [4, 5])
     model(mx.array([[4, 5]]), cache=cache)
     prefix.store(history + [4, 5], cache, consume=True)
     st = prefix.stats()
@@ -74,28 +48,12 @@ def test_a_request_that_stores_settles_its_loan_without_a_copy() -> None:
     prefix.manager.close()
 
 
-def _changed_then_asked_again(change, model=None, make_cache=None) -> tuple:
-    """A 4-block loan whose holder applies ``change(model, cache)``; then another request for the
-    same prefix makes the loan be given back. Returns (prefix, n of that request)."""
-    model, prefix, history, cache = _lent(4, [1, 2], model, make_cache)
-    change(model, cache)
-    n = assert_exact(model, prefix, history + [3, 4], make_cache)   # exact whatever was done
-    return prefix, n
-
-
-def _trim_and_extend(model, cache) -> None:
-    """What speculative decoding or an edited last turn does: trim 8, feed 16 other tokens."""
-    for layer in cache:
-        layer.trim(8)
-    mx.eval(model(mx.array([list(range(100, 116))]), cache=cache))
-
-
 @pytest.mark.parametrize("layout", ["kv", "quantized"])
 def test_a_trimmed_and_extended_cache_gives_back_only_the_rows_it_kept(layout: str) -> None:
     model = tiny_model("llama", hidden_size=128)   # head_dim 32: one quantization group
     make = None if layout == "kv" else \
         lambda: [QuantizedKVCache(group_size=32, bits=8) for _ in model.layers]  # noqa: E731
-    prefix, n = _changed_then_asked_again(_trim_and_extend, model, make)
+    prefix, n = changed_then_asked_again(trim_and_extend, model, make)
     st = prefix.stats()
     # rows [56, 72) were rewritten: the last lent block [48, 64) is not given back
     assert n == 3 * BLOCK
@@ -109,7 +67,7 @@ def test_an_in_place_write_below_the_position_gives_nothing_back() -> None:
         cache[0].keys[..., 5, :] = 0                    # row 5 of the first lent block
         mx.eval(cache[0].keys)
 
-    prefix, n = _changed_then_asked_again(scribble)
+    prefix, n = changed_then_asked_again(scribble)
     st = prefix.stats()
     assert n == 0                                       # the chain's first block is gone
     assert (st["loan_blocks_returned"], st["loan_blocks_lost"]) == (0, 4)
@@ -122,7 +80,7 @@ def test_a_trim_below_the_loan_counts_the_blocks_it_cut_off_as_lost() -> None:
         for layer in cache:
             layer.trim(40)                              # offset 66 -> 26: blocks 2, 3 and half of 1
 
-    prefix, n = _changed_then_asked_again(trim)
+    prefix, n = changed_then_asked_again(trim)
     st = prefix.stats()
     assert n == BLOCK
     assert (st["loan_blocks_returned"], st["loan_blocks_lost"]) == (1, 3)
@@ -131,7 +89,7 @@ def test_a_trim_below_the_loan_counts_the_blocks_it_cut_off_as_lost() -> None:
 
 
 def test_a_loan_is_given_back_when_its_list_is_dropped_even_if_its_layers_live_on() -> None:
-    model, prefix, history, cache = _lent(3, [9])
+    model, prefix, history, cache = lent(3, [9])
     layers = list(cache)                              # the holder keeps the layers, not the list
     del cache
     gc.collect()
@@ -158,7 +116,7 @@ def test_through_the_server_prompt_cache_a_changed_loan_never_serves_wrong_rows(
     server.insert_cache(key, history, cache, cache_type="assistant")
     cache, rest = server.fetch_nearest_cache(key, history + [1, 2])
     assert rest == [1, 2]
-    _trim_and_extend(model, cache)
+    trim_and_extend(model, cache)
     query = history + [3, 4]
     cache, rest = server.fetch_nearest_cache(key, query)
     n = len(query) - len(rest)

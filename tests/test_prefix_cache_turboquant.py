@@ -100,11 +100,11 @@ def test_split_codecs_of_different_caches_are_never_mixed() -> None:
 
 
 def test_a_turboquant_loan_gives_back_only_the_rows_the_holder_kept() -> None:
-    from test_loans import _changed_then_asked_again, _trim_and_extend
+    from helpers.loans import changed_then_asked_again, trim_and_extend
 
     model = tiny_vlm_llama()
     make = lambda: [tq.TurboQuantKVCache(bits=3, key_bits=2.5) for _ in model.layers]  # noqa: E731
-    prefix, n = _changed_then_asked_again(_trim_and_extend, model, make)
+    prefix, n = changed_then_asked_again(trim_and_extend, model, make)
     st = prefix.stats()
     assert n == 48 and (st["loan_blocks_returned"], st["loan_blocks_lost"]) == (3, 1)
     prefix.manager.close()

@@ -147,7 +147,7 @@ def test_scheduler_branch_reuses_to_the_block_then_to_the_token(arch: str) -> No
     Generated tokens equal a cold run's."""
     model = tiny_model(arch)
     block = 32
-    with PagedSSDCacheManager(CacheConfig(hot_cache_only=True, block_size=block)) as manager:
+    with new_manager(block_size=block) as manager:
         prefix = BlockAwarePrefixCache(manager, model)
         sched = Scheduler(model, prefix)
         cold = Scheduler(model, None, block_size=block, prefill_chunk_size=block)
@@ -171,11 +171,11 @@ def test_scheduler_checkpoints_make_the_system_prompt_reusable(arch: str) -> Non
     model = tiny_model(arch)
     block = 32
     system = prompt(70, seed=12)
-    with PagedSSDCacheManager(CacheConfig(hot_cache_only=True, block_size=block)) as manager:
+    with new_manager(block_size=block) as manager:
         sched = Scheduler(model, BlockAwarePrefixCache(manager, model))
         sched.generate(system + prompt(20, seed=13), max_tokens=3, checkpoints=[len(system)])
         assert sched.generate(system + prompt(25, seed=14), max_tokens=3).cached_tokens == 70
-    with PagedSSDCacheManager(CacheConfig(hot_cache_only=True, block_size=block)) as manager:
+    with new_manager(block_size=block) as manager:
         sched = Scheduler(model, BlockAwarePrefixCache(manager, model))
         sched.generate(system + prompt(20, seed=13), max_tokens=3)
         assert sched.generate(system + prompt(25, seed=14), max_tokens=3).cached_tokens == 64

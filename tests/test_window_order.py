@@ -13,7 +13,7 @@ from paged_cache.caches import make_bounded_cache
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
 
-from test_prefix_cache_support import assert_exact, hot_prefix, prefill, prompt
+from helpers.prefix import assert_exact, hot_prefix, prefill, prompt
 
 BLOCK = 16
 

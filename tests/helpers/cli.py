@@ -13,12 +13,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from helpers.blocks import key_of
-from paged_cache import CacheConfig, PagedSSDCacheManager
 from paged_cache.block import Block
 from paged_cache.cli.main import main
 from paged_cache.hashing import ROOT_PARENT
 from paged_cache.integrations.stats_http import answer
+from helpers.blocks import key_of
+from helpers.managers import new_manager
 
 FP_A, FP_B = "a" * 64, "b" * 64
 
@@ -62,9 +62,10 @@ def chain(prefix: str, fingerprint: str, sizes: list[int], parent: str = ROOT_PA
 
 
 def store(directory: Path, blocks: list[Block], **config) -> None:
-    opts = dict(ssd_dir=directory, ssd_max_bytes="1GB", hot_cache_max_bytes="1MB", block_size=16)
+    """Put ``blocks`` into a cache directory (config: CacheConfig fields over small defaults)."""
+    opts = dict(ssd_max_bytes="1GB", hot_cache_max_bytes="1MB", block_size=16)
     opts.update(config)
-    with PagedSSDCacheManager(CacheConfig(**opts)) as manager:
+    with new_manager(directory, **opts) as manager:
         for b in blocks:
             assert manager.put(b)
 

@@ -11,9 +11,8 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from paged_cache.config import CacheConfig
-from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache
+from helpers.managers import new_manager
 
 DECODE_STEPS = 8
 
@@ -90,5 +89,5 @@ def assert_exact(model: Any, prefix: BlockAwarePrefixCache, query: list[int],
 
 def hot_prefix(model: Any, block: int, **kwargs: Any) -> BlockAwarePrefixCache:
     """A prefix cache over a hot-only manager."""
-    manager = PagedSSDCacheManager(CacheConfig(hot_cache_only=True, block_size=block))
+    manager = new_manager(block_size=block)
     return BlockAwarePrefixCache(manager, model, **kwargs)

@@ -416,9 +416,9 @@ def test_an_older_manifest_is_migrated_never_taken_for_a_new_one(
     assert set(manifest_rows(tmp_path)) == keys
 
     _schema_one(tmp_path, variant)                                 # old again: the library
-    with manager_at(tmp_path) as manager:                          # migrates it at open
+    with new_manager(tmp_path, **SMALL) as manager:                # migrates it at open
         assert all(same_block(manager.get(b.key), b) for b in blocks)
-        more = [block_for(key_of(i, "old-after")) for i in range(4)]
+        more = [random_block(key_of(i, "old-after")) for i in range(4)]
         for block in more:
             manager.put(block)
         manager.flush()
