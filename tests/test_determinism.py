@@ -24,7 +24,7 @@ ARCHS = ("gemma3_text", "llama4", "qwen3_next", "baichuan_m1")
 
 
 def _ops(seed: int, count: int) -> list[tuple]:
-    """A random stream in the differential test's vocabulary (new / continue / repeat / branch)."""
+    """A random stream in the vocabulary of helpers.streams (new / continue / repeat / branch)."""
     rng = random.Random(seed)
     ops: list[tuple] = []
     for _ in range(count):
@@ -46,15 +46,15 @@ def _two_first_blocks(model: object, variant: str, root: Path, system: list[int]
     block chunks (its window had dropped rows 0-12 when stored), one from a system prompt (rows
     held); then requests sharing those 2 tokens. Which block a fetch tried first decided the hit."""
     from helpers.prefix import prefill
+    from helpers.streams import BLOCK, open_variant
 
-    import test_reuse_differential as diff
     from paged_cache.prefix_cache import BlockAwarePrefixCache
 
-    manager = diff._manager(root, variant)
+    manager = open_variant(root, variant)
     prefix = BlockAwarePrefixCache(manager, model)
     for tokens in (system[:2] + random.Random(5).choices(range(256), k=90), system + [1] * 10):
         cache = prefix.make_cache()
-        prefill(model, cache, tokens, 0, diff.BLOCK)
+        prefill(model, cache, tokens, 0, BLOCK)
         prefix.store(tokens, cache, consume=True)
     cached = [prefix.fetch(system[:2] + random.Random(seed).choices(range(256), k=16))[1]
               for seed in range(6)]
@@ -65,24 +65,25 @@ def _two_first_blocks(model: object, variant: str, root: Path, system: list[int]
 def run(arch: str, variant: str) -> dict:
     """Serve the streams (through the prefix cache, then through PagedPromptCache); every count
     (no timings)."""
-    import test_reuse_differential as diff
+    from helpers.streams import KEY, SCENARIO, SYSTEMS, model_of, next_request, open_variant, serve
+
     from paged_cache.integrations.mlx_lm import PagedPromptCache
 
-    model = diff._model(arch)
+    model = model_of(arch)
     out: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        out["cached"] = _two_first_blocks(model, variant, Path(tmp) / "first", diff.SYSTEMS[0])
-        for s, ops in enumerate([diff.SCENARIO, _ops(0, 10)]):
-            manager = diff._manager(Path(tmp) / str(s), variant)
+        out["cached"] = _two_first_blocks(model, variant, Path(tmp) / "first", SYSTEMS[0])
+        for s, ops in enumerate([SCENARIO, _ops(0, 10)]):
+            manager = open_variant(Path(tmp) / str(s), variant)
             paged = PagedPromptCache.for_model(manager, model)
             history: list = []
             for op in ops:
-                req = diff._next_request(op, history)
-                cached, tokens = diff._serve(paged, model, req)
+                req = next_request(op, history)
+                cached, tokens = serve(paged, model, req)
                 req.reply = tokens or []
                 history.append(req)
                 out["cached"].append(cached)
-            stats = paged.prefix_cache(diff.KEY).stats()
+            stats = paged.prefix_cache(KEY).stats()
             out[f"stream{s}"] = {k: v for k, v in stats.items() if not k.endswith("seconds")}
             manager.close()
     return out

@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+from helpers.serve import REQUEST_LINE, TURNS, cold_replies, live_stats, replay
 from openai import OpenAI
-from test_serve_archs import TURNS, cold_replies, replay
-from test_serve_e2e import REQUEST_LINE, live_stats
 
 from paged_cache.testing import write_model_dir
 from paged_cache.testing.ranks import can_split, free_ports, start, stop

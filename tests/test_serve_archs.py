@@ -14,7 +14,8 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from helpers.serve import MODES, QUESTIONS, REQUEST_LINE, ask, paged_argv, server
+from helpers.serve import (REQUEST_LINE, TURNS, cold_replies, paged_argv, replay,
+                           server)
 
 from paged_cache.testing import write_model_dir
 
@@ -28,26 +29,6 @@ ARCHS = ("llama", "gemma3_text", "qwen3_next", "mamba", "baichuan_m1", "llama4")
 # only coincide with the cold ones). Exact chunked restores with a 32-token chunk are covered in
 # tests/test_prefix_cache.py and tests/test_reuse_differential.py.
 CHUNK = {"llama4": 1024}
-SYSTEM = "You are a terse assistant for a cache test. Answer briefly. " * 2
-TURNS = 3
-def turn_messages(replies: list[str], turn: int) -> list[dict]:
-    """The conversation up to question ``turn`` (0-based), with ``replies`` as its history."""
-    messages = [{"role": "system", "content": SYSTEM}]
-    for question, reply in zip(QUESTIONS[:turn], replies):
-        messages += [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
-    return messages + [{"role": "user", "content": QUESTIONS[turn]}]
-
-
-def cold_replies(client) -> list[tuple[str, int, int]]:
-    """Each turn asked with the previous cold replies as history (the server caches nothing)."""
-    results: list[tuple[str, int, int]] = []
-    for turn, (stream, seed) in zip(range(TURNS), MODES):
-        results.append(ask(client, turn_messages([r for r, _, _ in results], turn), stream, seed))
-    return results
-
-
-def replay(client, replies: list[str], turns: range) -> list[tuple[str, int, int]]:
-    return [ask(client, turn_messages(replies, turn), *MODES[turn]) for turn in turns]
 
 
 @pytest.fixture(scope="module")

@@ -88,6 +88,32 @@ def conversation(client: OpenAI, turns: int = len(QUESTIONS)) -> list[tuple[str,
     return results
 
 
+# A conversation replayed with a given history (the cold replies): each turn is asked alone.
+REPLAY_SYSTEM = "You are a terse assistant for a cache test. Answer briefly. " * 2
+TURNS = 3
+
+
+def turn_messages(replies: list[str], turn: int) -> list[dict]:
+    """The conversation up to question ``turn`` (0-based), with ``replies`` as its history."""
+    messages = [{"role": "system", "content": REPLAY_SYSTEM}]
+    for question, reply in zip(QUESTIONS[:turn], replies):
+        messages += [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
+    return messages + [{"role": "user", "content": QUESTIONS[turn]}]
+
+
+def cold_replies(client) -> list[tuple[str, int, int]]:
+    """Each turn asked with the previous cold replies as history (the server caches nothing)."""
+    results: list[tuple[str, int, int]] = []
+    for turn, (stream, seed) in zip(range(TURNS), MODES):
+        results.append(ask(client, turn_messages([r for r, _, _ in results], turn), stream, seed))
+    return results
+
+
+def replay(client, replies: list[str], turns: range) -> list[tuple[str, int, int]]:
+    """The turns ``turns``, each asked with ``replies`` as its history."""
+    return [ask(client, turn_messages(replies, turn), *MODES[turn]) for turn in turns]
+
+
 def paged_argv(model_dir: Path, *extra: str) -> list[str]:
     return ["-m", "paged_cache.cli.main", "serve", "--model", str(model_dir), "--block-size", "16",
             *extra]
