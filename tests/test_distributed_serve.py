@@ -12,7 +12,6 @@ say the rank and the group's agreed hits. Every server runs under a deadline tha
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import time
 import urllib.request

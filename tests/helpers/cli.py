@@ -4,6 +4,7 @@ routes as ``paged-cache serve`` does."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import http.server
 import io
@@ -15,6 +16,8 @@ import mlx.core as mx
 
 from paged_cache.block import Block
 from paged_cache.cli.main import main
+from paged_cache.cli.options import add_config_arguments, config_from_args
+from paged_cache.config import CacheConfig
 from paged_cache.hashing import ROOT_PARENT
 from paged_cache.integrations.stats_http import answer
 from helpers.blocks import key_of
@@ -29,6 +32,13 @@ def run_cli(*argv: str) -> tuple[int, str, str]:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         status = main(list(argv))
     return status, out.getvalue(), err.getvalue()
+
+
+def parse_cli(argv: list[str], environ: dict[str, str] | None = None) -> CacheConfig:
+    """The CacheConfig the command's configuration flags ``argv`` give under ``environ``."""
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    return config_from_args(parser.parse_args(argv), environ=environ or {})
 
 
 def cli_json(*argv: str):
