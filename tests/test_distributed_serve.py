@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
-import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 import pytest
-from helpers.serve import REQUEST_LINE, TURNS, cold_replies, live_stats, replay
+from helpers.serve import (REQUEST_LINE, TURNS, cold_replies, live_stats, replay,
+                           wait_for_health)
 from openai import OpenAI
 
 from paged_cache.testing import write_model_dir
@@ -40,17 +39,7 @@ def sharded_server(argv: list[str], log: Path) -> Iterator[tuple[OpenAI, str]]:
         proc = start([*argv, "--host", "127.0.0.1", "--port", str(port), "--max-tokens", "12"],
                      module=True, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + START_SECONDS
-        while True:
-            assert proc.poll() is None, f"ranks exited early:\n{log.read_text()[-3000:]}"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, f"server did not start:\n{log.read_text()[-3000:]}"
-            time.sleep(0.5)
+        wait_for_health(proc, port, log, START_SECONDS)
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
                         timeout=120)
         yield client, f"http://127.0.0.1:{port}"

@@ -31,6 +31,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for_health(proc: subprocess.Popen, port: int, log: Path, seconds: float) -> None:
+    """Wait until the server ``proc`` started answers /health on ``port``; fails (with the end of
+    its ``log``) when it exits first or ``seconds`` pass."""
+    deadline = time.monotonic() + seconds
+    while True:
+        assert proc.poll() is None, f"server exited early:\n{log.read_text()[-3000:]}"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"server did not start:\n{log.read_text()[-3000:]}"
+        time.sleep(0.3)
+
+
 @contextmanager
 def server(argv: list[str], log: Path, env_extra: dict | None = None):
     """Start a server subprocess, wait for /health, yield (client, process, base URL); stop it
@@ -41,17 +57,7 @@ def server(argv: list[str], log: Path, env_extra: dict | None = None):
         proc = subprocess.Popen([sys.executable, *argv, "--host", "127.0.0.1", "--port", str(port),
                                  "--max-tokens", "12"], stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"server exited early:\n{log.read_text()[-3000:]}"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, f"server did not start:\n{log.read_text()[-3000:]}"
-            time.sleep(0.3)
+        wait_for_health(proc, port, log, 120)
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         yield client, proc, f"http://127.0.0.1:{port}"
     finally:
