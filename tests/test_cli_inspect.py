@@ -261,6 +261,36 @@ def test_a_closed_pipe_ends_quietly(tmp_path):
         assert err == "", (argv, err)
 
 
+def test_a_cache_on_a_read_only_mount_is_read_as_it_is(tmp_path):
+    """A valid cache on a read-only bind mount: every view reads it (said once, on stderr),
+    nothing is created in it, and what would change it is refused naming the directory."""
+    root = tmp_path / "ro"
+    cache = root / "cache"
+    blocks = chain("ro", FP_A, [16, 16, 5])
+    store(cache, blocks)
+    before = sorted(p.name for p in cache.iterdir())
+    if subprocess.run(["mount", "--bind", str(root), str(root)], capture_output=True).returncode:
+        pytest.skip("cannot bind-mount here (needs root)")
+    try:
+        assert subprocess.run(["mount", "-o", "remount,bind,ro", str(root)]).returncode == 0
+        note = f"note: {cache} is read-only (a read-only mount or no write permission)"
+        for command in ("inspect", "ls", "chains", "verify"):
+            status, out, err = run_cli(command, str(cache), "--json")
+            assert status == 0 and note in err, (command, err)
+        assert cli_json("inspect", str(cache))["totals"]["blocks"] == len(blocks)
+        assert len(cli_json("ls", str(cache))) == len(blocks)
+        assert cli_json("verify", str(cache))["counts"] == {"damaged": 0, "orphaned": 0,
+                                                            "unindexed": 0}
+        for argv in (["verify", "--repair"], ["prune", "--max-bytes", "1"], ["purge", "--yes"]):
+            status, _, err = run_cli(*argv, str(cache))
+            assert status == 2 and f"error: {cache} is read-only" in err, (argv, err)
+        assert run_cli("prune", str(cache), "--max-bytes", "1", "--dry-run")[0] == 0
+        assert sorted(p.name for p in cache.iterdir()) == before   # no -wal / -shm made
+    finally:
+        subprocess.run(["umount", "-l", str(root)], capture_output=True)
+    assert len(cli_json("ls", str(cache))) == len(blocks)           # writable again, intact
+
+
 @pytest.mark.parametrize("command", ["ls", "inspect", "verify", "prune", "stats", "config"])
 def test_a_typo_shows_the_subcommands_own_usage(tmp_path, command):
     done = subprocess.run([sys.executable, "-m", "paged_cache.cli.main", command, "--jsno"],

@@ -73,6 +73,9 @@ class CacheDir:
 
     Nothing is created except what any SQLite WAL reader creates (``manifest.sqlite-wal`` /
     ``-shm``, mode 0600 like the manifest), and only once the directory is known to be a cache.
+    A directory this process cannot write (a read-only mount, another user's) is ``read_only``:
+    there a WAL reader could create nothing and fail, so the manifest is read as an immutable
+    file (what its write-ahead log may still hold is not seen: ``unread_wal_bytes``).
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -88,6 +91,7 @@ class CacheDir:
             raise NotACacheError(f"{self.path}: not a paged-cache directory ({MANIFEST_NAME} is not "
                                  f"a regular file or {BLOCKS_DIR}/ is missing)")
         self.manifest_path = manifest
+        self.read_only = not os.access(self.path, os.W_OK)
         try:
             with self._connect():  # readable at all
                 pass
@@ -96,7 +100,18 @@ class CacheDir:
 
     # ---- manifest ------------------------------------------------------------------------
     def _connect(self) -> "_ReadTxn":
-        return _ReadTxn(self.manifest_path)
+        return _ReadTxn(self.manifest_path, immutable=self.read_only)
+
+    @property
+    def unread_wal_bytes(self) -> int:
+        """Bytes in the manifest's write-ahead log that a read-only read does not see (0 when
+        the directory is writable or the log is empty or absent)."""
+        if not self.read_only:
+            return 0
+        try:
+            return os.stat(f"{self.manifest_path}-wal", follow_symlinks=False).st_size
+        except OSError:
+            return 0
 
     def rows(self) -> dict[str, Row]:
         """key -> manifest row for every row (reservations included), read in one transaction;
@@ -179,11 +194,12 @@ class CacheDir:
 class _ReadTxn:
     """A read-only connection holding one read transaction for the ``with`` block."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, immutable: bool = False) -> None:
         self.path = path
+        self.immutable = immutable
 
     def __enter__(self) -> sqlite3.Connection:
-        uri = self.path.absolute().as_uri() + "?mode=ro"
+        uri = self.path.absolute().as_uri() + "?mode=ro" + ("&immutable=1" if self.immutable else "")
         try:
             self.db = sqlite3.connect(uri, uri=True, timeout=10.0, isolation_level=None)
             self.db.execute("BEGIN")

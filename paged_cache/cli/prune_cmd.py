@@ -77,6 +77,8 @@ def run_purge(args: argparse.Namespace, cache: CacheDir) -> int:
 
 def _remove(args: argparse.Namespace, cache: CacheDir, command: str, victims: list[Victim],
             extra: dict[str, Any] | None = None) -> int:
+    if not args.dry_run:
+        render.require_writable(cache, f"{command} it (--dry-run shows what {command} would free)")
     models_seen = render.stored_models(cache, cache.rows().values())  # before the files go
     by_model: dict[str, dict[str, int]] = {}
     for v in victims:

@@ -93,12 +93,25 @@ def dir_command(command: str, handler: Handler) -> Callable[[argparse.Namespace]
             cache = CacheDir(path)
         except (NotACacheError, ManifestError, ValueError) as exc:
             return fail(command, str(exc))
+        if cache.read_only:
+            unread = cache.unread_wal_bytes
+            print(f"paged-cache {command}: note: {cache.path} is read-only (a read-only mount or no "
+                  "write permission): read as it is, nothing in it can be changed"
+                  + (f"; the last {format_size(unread)} of manifest changes (its write-ahead log) "
+                     "are not read" if unread else ""), file=sys.stderr)
         try:
             return handler(args, cache)
         except (NotACacheError, ManifestError, ValueError) as exc:
             return fail(command, str(exc))
 
     return run
+
+
+def require_writable(cache: CacheDir, action: str) -> None:
+    """ValueError (exit 2) when ``cache`` is read-only: ``action`` would have to change it."""
+    if cache.read_only:
+        raise ValueError(f"{cache.path} is read-only (a read-only mount or no write permission): "
+                         f"cannot {action}")
 
 
 def print_json(data: Any) -> None:

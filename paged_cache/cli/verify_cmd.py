@@ -33,6 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace, cache: CacheDir) -> int:
     if args.remove_damaged and not args.repair:
         raise ValueError("--remove-damaged: only meaningful with --repair")
+    if args.repair:
+        render.require_writable(cache, "repair it (run verify without --repair to see what is "
+                                       "wrong)")
     files = cache.scan().block_files
     show = not args.json and getattr(sys.stderr, "isatty", lambda: False)()
     with Progress(TextColumn("verifying"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
