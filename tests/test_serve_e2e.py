@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from paged_cache.integrations.mlx_lm.adapter import PREFILL_SAMPLE_TOKENS
 from paged_cache.testing import write_model_dir
 from helpers.blocks import block_files
 from helpers.serve import (MODES, QUESTIONS, REQUEST_LINE, SYSTEM, ask, conversation, live_stats,
@@ -36,6 +37,17 @@ def check_live_stats(url: str, turns: list[tuple[str, int, int]]) -> None:
     assert requests["requests_miss"] == prefix["misses"] == sum(c == 0 for _, c, _ in turns)
     assert sum(requests[f"requests_{t}"] for t in ("hot", "ssd", "mixed", "miss")) == len(turns)
     assert doc["manager"]["hits"]["total"] > 0
+    # Time to first token of every request, HTTP request in to first token out; the requests
+    # that prefilled PREFILL_SAMPLE_TOKENS or more give the server's prefill rate.
+    assert requests["ttft_requests"] == len(turns) and requests["ttft_seconds"] > 0
+    sampled = [p - c for _, c, p in turns if p - c >= PREFILL_SAMPLE_TOKENS]
+    assert sampled and requests["prefill_tokens"] == sum(sampled)
+    assert 0 < requests["prefill_seconds"] <= requests["ttft_seconds"]
+    summary = subprocess.run([sys.executable, "-m", "paged_cache.cli.main", "stats", "--url",
+                              url + "/v1"], capture_output=True, text=True, timeout=60)
+    assert summary.returncode == 0, summary.stderr
+    ttft = next(line for line in summary.stdout.splitlines() if line.startswith("TTFT"))
+    assert "mean" in ttft and "saved ~" in ttft, summary.stdout
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
         metrics = parse_prometheus(r.read().decode())
@@ -44,6 +56,7 @@ def check_live_stats(url: str, turns: list[tuple[str, int, int]]) -> None:
     assert metrics["paged_cache_manager_hot_bytes"][0] == "gauge"
     # types come from the STAT_GAUGES declarations, not from the names
     assert metrics["paged_cache_requests_sequences"][0] == "gauge"
+    assert metrics["paged_cache_prefix_loans_open"][0] == "gauge"
     if "ssd" in doc["manager"]:
         assert metrics["paged_cache_manager_ssd_open_seconds"][0] == "gauge"
         assert metrics["paged_cache_manager_ssd_queue_bytes"][0] == "gauge"

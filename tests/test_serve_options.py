@@ -15,8 +15,9 @@ from pathlib import Path
 
 import mlx_lm.server
 import pytest
-from helpers.serve import ask, conversation, live_stats, paged_argv, server
+from helpers.serve import ask, conversation, free_port, live_stats, paged_argv, server
 
+from paged_cache.config import format_size, physical_memory_bytes
 from paged_cache.testing import write_model_dir
 
 BLOCK = 16   # paged_argv's --block-size
@@ -128,15 +129,9 @@ def run_serve(*argv: str, env_extra: dict | None = None) -> subprocess.Completed
                           capture_output=True, text=True, timeout=120, env=env)
 
 
-def free_port() -> str:
-    """A TCP port nothing listens on now (a server asked for port 0 could not be reached)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return str(probe.getsockname()[1])
-
-
 def test_startup_failures_exit_fast_and_create_nothing(model_dir, tmp_path):
     ssd, xdg = tmp_path / "ssd", tmp_path / "xdg"
+    ram = physical_memory_bytes()
     env = {"XDG_CACHE_HOME": str(xdg)}
     broken = tmp_path / "broken"
     broken.mkdir()
@@ -147,14 +142,20 @@ def test_startup_failures_exit_fast_and_create_nothing(model_dir, tmp_path):
         busy.listen()
         port = str(busy.getsockname()[1])
         cases = {
-            "hub id, offline": (["--model", "org/missing-model", "--port", free_port()],
+            "hub id, offline": (["--model", "org/missing-model", "--port", str(free_port())],
                                 "--model 'org/missing-model' could not be loaded"),
-            "unloadable directory": (["--model", str(broken), "--port", free_port()],
+            "unloadable directory": (["--model", str(broken), "--port", str(free_port())],
                                      f"--model '{broken}' could not be loaded"),
             "port in use": (["--model", str(model_dir), "--port", port],
                             f"HTTP server on 127.0.0.1:{port} failed: [Errno 98] Address already in use"),
             "unresolvable host": (["--model", str(model_dir), "--host", "no-such-host.invalid"],
                                   "HTTP server on no-such-host.invalid:8080 failed"),
+            # Below RAM, but not beside the model's weights: refused once the model is loaded.
+            "hot budget beside the weights": (
+                ["--model", str(model_dir), "--port", str(free_port()), "--hot-cache-max-bytes",
+                 str(ram - 1000)],
+                f"hot_cache_max_bytes: {format_size(ram - 1000)} (from flag:--hot-cache-max-bytes) "
+                "plus the model's weights ("),
         }
         for i, (name, (argv, message)) in enumerate(cases.items()):
             tier = ["--ssd-dir", str(ssd)] if i % 2 else []   # the default: under XDG_CACHE_HOME
@@ -167,7 +168,7 @@ def test_startup_failures_exit_fast_and_create_nothing(model_dir, tmp_path):
     # An SSD directory that cannot be created: the same one-line error, after the model loaded.
     blocker = tmp_path / "file"
     blocker.write_text("")
-    done = run_serve("--model", str(model_dir), "--port", free_port(), "--ssd-dir",
+    done = run_serve("--model", str(model_dir), "--port", str(free_port()), "--ssd-dir",
                      str(blocker / "ssd"))
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1].startswith(

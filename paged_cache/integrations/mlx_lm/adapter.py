@@ -15,7 +15,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Iterable, Iterator, Sequence
 
 from paged_cache.config import format_size
 from paged_cache.distributed import WORLD, resolve_group
@@ -32,6 +32,9 @@ CACHE_TYPES = ("assistant", "user", "system")  # LRUPromptCache's types, in its 
 # Requests fetched and not yet finished by their "assistant" insert (a request the client dropped
 # never gets one): beyond this many, the oldest is logged and forgotten.
 MAX_OPEN_REQUESTS = 256
+# A request prefilling at least this many tokens times the server's prefill rate: below it the
+# time to first token is mostly the first decode step, not prefill.
+PREFILL_SAMPLE_TOKENS = 64
 
 
 def _serialized(method: Callable) -> Callable:
@@ -106,7 +109,8 @@ class PagedPromptCache:
         tiers = {f"requests_{t}": 0 for t in ("hot", "ssd", "remote", "mixed", "miss")}
         self.counters = dict(requests=0, **tiers, prompt_tokens=0, cached_tokens=0,
                              fetch_seconds=0.0, inserts=0, store_errors=0, store_seconds=0.0,
-                             demote_evictions=0, cache_errors=0)
+                             demote_evictions=0, cache_errors=0, ttft_requests=0,
+                             ttft_seconds=0.0, prefill_tokens=0, prefill_seconds=0.0)
 
     @property
     def store_errors(self) -> int:
@@ -282,6 +286,29 @@ class PagedPromptCache:
                     request.cached, len(request.tokens), request.tier,
                     request.fetch_seconds * 1e3, stored, format_size(self.nbytes))
 
+    def time_first_token(self, prompt: Sequence[int], cached: Callable[[], int],
+                         responses: Iterable[Any], submitted: float) -> Iterator[Any]:
+        """``responses`` (a request's generated tokens, as the server streams them), counting
+        its time to first token from ``submitted``: ``ttft_seconds`` over ``ttft_requests``, and
+        for a request that prefilled at least PREFILL_SAMPLE_TOKENS tokens, those tokens and that
+        time in ``prefill_tokens`` / ``prefill_seconds`` (this server's prefill rate: what the
+        cached tokens would have cost, shown by `paged-cache stats`). ``cached()`` gives the
+        prompt tokens the fetch covered, known once the first token is out."""
+        timed = False
+        for response in responses:
+            if not timed:
+                timed = True
+                seconds = time.perf_counter() - submitted
+                prefilled = len(prompt) - max(0, cached())
+                with self._lock:
+                    c = self.counters
+                    c["ttft_requests"] += 1
+                    c["ttft_seconds"] += seconds
+                    if prefilled >= PREFILL_SAMPLE_TOKENS:
+                        c["prefill_tokens"] += prefilled
+                        c["prefill_seconds"] += seconds
+            yield response
+
     @_serialized
     def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
         """Demote hot blocks of the least recently inserted sequences until at most
@@ -309,6 +336,7 @@ class PagedPromptCache:
 
     # stats(): the levels of every section; the prefix cache's stats are all counters
     STAT_GAUGES = (nested_gauges("manager", PagedSSDCacheManager.STAT_GAUGES)
+                   | nested_gauges("prefix", BlockAwarePrefixCache.STAT_GAUGES)
                    | nested_gauges("requests", ("requests_open", "sequences")))
 
     def stats(self) -> dict[str, Any]:

@@ -3,14 +3,16 @@ and ``paged-cache serve`` (``serve_main``: address check, model load, then the m
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
 import socket
 import sys
+import time
 from contextlib import ExitStack
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
+
+from mlx.utils import tree_flatten
 
 from paged_cache import compat
 from paged_cache.config import CacheConfig, format_size
@@ -26,7 +28,7 @@ class ServeError(RuntimeError):
     """The server could not start (e.g. its port is in use); the message says why."""
 
 
-def patch_server(manager: PagedSSDCacheManager | Callable[[], PagedSSDCacheManager], *,
+def patch_server(manager: PagedSSDCacheManager | Callable[[Any], PagedSSDCacheManager], *,
                  load_first: bool = False) -> None:
     """THE patch point: replace two names in ``mlx_lm.server``, both looked up by
     ``mlx_lm.server.run`` when it starts, so this must run before ``mlx_lm.server.main()``.
@@ -34,9 +36,10 @@ def patch_server(manager: PagedSSDCacheManager | Callable[[], PagedSSDCacheManag
     - ``ResponseGenerator``: a subclass that puts a ``PagedPromptCache`` in place of the prompt
       cache handed to it: a ``PagedPromptCache`` is kept and bound to the model provider, any
       other (``run``'s empty ``LRUPromptCache``) is replaced by one over ``manager`` (kept as
-      ``paged_cache``). ``manager`` may be a callable opening it, called once, when the first
-      generator is built. ``load_first``: load the default model on the calling thread before
-      that, so a model that cannot be loaded raises ``ServeError`` and nothing is opened.
+      ``paged_cache``). ``manager`` may be a callable opening it, called once with the model
+      provider when the first generator is built. ``load_first``: load the default model on
+      the calling thread before that, so a model that cannot be loaded raises ``ServeError``
+      and nothing is opened.
     - ``_run_http_server``: the same function called with ``handler_class`` set to an
       ``APIHandler`` subclass that also answers ``GET /paged-cache/stats`` and ``GET /metrics``
       (``run`` passes none); a failure to listen stops the generation thread and raises
@@ -67,13 +70,20 @@ def patch_server(manager: PagedSSDCacheManager | Callable[[], PagedSSDCacheManag
                 self.paged_cache = prompt_cache
             else:
                 if not opened:
-                    opened.append(manager())  # type: ignore[operator]
+                    opened.append(manager(model_provider))  # type: ignore[operator]
                 args = getattr(model_provider, "cli_args", None)
                 # Kept under its own name: the generation thread deletes `prompt_cache` on exit.
                 self.paged_cache = PagedPromptCache(
                     opened[0], resolve, max_size=getattr(args, "prompt_cache_size", None),
                     max_bytes=getattr(args, "prompt_cache_bytes", None))
             super().__init__(model_provider, self.paged_cache)
+
+        def generate(self, *args: Any, **kwargs: Any) -> tuple[Any, Iterator[Any]]:
+            """The server's generate, with the request's time to first token counted."""
+            submitted = time.perf_counter()
+            ctx, responses = super().generate(*args, **kwargs)
+            return ctx, self.paged_cache.time_first_token(
+                ctx.prompt, lambda: ctx.prompt_cache_count, responses, submitted)
 
     class PagedAPIHandler(server.APIHandler):
         """mlx_lm.server's request handler plus the `paged-cache stats` routes."""
@@ -120,17 +130,11 @@ def check_address(host: str, port: int) -> None:
         raise ServeError(f"HTTP server on {host}:{port} failed: {error}") from error
 
 
-def _server_address(server_argv: Sequence[str]) -> tuple[str, int] | None:
-    """The --host / --port mlx_lm.server will use (its defaults unless passed); None for a
-    --port that is not an int (mlx_lm.server's parser reports it)."""
-    probe = argparse.ArgumentParser(add_help=False)
-    probe.add_argument("--host", default="127.0.0.1")
-    probe.add_argument("--port", default="8080")
-    known, _ = probe.parse_known_args(list(server_argv))
-    try:
-        return known.host, int(known.port)
-    except ValueError:
-        return None
+def _server_address(server_argv: Sequence[str]) -> tuple[str, int]:
+    """The --host / --port mlx_lm.server will use, read with its own parser (its defaults
+    unless passed; a bad value exits as mlx_lm.server would)."""
+    known, _ = compat.server_parser().parse_known_args(list(server_argv))
+    return known.host, known.port
 
 
 def serve_main(config: CacheConfig, server_argv: Sequence[str]) -> int:
@@ -139,9 +143,10 @@ def serve_main(config: CacheConfig, server_argv: Sequence[str]) -> int:
     Fails fast, before anything is created on disk: the address is bound once to check it, the
     model is loaded, and only then is the manager (and its SSD directory) opened; each failure
     raises ServeError. Under ``mlx.launch`` (a model sharded over several ranks) every rank runs
-    this: rank 0 checks the address and serves HTTP, the others log warnings and errors only. SIGTERM stops the server like Ctrl-C (so the manager is flushed and
-    closed on the way out). mlx_lm.server's own argument errors exit (SystemExit 2) with its
-    usage under the name ``paged-cache serve``.
+    this: rank 0 checks the address and serves HTTP, the others log warnings and errors only.
+    SIGTERM stops the server like Ctrl-C (so the manager is flushed and closed on the way out).
+    mlx_lm.server's own argument errors exit (SystemExit 2) with its usage under the name
+    ``paged-cache serve``.
     """
     from mlx_lm import server
 
@@ -151,19 +156,23 @@ def serve_main(config: CacheConfig, server_argv: Sequence[str]) -> int:
     group = resolve_group(WORLD)  # under mlx.launch: every rank runs this, rank 0 serves HTTP
     if group is not None and group.rank() != 0:
         logging.getLogger("paged_cache").setLevel(logging.WARNING)  # rank 0 tells the story
-    elif (address := _server_address(server_argv)) is not None:
-        check_address(*address)
+    else:
+        check_address(*_server_address(server_argv))
     previous = signal.signal(signal.SIGTERM, stop)
     argv = sys.argv
     try:
         with ExitStack() as stack:
-            def open_manager() -> PagedSSDCacheManager:
+            def open_manager(provider: Any) -> PagedSSDCacheManager:
                 try:
-                    manager = stack.enter_context(PagedSSDCacheManager(config))
+                    fitted = config.beside_model(model_bytes(provider))
+                except ValueError as error:  # an explicit hot budget that cannot fit
+                    raise ServeError(str(error)) from error
+                try:
+                    manager = stack.enter_context(PagedSSDCacheManager(fitted))
                 except (OSError, ValueError) as error:  # ValueError: a bad ssd_dir, named
                     raise ServeError(f"cannot open the SSD tier at {config.ssd_dir}: {error}") \
                         from error
-                logger.info("serving with paged-cache: %s", _describe(config))
+                logger.info("serving with paged-cache: %s", _describe(fitted))
                 return manager
 
             patch_server(open_manager, load_first=True)
@@ -176,6 +185,13 @@ def serve_main(config: CacheConfig, server_argv: Sequence[str]) -> int:
         sys.argv = argv
         signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def model_bytes(provider: Any) -> int:
+    """Bytes of the weights the server's model provider holds (the model and a draft model)."""
+    models = [getattr(provider, name, None) for name in ("model", "draft_model")]
+    return sum(array.nbytes for model in models if model is not None
+               for _, array in tree_flatten(model.parameters()))
 
 
 def _describe(config: CacheConfig) -> str:
