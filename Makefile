@@ -61,10 +61,12 @@ server:
 		exit 0; \
 	elif command -v apt-get >/dev/null 2>&1; then \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		echo "make server: installing valkey-server (else redis-server) with apt-get for the remote tier's tests"; \
 		$$SUDO apt-get update -qq && \
 		{ $$SUDO apt-get install -y -qq valkey-server >/dev/null 2>&1 || \
 		  $$SUDO apt-get install -y -qq redis-server >/dev/null; }; \
 	elif command -v brew >/dev/null 2>&1; then \
+		echo "make server: installing valkey with brew for the remote tier's tests"; \
 		brew install valkey; \
 	fi; \
 	command -v valkey-server >/dev/null 2>&1 || command -v redis-server >/dev/null 2>&1 || \

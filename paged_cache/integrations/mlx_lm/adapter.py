@@ -334,7 +334,7 @@ class PagedPromptCache:
         """Bytes of KV held in RAM (the hot tier); SSD bytes are not counted."""
         return self.manager.hot_bytes
 
-    # stats(): the levels of every section; the prefix cache's stats are all counters
+    # stats(): the levels (gauges) of every section; every other number counts
     STAT_GAUGES = (nested_gauges("manager", PagedSSDCacheManager.STAT_GAUGES)
                    | nested_gauges("prefix", BlockAwarePrefixCache.STAT_GAUGES)
                    | nested_gauges("requests", ("requests_open", "sequences")))
