@@ -365,7 +365,10 @@ def test_a_cluster_shards_blocks_by_key_hash(tmp_path: Path) -> None:
             other = prompt(3 * BLOCK, seed=9)
             assert_exact(model, prefix, other)
             store_prompt(model, prefix, other)
-            assert manager.stats()["remote"]["outages"] == 1
+            # at least one outage: once the cluster marks the dead shard failed (its node timeout,
+            # 15 s), a probe answered by the live primaries ends it and the dead shard's next key
+            # starts another, so how many depends on how long a loaded machine takes to get here
+            assert manager.stats()["remote"]["outages"] >= 1
 
 
 def test_a_fetch_costs_a_bounded_number_of_round_trips(url: str) -> None:
