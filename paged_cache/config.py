@@ -32,6 +32,7 @@ ENV_PREFIX = "PAGED_CACHE_"
 TOML_TABLE = "paged_cache"
 
 WRITE_POLICIES = ("write-through", "write-back")
+SSD_ADMISSIONS = ("all", "reused")
 QUEUE_FULL_POLICIES = ("skip", "write-on-caller")
 
 # Decimal units are powers of 1000, binary (…iB) powers of 1024; matched case-insensitively.
@@ -238,6 +239,9 @@ _FIELD_SPECS: dict[str, tuple[Any, str]] = {
     "compression": (lambda v, n: _choice(v, n, COMPRESSIONS), "block file compression: none | lz4"),
     "write_policy": (lambda v, n: _choice(v, n, WRITE_POLICIES),
                      "write-through (queue every put for SSD; default) | write-back (on eviction/close)"),
+    "ssd_admission": (lambda v, n: _choice(v, n, SSD_ADMISSIONS),
+                      "which blocks reach the SSD: all (default) | reused (only blocks read again "
+                      "after their put; the others live in RAM only)"),
     "write_queue_max_bytes": (parse_size, "byte bound of the SSD write queue (default 256 MiB)"),
     "queue_full_policy": (lambda v, n: _choice(v, n, QUEUE_FULL_POLICIES),
                           "when the write queue is full: skip (drop the write, count it; default) | "
@@ -263,6 +267,7 @@ _DEFAULTS: dict[str, Any] = {
     "hot_cache_only": False,
     "compression": "none",
     "write_policy": "write-through",
+    "ssd_admission": "all",
     "write_queue_max_bytes": QUEUE_DEFAULT,
     "queue_full_policy": "skip",
     "remote_url": None,
@@ -275,8 +280,8 @@ _DEFAULTS: dict[str, Any] = {
 
 # Settings that only mean something with an SSD tier: hot_cache_only makes them inert, whatever
 # their source (they are kept, logged once and shown as inactive by `paged-cache config`).
-SSD_FIELDS = ("ssd_dir", "ssd_max_bytes", "compression", "write_policy", "write_queue_max_bytes",
-              "queue_full_policy", "ssd_read_threads")
+SSD_FIELDS = ("ssd_dir", "ssd_max_bytes", "compression", "write_policy", "ssd_admission",
+              "write_queue_max_bytes", "queue_full_policy", "ssd_read_threads")
 _logged_inert: set[tuple] = set()
 
 
@@ -296,6 +301,7 @@ class CacheConfig:
     hot_cache_only: bool = UNSET
     compression: str = UNSET
     write_policy: str = UNSET
+    ssd_admission: str = UNSET
     write_queue_max_bytes: int = UNSET
     queue_full_policy: str = UNSET
     remote_url: RemoteURL | None = UNSET

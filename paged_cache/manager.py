@@ -10,6 +10,11 @@ is already there, else it is dropped (counted). Writes wait on disk only when th
 and queue_full_policy is write-on-caller (the caller writes the block itself, after releasing the
 manager's lock) and on flush / close. With ``hot_cache_only`` there is no SSD tier at all: no
 directory, no files, no thread, no queue.
+Two kinds of blocks wait in RAM for their write to the tier keeping evicted blocks whatever the
+policy: a ``put(deferred=True)`` block (a partial tail the next store usually supersedes) is
+written only by ``flush`` / ``close`` and dropped (or handed over by a take) unwritten otherwise;
+with ``ssd_admission="reused"`` a new block is written only once it is read again (a hit or a
+take) and dropped if evicted before.
 
 The manager's lock is the hot tier's lock and guards its counters too: no disk I/O, fsync or wait
 on a writer runs under it (a caller's own write under "write-on-caller", flush, discard and the
@@ -37,6 +42,7 @@ from paged_cache.tiers.stack import HIT_LABELS, TIER_GAUGES, open_tiers
 log = logging.getLogger("paged_cache.manager")
 
 Label = Literal["hot", "pending", "ssd", "remote"]
+DEFERRED, PROBATION = "deferred", "probation"  # why a block in RAM has no SSD write yet
 
 
 class PagedSSDCacheManager:
@@ -54,8 +60,13 @@ class PagedSSDCacheManager:
         self._discards = 0  # bumped by discard(): a read that raced one is not promoted
         self.counters = dict(puts=0, puts_existing=0, puts_dropped=0, gets=0, misses=0,
                              promotions=0, takes=0, discards=0, spills=0, evicted_dropped=0,
-                             evicted_dropped_bytes=0)
+                             evicted_dropped_bytes=0, deferred_dropped=0,
+                             deferred_dropped_bytes=0, admissions=0, probation_dropped=0,
+                             probation_dropped_bytes=0)
         self._hits = dict.fromkeys(HIT_LABELS, 0)
+        # hot blocks whose write to the keeping tier waits: key -> DEFERRED (flush / close write
+        # it) or PROBATION (written at its first reuse); dropped when they leave RAM otherwise
+        self._waiting: dict[str, str] = {}
         self.config.log_inert_fields()
         # fastest first, RAM first; ssd_error: why the configured SSD tier could not be opened
         tiers, self.ssd_error = open_tiers(self.config, lock=self._lock, on_evict=self._on_evict)
@@ -67,16 +78,23 @@ class PagedSSDCacheManager:
 
     # ------------------------------------------------------------------------------ writes
 
-    def put(self, block: Block) -> bool:
+    def put(self, block: Block, *, deferred: bool = False) -> bool:
         """Store `block`; True when it is now held as new, False when the key was already held
-        (or, without a tier keeping evicted blocks, when it is larger than the whole hot budget)."""
+        (or, without a tier keeping evicted blocks, when it is larger than the whole hot budget).
+
+        ``deferred=True``: with an SSD tier, the block is written only by ``flush`` / ``close``
+        (or at once when the hot tier cannot hold it); evicted or demoted before that it is
+        dropped unwritten (counted), and ``get(take=True)`` hands it over unwritten. For blocks
+        a later put usually supersedes (the prefix cache's partial tails: the taker's own store
+        puts the block that extends it), whose loss costs a recompute of fewer than a block's
+        tokens."""
         raw = self._validated(block)
         try:
-            return self._put(block, raw)
+            return self._put(block, raw, deferred)
         finally:
             self._after()
 
-    def _put(self, block: Block, raw: RawTensors) -> bool:
+    def _put(self, block: Block, raw: RawTensors, deferred: bool) -> bool:
         with self._lock:
             self._check_open()
             if block.key in self._hot:
@@ -92,13 +110,19 @@ class PagedSSDCacheManager:
                         self.counters["promotions"] += 1
                     return False
             self.counters["puts"] += 1
+            waits = None if self._keeper is None else (
+                DEFERRED if deferred else PROBATION if self.config.ssd_admission == "reused"
+                else None)
             persisted = False
             for tier in reversed(self._lower):
-                if tier.writes_new:
+                if tier.writes_new and not (waits is not None and tier is self._keeper):
                     written = tier.write(block, raw)
                     persisted = persisted or (tier is self._keeper and written)
+            if waits is not None:
+                self._waiting[block.key] = waits
             if self._hot.insert(block, persisted=persisted):
                 return True
+            self._waiting.pop(block.key, None)  # not kept in RAM: written now if it can be
             if self._keeper is not None and (persisted or self._keeper.write(block, raw)):
                 return True
             self.counters["puts_dropped"] += 1
@@ -131,8 +155,13 @@ class PagedSSDCacheManager:
 
     def _on_evict(self, block: Block, persisted: bool) -> None:
         """Hot-tier eviction: spill an unpersisted block to the tier keeping evicted blocks, or
-        drop it (counted)."""
+        drop it (counted): always a block whose write waits (deferred, or never reused)."""
         if persisted:
+            return
+        waits = self._waiting.pop(block.key, None)
+        if waits is not None:
+            self.counters[f"{waits}_dropped"] += 1
+            self.counters[f"{waits}_dropped_bytes"] += block.nbytes
             return
         if self._keeper is not None and self._keeper.write(block):
             self.counters["spills"] += 1
@@ -192,15 +221,30 @@ class PagedSSDCacheManager:
 
     def _get_hot(self, key: str, take: bool) -> Block | None:
         if not take:
-            return self._hot.get(key)
+            block = self._hot.get(key)
+            if block is not None and self._waiting.get(key) == PROBATION:
+                self._admit(block)
+            return block
         taken = self._hot.take(key)
         if taken is None:
             return None
         block, persisted = taken
         self.counters["takes"] += 1
-        if not persisted and self._keeper is not None and self._keeper.write(block):
-            self.counters["spills"] += 1
+        waits = self._waiting.pop(key, None)
+        if waits == PROBATION:
+            self.counters["admissions"] += 1  # a take is a reuse: spilled below like any block
+        if waits != DEFERRED and not persisted and self._keeper is not None \
+                and self._keeper.write(block):
+            self.counters["spills"] += 1  # (a deferred block is handed over unwritten)
         return block
+
+    def _admit(self, block: Block) -> None:
+        """A block on probation is read again: from now on it is written like any other, at once
+        (write-through) or when it leaves RAM (write-back). Under the lock."""
+        del self._waiting[block.key]
+        self.counters["admissions"] += 1
+        if self._keeper.writes_new and self._keeper.write(block):
+            self._hot.mark_persisted(block.key)
 
     def _miss(self) -> None:
         with self._lock:
@@ -293,6 +337,7 @@ class PagedSSDCacheManager:
         with self._lock:
             self._check_open()
             self._discards += 1
+            self._waiting.pop(key, None)
             held = self._hot.discard(key)
         for tier in self._lower:  # may wait for a write in progress: no lock held
             held = tier.discard(key) or held
@@ -322,12 +367,13 @@ class PagedSSDCacheManager:
     def _flush(self) -> None:
         keeper = self._keeper
         keeper.flush()
-        with self._lock:
-            blocks = self._hot.unpersisted()
+        with self._lock:  # blocks on probation are not written: they were never reused
+            blocks = [b for b in self._hot.unpersisted() if self._waiting.get(b.key) != PROBATION]
         while blocks:
             block = blocks.pop(0)
             if keeper.write(block, now=True):
                 with self._lock:
+                    self._waiting.pop(block.key, None)
                     self._hot.mark_persisted(block.key)
             del block
         self._after()

@@ -139,7 +139,9 @@ def _put(pc: Any, key: str, node: ChainNode, cuts: list[list], pos: int, types: 
     mx.eval(list(arrays.values()))
     node = ChainNode(node.key, node.parent, node.fingerprint, node.start, node.token_ids,
                      node.checkpoint, restorable)
-    return int(bool(pc.manager.put(Block(key, arrays, _meta(pc, node, descs)))))
+    # a partial tail waits in RAM: the next store of the conversation usually supersedes it
+    partial = not node.checkpoint and node.ntokens < pc.block_size
+    return int(bool(pc.manager.put(Block(key, arrays, _meta(pc, node, descs)), deferred=partial)))
 
 
 def _covered_by_sibling(siblings: Any, ids: np.ndarray, span: tuple[int, int]) -> bool:

@@ -45,6 +45,7 @@ def test_defaults_are_resolved_and_marked_default():
     assert config.hot_cache_only is False
     assert (config.compression, config.write_policy, config.queue_full_policy) == \
         ("none", "write-through", "skip")
+    assert config.ssd_admission == "all"
     assert config.write_queue_max_bytes == 256 * 2**20
     assert config.explicit == frozenset()
     assert set(config.sources.values()) == {"default"}
@@ -74,6 +75,7 @@ def test_constructor_normalizes_and_records_explicit_fields(tmp_path):
     (dict(block_size=True), "block_size"),
     (dict(compression="zstd"), "compression"), (dict(compression=None), "compression"),
     (dict(write_policy="lazy"), "write_policy"), (dict(queue_full_policy="block"), "queue_full_policy"),
+    (dict(ssd_admission="second"), "ssd_admission"),
     (dict(hot_cache_only="maybe"), "hot_cache_only"), (dict(hot_cache_only=2), "hot_cache_only"),
     (dict(ssd_dir=""), "ssd_dir"), (dict(ssd_dir=3), "ssd_dir"),
     (dict(ssd_max_bytes="lots"), "ssd_max_bytes"), (dict(ssd_max_bytes=0), "ssd_max_bytes"),
@@ -88,6 +90,7 @@ def test_invalid_values_raise_naming_the_field(kwargs, field):
     (dict(ssd_dir="/tmp/x"), "ssd_dir"), (dict(ssd_max_bytes="1GB"), "ssd_max_bytes"),
     (dict(ssd_max_bytes="auto"), "ssd_max_bytes"), (dict(compression="lz4"), "compression"),
     (dict(write_policy="write-back"), "write_policy"),
+    (dict(ssd_admission="reused"), "ssd_admission"),
 ])
 def test_hot_cache_only_makes_explicit_ssd_settings_inert(kwargs, field):
     config = CacheConfig(hot_cache_only=True, **kwargs)
@@ -136,13 +139,14 @@ def test_from_env_reads_every_field(tmp_path):
     env = {"PAGED_CACHE_BLOCK_SIZE": "64", "PAGED_CACHE_HOT_CACHE_MAX_BYTES": "32MiB",
            "PAGED_CACHE_SSD_DIR": str(tmp_path), "PAGED_CACHE_SSD_MAX_BYTES": "auto",
            "PAGED_CACHE_COMPRESSION": "lz4", "PAGED_CACHE_WRITE_POLICY": "write-back",
-           "PAGED_CACHE_WRITE_QUEUE_MAX_BYTES": "1MB",
+           "PAGED_CACHE_WRITE_QUEUE_MAX_BYTES": "1MB", "PAGED_CACHE_SSD_ADMISSION": "Reused",
            "PAGED_CACHE_QUEUE_FULL_POLICY": "write-on-caller", "HOME_UNRELATED": "x"}
     config = CacheConfig.from_env(env)
     assert (config.block_size, config.hot_cache_max_bytes, config.ssd_dir) == \
         (64, 32 * 2**20, tmp_path)
     assert (config.compression, config.write_policy, config.write_queue_max_bytes,
             config.queue_full_policy) == ("lz4", "write-back", 10**6, "write-on-caller")
+    assert config.ssd_admission == "reused"
     assert config.sources["block_size"] == "env:PAGED_CACHE_BLOCK_SIZE"
     assert config.sources["hot_cache_only"] == "default"
 
@@ -213,7 +217,8 @@ def test_from_toml_missing_file(tmp_path):
 def test_cli_flags_for_every_field(tmp_path):
     config = parse_cli(["--block-size", "128", "--hot-cache-max-bytes", "2GB", "--ssd-dir",
                         str(tmp_path), "--ssd-max-bytes", "3GiB", "--compression", "lz4",
-                        "--write-policy", "write-back", "--write-queue-max-bytes", "8MB",
+                        "--write-policy", "write-back", "--ssd-admission", "reused",
+                        "--write-queue-max-bytes", "8MB",
                         "--queue-full-policy", "write-on-caller", "--remote-url",
                         "rediss://u:pw@cache.lan:6380/2", "--remote-ttl", "3600",
                         "--remote-timeout", "0.2", "--remote-queue-max-bytes", "16MiB",
@@ -221,7 +226,7 @@ def test_cli_flags_for_every_field(tmp_path):
     assert config.to_dict() == dict(
         block_size=128, hot_cache_max_bytes=2 * 10**9, ssd_dir=str(tmp_path),
         ssd_max_bytes=3 * 2**30, hot_cache_only=False, compression="lz4",
-        write_policy="write-back", write_queue_max_bytes=8 * 10**6,
+        write_policy="write-back", ssd_admission="reused", write_queue_max_bytes=8 * 10**6,
         queue_full_policy="write-on-caller", remote_url="rediss://u:***@cache.lan:6380/2",
         remote_cluster=False, remote_ttl=3600.0, remote_timeout=0.2,
         remote_queue_max_bytes=16 * 2**20, ssd_read_threads=4)
@@ -233,13 +238,14 @@ def test_cli_flags_for_every_field(tmp_path):
 def test_precedence_default_toml_env_flag(tmp_path):
     toml = tmp_path / "c.toml"
     toml.write_text("[paged_cache]\nblock_size = 32\nhot_cache_max_bytes = '10MB'\n"
-                    "write_policy = 'write-back'\n")
+                    "write_policy = 'write-back'\nssd_admission = 'reused'\n")
     env = {"PAGED_CACHE_HOT_CACHE_MAX_BYTES": "20MB", "PAGED_CACHE_BLOCK_SIZE": "48"}
     config = parse_cli(["--config", str(toml), "--block-size", "64"], env)
     assert config.block_size == 64 and config.sources["block_size"] == "flag:--block-size"
     assert config.hot_cache_max_bytes == 20 * 10**6
     assert config.sources["hot_cache_max_bytes"] == "env:PAGED_CACHE_HOT_CACHE_MAX_BYTES"
     assert config.write_policy == "write-back" and config.sources["write_policy"] == f"toml:{toml}"
+    assert config.ssd_admission == "reused" and config.sources["ssd_admission"] == f"toml:{toml}"
     assert config.sources["compression"] == "default"
     # --no-hot-cache-only overrides an env that turns it on.
     assert not parse_cli(["--no-hot-cache-only"], {"PAGED_CACHE_HOT_CACHE_ONLY": "1"}).hot_cache_only

@@ -235,6 +235,69 @@ def test_write_back_spills_dirty_evictions(tmp_path):
             assert same_block(manager.get(b.key), b)
 
 
+@pytest.mark.parametrize("policy", ["write-through", "write-back"])
+def test_deferred_blocks_are_written_by_flush_only_and_dropped_out_of_ram(tmp_path, policy):
+    blocks = [make_block(i, 1024) for i in range(5)]
+    with new_manager(tmp_path, ssd_max_bytes="64MB", hot_cache_max_bytes=3072, write_policy=policy) as manager:
+        for b in blocks[:3]:
+            assert manager.put(b, deferred=True)
+        manager.get(blocks[1].key)                          # a hit writes nothing
+        manager.demote([blocks[1].key])                     # left RAM: dropped, not spilled
+        manager.discard(blocks[2].key)                      # superseded: never written
+        assert manager.get(blocks[0].key, take=True) is blocks[0]   # handed over unwritten
+        manager.put(blocks[2], deferred=True)
+        manager.put(blocks[3])                              # an ordinary block is written
+        manager.flush()                                     # flush writes the deferred one held
+        stats = manager.stats()
+        assert stats["ssd"]["writes"] == 2 and stats["spills"] == 0
+        assert (stats["deferred_dropped"], stats["deferred_dropped_bytes"]) == (1, 1024)
+        assert [manager.tier_of(b.key) for b in blocks[:4]] == [None, None, "hot", "hot"]
+        assert manager.put(blocks[4], deferred=True)
+    with new_manager(tmp_path, ssd_max_bytes="64MB", hot_cache_max_bytes=3072) as manager:   # close wrote blocks[4]
+        assert [manager.tier_of(b.key) for b in blocks] == [None, None, "ssd", "ssd", "ssd"]
+        assert same_block(manager.get(blocks[4].key), blocks[4])
+
+
+def test_a_deferred_block_the_hot_tier_cannot_hold_is_written_at_once(tmp_path):
+    with new_manager(tmp_path, ssd_max_bytes="64MB", hot_cache_max_bytes=512) as manager:
+        block = make_block(1, 1024)
+        assert manager.put(block, deferred=True)
+        manager.flush()
+        assert manager.tier_of(block.key) == "ssd" and manager.stats()["ssd"]["writes"] == 1
+
+
+def test_deferred_is_inert_without_an_ssd_tier():
+    with new_manager(hot_cache_max_bytes=2048) as manager:
+        blocks = [make_block(i, 1024) for i in range(3)]
+        for b in blocks:
+            manager.put(b, deferred=True)
+        stats = manager.stats()
+        assert stats["evicted_dropped"] == 1 and stats["deferred_dropped"] == 0
+
+
+@pytest.mark.parametrize("policy", ["write-through", "write-back"])
+def test_admission_reused_writes_a_block_only_once_it_is_read_again(tmp_path, policy):
+    blocks = [make_block(i, 1024) for i in range(6)]
+    with new_manager(tmp_path, ssd_max_bytes="64MB", hot_cache_max_bytes=4096, write_policy=policy,
+                  ssd_admission="reused") as manager:
+        for b in blocks[:4]:
+            manager.put(b)
+        manager.flush()
+        assert manager.stats()["ssd"]["writes"] == 0        # nothing reused: nothing written
+        assert manager.get(blocks[0].key) is blocks[0]       # reused: admitted
+        assert manager.get(blocks[1].key, take=True) is blocks[1]   # a take is a reuse too
+        for b in blocks[4:]:                                 # evicts 2 and 3: never reused
+            manager.put(b)
+        stats = manager.stats()
+        assert stats["admissions"] == 2
+        assert (stats["probation_dropped"], stats["probation_dropped_bytes"]) == (1, 1024)
+        manager.flush()
+        assert manager.stats()["ssd"]["writes"] == 2         # flush writes no block on probation
+        assert [manager.tier_of(b.key) for b in blocks] == ["hot", "ssd", None, "hot", "hot", "hot"]
+    with new_manager(tmp_path, ssd_max_bytes="64MB") as manager:                      # a restart keeps the reused ones
+        assert [manager.tier_of(b.key) for b in blocks] == ["ssd", "ssd", None, None, None, None]
+
+
 @pytest.mark.parametrize("policy", ["skip", "write-on-caller"])
 def test_full_write_queue_policies(tmp_path, policy):
     with new_manager(tmp_path, ssd_max_bytes="64MB",

@@ -20,7 +20,7 @@ import xxhash
 from paged_cache.block import HEX, KEY_HEX_LEN, is_key
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.manifest import (ManifestDamaged, ManifestError, Row, blocks_columns,
-                                        damage, is_damage, schema_problem)
+                                        damage, is_damage, schema_problem, written_tally)
 from paged_cache.tiers.files import (MANIFEST_NAME, READ_FLAGS, STALE_SECONDS,
                                      SUFFIX_TO_COMPRESSION, pid_alive)
 
@@ -131,6 +131,15 @@ class CacheDir:
             except sqlite3.DatabaseError as exc:
                 raise _unreadable(self.manifest_path, exc) from None
         return Row(*r) if r else None
+
+    def written(self) -> tuple[int, float | None]:
+        """(bytes, since): what the processes using the directory recorded writing to it since
+        unix time ``since`` (``manifest.written_tally``; (0, None) when it keeps no tally)."""
+        with self._connect() as db:
+            try:
+                return written_tally(db)
+            except sqlite3.DatabaseError:  # no info table (an older schema): no tally
+                return 0, None
 
     def manifest_damage(self) -> ManifestDamaged | None:
         """The manifest's damage (SQLite's quick check, which reads every page), or None."""

@@ -72,6 +72,8 @@ def run_inspect(args: argparse.Namespace, cache: CacheDir) -> int:
     }
     totals["compression_ratio"] = (totals["raw_bytes"] / totals["file_bytes"]
                                    if totals["file_bytes"] else None)
+    written, since = cache.written()
+    totals["written_bytes"], totals["written_since"] = written, since
     data = {
         "dir": str(cache.path),
         "hot_tier": render.HOT_TIER_NOTE,
@@ -90,6 +92,9 @@ def run_inspect(args: argparse.Namespace, cache: CacheDir) -> int:
     if budget["max_bytes"]:
         out.print(f"SSD budget {render.size(budget['max_bytes'])} ({budget['setting']}, from "
                   f"{budget['source']}): {budget['used_ratio']:.1%} used")
+    if since is not None:
+        out.print(f"written {render.size(written)} since {render.iso(since)} (block files and "
+                  f"the manifest's own writes, as the processes using it recorded them)")
     out.print(render.table(None, ["model", "blocks", "tokens", "on disk", "raw", "ratio",
                                   "cache types", "oldest access", "newest access", "writing"],
                            [[render.model_label(m.fingerprint, models_seen), m.blocks, m.tokens,

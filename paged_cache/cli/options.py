@@ -10,11 +10,11 @@ import argparse
 import os
 from typing import Mapping
 
-from paged_cache.config import QUEUE_FULL_POLICIES, WRITE_POLICIES, CacheConfig
+from paged_cache.config import QUEUE_FULL_POLICIES, SSD_ADMISSIONS, WRITE_POLICIES, CacheConfig
 from paged_cache.tiers.format import COMPRESSIONS
 
 _CHOICES = {"compression": COMPRESSIONS, "write_policy": WRITE_POLICIES,
-            "queue_full_policy": QUEUE_FULL_POLICIES}
+            "ssd_admission": SSD_ADMISSIONS, "queue_full_policy": QUEUE_FULL_POLICIES}
 _METAVARS = {"block_size": "TOKENS", "hot_cache_max_bytes": "SIZE", "ssd_dir": "DIR",
              "ssd_max_bytes": "SIZE|auto", "write_queue_max_bytes": "SIZE",
              "remote_url": "URL", "remote_ttl": "SECONDS", "remote_timeout": "SECONDS",

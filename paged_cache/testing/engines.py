@@ -198,6 +198,24 @@ def chat(url: str, model: str, *, conversations: int = 2, turns: int = 3, max_to
     return out
 
 
+def agentic(url: str, model: str = "default_model", *, turns: int = 20, tool_lines: int = 22,
+            max_tokens: int = 24) -> list[dict]:
+    """Play one agentic conversation: each turn a tool's output (``tool_lines`` lines, ~45 tokens
+    each with the byte tokenizer: 20 turns of 22 lines are ~20k tokens) and a greedy reply kept in
+    the history; returns the messages (the last reply included)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=REQUEST_SECONDS, max_retries=0)
+    messages = [{"role": "system", "content": "You are a coding agent. " * 20}]
+    for t in range(turns):
+        tool = "".join(f"line {t}.{i}: def f{i}(x): return x * {i} + {t}\n"
+                       for i in range(tool_lines))
+        messages.append({"role": "user", "content": f"Tool output {t}:\n{tool}\nNext step?"})
+        reply = ask(client, model, messages, max_tokens=max_tokens, cached=usage_cached)[0]
+        messages.append({"role": "assistant", "content": reply})
+    return messages
+
+
 def start_all(servers: Sequence[EngineServer]) -> None:
     """Start every server at once (their imports overlap), then wait for each (all are stopped
     if one fails)."""

@@ -1,15 +1,24 @@
-"""Manifest updates the SSD tier keeps in memory for its next manifest transaction, so a read or a
+"""Manifest updates the SSD tier keeps in memory for a later manifest transaction, so a read or a
 removal writes no SQLite itself: access times (touches), rows whose files are gone (forgets; until
-a transaction has applied them they still count as gone), and renamed files whose row completion
-failed (incomplete rows, retried on a later flush)."""
+a transaction has applied them they still count as gone), bytes written not yet in the directory's
+tally, and renamed files whose row completion failed (incomplete rows, retried on a later flush).
+
+Forgets go with the next transaction. Access times and the tally are periodic: every write of
+an access time moves a row in the LRU index (a few manifest pages each, more than a small block's
+own row), and a conversation reads its whole chain every turn, so they are written when this
+process is about to evict (its eviction order must see them), at flush / close, and otherwise
+once they are ``PERIODIC_SECONDS`` old; a block used many times meanwhile is written once."""
 
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
-from paged_cache.tiers.manifest import now
+from paged_cache.tiers.manifest import Deferred, now
+
+PERIODIC_SECONDS = 60.0  # access times and the written tally wait in memory at most this long
 
 
 class DeferredUpdates:
@@ -21,11 +30,26 @@ class DeferredUpdates:
         self._forgets: set[str] = set()          # rows to drop (their files are already gone)
         self._applying: set[str] = set()         # forgets taken by a transaction not yet done
         self._incomplete: set[str] = set()       # renamed files whose row completion failed
+        self._written = 0                        # bytes written, not yet in the tally
+        self._since: float | None = None         # when the oldest periodic update was kept
 
     def touch(self, key: str) -> None:
         """The block was used now."""
         with self._lock:
             self._touches[key] = now()
+            self._since = self._since or time.monotonic()
+
+    def wrote(self, nbytes: int) -> None:
+        """``nbytes`` more were written to the directory (block files or the manifest)."""
+        if nbytes:
+            with self._lock:
+                self._written += nbytes
+                self._since = self._since or time.monotonic()
+
+    def periodic_due(self) -> bool:
+        """True when access times or written bytes have waited ``PERIODIC_SECONDS``."""
+        with self._lock:
+            return self._since is not None and time.monotonic() - self._since >= PERIODIC_SECONDS
 
     def forget(self, key: str) -> None:
         """The block's files are gone: drop its row (and any access time of it)."""
@@ -34,20 +58,27 @@ class DeferredUpdates:
             self._touches.pop(key, None)
 
     @contextmanager
-    def taken(self) -> Iterator[tuple[dict[str, float], set[str]]]:
+    def taken(self, periodic: bool = True) -> Iterator[Deferred]:
         """The deferred updates, for one manifest transaction to apply (kept for the next one if
-        it fails); until it is done their removed keys still count as gone (``gone``)."""
+        it fails): the forgets, and with ``periodic`` the access times and written bytes; until
+        it is done the removed keys still count as gone (``gone``)."""
         with self._lock:
-            touches, forgets = self._touches, self._forgets
-            self._touches, self._forgets = {}, set()
+            forgets, self._forgets = self._forgets, set()
+            touches, written = {}, 0
+            if periodic:
+                touches, written, self._since = self._touches, self._written, None
+                self._touches, self._written = {}, 0
             self._applying |= forgets
         try:
-            yield touches, forgets
+            yield Deferred(touches, forgets, written)
         except BaseException:  # not applied: kept for the next transaction
             with self._lock:
                 for key, t in touches.items():
-                    self._touches.setdefault(key, t)
+                    self._touches[key] = max(t, self._touches.get(key, t))
                 self._forgets |= forgets
+                self._written += written
+                if touches or written:
+                    self._since = self._since or time.monotonic()
             raise
         finally:
             with self._lock:
@@ -59,7 +90,8 @@ class DeferredUpdates:
             return self._forgets | self._applying
 
     def add_incomplete(self, key: str) -> None:
-        """The block's file is whole but its row could not be marked complete."""
+        """The block's reservation could not be settled: its file is whole but its row could not
+        be marked complete, or its write failed and the row could not be dropped."""
         with self._lock:
             self._incomplete.add(key)
 

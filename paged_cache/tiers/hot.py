@@ -76,8 +76,9 @@ class HotTier(Tier):
         self._unreleased = 0   # evicted bytes since the last mx.clear_cache()
         self._clear_threshold = clear_cache_bytes if clear_cache_bytes is not None else \
             min(max(max_bytes // 4, CLEAR_CACHE_MIN_BYTES), CLEAR_CACHE_MAX_BYTES)
-        self.counters = dict(hits=0, misses=0, inserts=0, evictions=0, evicted_bytes=0,
-                             rejected=0, takes=0, discards=0, cache_clears=0,
+        # bytes_written: bytes of the blocks inserted (held as they are: RAM the caller filled)
+        self.counters = dict(hits=0, misses=0, inserts=0, bytes_written=0, evictions=0,
+                             evicted_bytes=0, rejected=0, takes=0, discards=0, cache_clears=0,
                              evict_errors=0, demote_evictions=0, demote_evicted_bytes=0,
                              rejected_ancestors=0)
 
@@ -117,6 +118,7 @@ class HotTier(Tier):
                 return False
             self._add(_Entry(block, nbytes, persisted, parent))
             self.counters["inserts"] += 1
+            self.counters["bytes_written"] += nbytes
         return True
 
     def _victim(self, parent: str | None = None) -> str | None:

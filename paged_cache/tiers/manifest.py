@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import struct
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.eviction import LeavesFirst, eviction_order
@@ -23,6 +24,13 @@ SCHEMA_VERSION = "2"  # 2: chain columns (start, token ids, node flags)
 RESERVED, COMPLETE = 0, 1
 BUSY_TIMEOUT_SECONDS = 10.0  # how long one statement waits for another process's write lock
 WAL_LIMIT_BYTES = 4 << 20    # the WAL is truncated back to this after a checkpoint
+# A new manifest's page size. SQLite writes every page a transaction changes whole to the WAL (and
+# again into the database at a checkpoint): with 512-byte pages a block's row costs a tenth of the
+# bytes written with the default 4 KiB, for a slower chain lookup (docs/file-format.md). A
+# manifest keeps the page size it was created with.
+PAGE_BYTES = 512
+CHECKPOINT_PAGES = WAL_LIMIT_BYTES // PAGE_BYTES  # WAL pages between checkpoints (~4 MiB)
+WRITTEN, WRITTEN_SINCE = "written_bytes", "written_since"  # info rows: the directory's write tally
 EVICT_BATCH = 256            # rows per transaction when evicting at open
 
 _SCHEMA = """
@@ -98,6 +106,16 @@ def row_from_meta(key: str, state: int, file_bytes: int, raw_bytes: int, compres
                **node)
 
 
+class Deferred(NamedTuple):
+    """Updates a manifest transaction applies besides its own work: access times, keys whose
+    files were removed (their rows go), and bytes written to the directory since the last
+    transaction that recorded them (added to the ``written_bytes`` tally)."""
+
+    touches: dict[str, float]
+    forgets: set[str]
+    written: int = 0
+
+
 class ManifestError(RuntimeError):
     """The manifest cannot be used now (unreadable, read-only, out of space, ...)."""
 
@@ -149,12 +167,15 @@ class Manifest:
         self._connections: dict[threading.Thread, sqlite3.Connection] = {}
         self._connections_lock = threading.Lock()
         self.queries = 0  # chain lookups answered (child_rows), for tests and stats
+        self._wal: _WalMeter | None = None
         try:
             self.inode = _inode(path)  # before connecting: what a rebuild may remove
             db = self._db
             self.inode = self.inode or _inode(path)  # created by the connection
+            db.execute(f"PRAGMA page_size = {PAGE_BYTES}")  # a new database only
             if db.execute("PRAGMA journal_mode = WAL").fetchone()[0].lower() != "wal":
                 raise ManifestError(f"{path}: WAL mode unavailable")
+            self._wal = _WalMeter(path, db.execute("PRAGMA page_size").fetchone()[0])
             with self._txn():
                 new = is_new(db)
                 problem = None if new else schema_problem(db)
@@ -164,6 +185,8 @@ class Manifest:
                     db.execute(stmt)
                 if new:
                     db.execute("INSERT INTO info VALUES ('schema', ?)", (SCHEMA_VERSION,))
+                db.executemany("INSERT OR IGNORE INTO info VALUES (?, ?)",
+                               [(WRITTEN, "0"), (WRITTEN_SINCE, repr(now()))])
         except ManifestError:
             self.close()
             raise
@@ -185,6 +208,7 @@ class Manifest:
             db.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_s * 1000)}")
             db.execute("PRAGMA synchronous = NORMAL")
             db.execute(f"PRAGMA journal_size_limit = {WAL_LIMIT_BYTES}")
+            db.execute(f"PRAGMA wal_autocheckpoint = {CHECKPOINT_PAGES}")
             self._local.db = db
             with self._connections_lock:
                 for thread in [t for t in self._connections if not t.is_alive()]:
@@ -216,6 +240,13 @@ class Manifest:
             for db in self._connections.values():
                 db.close()
             self._connections.clear()
+        if self._wal is not None:
+            self._wal.close()
+
+    def take_written(self) -> int:
+        """Bytes this object's write transactions wrote to the WAL and checkpointed into the
+        database since the last call (see ``_WalMeter``)."""
+        return 0 if self._wal is None else self._wal.take()
 
     # ---- queries -------------------------------------------------------------------------
     def complete_keys(self) -> set[str]:
@@ -241,19 +272,18 @@ class Manifest:
                                 ).fetchall()
 
     # ---- writes --------------------------------------------------------------------------
-    def reserve(self, row: Row, max_bytes: int, deferred: tuple[dict[str, float], set[str]],
+    def reserve(self, row: Row, max_bytes: int, deferred: "Deferred",
                 remove_file: Callable[[str], bool],
                 file_exists: Callable[[str], bool]) -> tuple[str, list[tuple[str, int]]]:
         """Make room for ``row`` under ``max_bytes`` (LRU, complete rows only) and insert it as RESERVED.
 
-        ``deferred`` (access times, keys whose files were removed) is applied first (see
-        ``apply``). Victim files are removed by ``remove_file(key)`` (True once no file is left)
-        *before* their rows are deleted, inside the transaction: a crash leaves rows without
+        ``deferred`` is applied first (see ``apply``). Victim files are removed by
+        ``remove_file(key)`` (True once no file is left) *before* their rows are deleted, inside the transaction: a crash leaves rows without
         files (over-counted bytes), never files without rows. Returns ("reserved" | "exists" |
         "full", [(victim, bytes)]).
         """
         with self._txn():
-            self._apply(*deferred, file_exists)
+            self._apply(deferred, file_exists)
             found = self._db.execute("SELECT state FROM blocks WHERE key = ?", (row.key,)).fetchone()
             if found is not None:
                 if found[0] == RESERVED or file_exists(row.key):
@@ -305,13 +335,17 @@ class Manifest:
             self._db.executemany("UPDATE blocks SET state = ? WHERE key = ? AND state = ?",
                                  [(COMPLETE, k, RESERVED) for k in keys])
 
-    def apply(self, touches: dict[str, float], forgets: set[str],
-              file_exists: Callable[[str], bool]) -> None:
-        """Record batched access times and drop the complete rows of ``forgets`` whose files are
-        still gone: a key stored again meanwhile (by any process) keeps its new row."""
-        if touches or forgets:
+    def apply(self, deferred: Deferred, file_exists: Callable[[str], bool]) -> None:
+        """Record batched access times, drop the complete rows of ``forgets`` whose files are
+        still gone (a key stored again meanwhile, by any process, keeps its new row) and add
+        ``written`` to the directory's tally."""
+        if deferred.touches or deferred.forgets or deferred.written:
             with self._txn():
-                self._apply(touches, forgets, file_exists)
+                self._apply(deferred, file_exists)
+
+    def written(self) -> tuple[int, float | None]:
+        """(bytes written to the directory since ``since``, ``since``): see ``written_tally``."""
+        return written_tally(self._db)
 
     def evict_to(self, max_bytes: int, remove_file: Callable[[str], bool],
                  file_exists: Callable[[str], bool]) -> list[tuple[str, int]]:
@@ -391,15 +425,17 @@ class Manifest:
             evicted.append((key, sizes[key]))
         return evicted
 
-    def _apply(self, touches: dict[str, float], forgets: set[str],
-               file_exists: Callable[[str], bool]) -> None:
-        forgets = [k for k in forgets if not file_exists(k)]  # decided inside the write lock
+    def _apply(self, deferred: Deferred, file_exists: Callable[[str], bool]) -> None:
+        forgets = [k for k in deferred.forgets if not file_exists(k)]  # decided inside the lock
         if forgets:
             self._db.executemany("DELETE FROM blocks WHERE key = ? AND state = ?",
                                  [(k, COMPLETE) for k in forgets])
-        if touches:
+        if deferred.touches:
             self._db.executemany("UPDATE blocks SET last_access = MAX(last_access, ?) WHERE key = ?",
-                                 [(t, k) for k, t in touches.items()])
+                                 [(t, k) for k, t in deferred.touches.items()])
+        if deferred.written:
+            self._db.execute("UPDATE info SET value = CAST(value AS INTEGER) + ? WHERE name = ?",
+                             (deferred.written, WRITTEN))
 
 
 _LRU_WINDOW = 64  # complete rows read at first by an eviction (doubled while no leaf is in them)
@@ -443,19 +479,94 @@ def schema_problem(db: sqlite3.Connection) -> str | None:
     return None
 
 
+def written_tally(db: sqlite3.Connection) -> tuple[int, float | None]:
+    """(bytes, since): what every process recorded writing to the directory (block files, and
+    the manifest's own WAL and checkpoint writes) since unix time ``since``, when this version
+    first opened the manifest; (0, None) for a manifest without the tally. A process records its
+    bytes at least every ``deferred.PERIODIC_SECONDS`` while it writes, and when it closes."""
+    rows = dict(db.execute("SELECT name, value FROM info WHERE name IN (?, ?)",
+                           (WRITTEN, WRITTEN_SINCE)).fetchall())
+    try:
+        return int(rows[WRITTEN]), float(rows[WRITTEN_SINCE])
+    except (KeyError, ValueError, TypeError):  # untrusted text: no tally
+        return 0, None
+
+
 def damage(db: sqlite3.Connection) -> str | None:
     """What ``PRAGMA quick_check`` finds wrong with the database (None when it is intact)."""
     found = [r[0] for r in db.execute("PRAGMA quick_check(8)")]
     return None if found == ["ok"] else "; ".join(found)
 
 
+class _WalMeter:
+    """Counts the bytes a manifest's write transactions write: WAL frames (a page plus a 24-byte
+    frame header each) and pages a checkpoint run by the commit copies into the database file.
+
+    Read from the WAL-index header SQLite keeps at the start of ``<manifest>-shm`` (SQLite's
+    documented WAL-index format, native byte order: mxFrame, the last valid frame, at offset 16;
+    the salts at 32; nBackfill, the frames checkpointed, at 96) right after BEGIN IMMEDIATE (the
+    write lock is held: no other commit moves it) and right after COMMIT. New salts mean the WAL
+    was restarted from its first frame. A header that cannot be read or looks wrong (its two
+    copies differ, another version) counts nothing; a commit of another process landing between
+    ours and the second read is counted as ours (rare; only with a shared directory)."""
+
+    _HEADER = struct.Struct("=IIIBBHII8s8s8s")  # a WalIndexHdr, 48 bytes
+    _VERSION = 3007000
+
+    def __init__(self, path: Path, page_size: int) -> None:
+        self._path = f"{path}-shm"
+        self._page = page_size
+        self._fd = -1
+        self._lock = threading.Lock()
+        self._bytes = 0
+
+    def position(self) -> tuple[int, bytes, int] | None:
+        """(mxFrame, salts, nBackfill) now, or None."""
+        try:
+            if self._fd < 0:
+                self._fd = os.open(self._path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            raw = os.pread(self._fd, 100, 0)
+        except OSError:
+            return None
+        if len(raw) < 100 or raw[:48] != raw[48:96]:
+            return None
+        version, _, _, init, _, page, frames, _, _, salts, _ = self._HEADER.unpack(raw[:48])
+        if version != self._VERSION or not init or (page if page != 1 else 65536) != self._page:
+            return None
+        return frames, salts, struct.unpack("=I", raw[96:100])[0]
+
+    def count(self, before: tuple[int, bytes, int] | None) -> None:
+        """Add what was written since ``before`` (a ``position``)."""
+        after = self.position()
+        if before is None or after is None:
+            return
+        restarted = after[1] != before[1]
+        frames = after[0] if restarted else after[0] - before[0]
+        copied = after[2] if restarted else after[2] - before[2]
+        if frames >= 0 and copied >= 0:
+            with self._lock:
+                self._bytes += frames * (self._page + 24) + copied * self._page
+
+    def take(self) -> int:
+        with self._lock:
+            out, self._bytes = self._bytes, 0
+        return out
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
 class _Txn:
     """BEGIN IMMEDIATE ... COMMIT (ROLLBACK on error) on the calling thread's connection, refused
-    (ManifestReplaced) when another process has rebuilt the manifest file meanwhile."""
+    (ManifestReplaced) when another process has rebuilt the manifest file meanwhile; the bytes a
+    commit writes are counted (``_WalMeter``)."""
 
     def __init__(self, db: sqlite3.Connection, manifest: Manifest) -> None:
         self._db = db
         self._manifest = manifest
+        self._before: tuple[int, bytes, int] | None = None
 
     def __enter__(self) -> None:
         self._db.execute("BEGIN IMMEDIATE")
@@ -465,9 +576,14 @@ class _Txn:
             except ManifestReplaced:
                 self._db.execute("ROLLBACK")
                 raise
+        meter = self._manifest._wal
+        self._before = None if meter is None else meter.position()
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._db.execute("ROLLBACK" if exc_type else "COMMIT")
+        meter = self._manifest._wal
+        if meter is not None and not exc_type:
+            meter.count(self._before)
 
 
 def _values(row: Row) -> tuple:

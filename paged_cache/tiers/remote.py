@@ -29,8 +29,8 @@ from paged_cache.tiers.remote_writer import RemoteWriter
 from paged_cache.tiers.write_queue import Write
 
 _COUNTERS = ("hits", "misses", "damaged", "errors", "skipped", "outages", "reads", "read_bytes",
-             "read_seconds", "writes", "write_bytes", "writes_existing", "write_drops",
-             "write_errors", "discards")
+             "read_seconds", "writes", "write_bytes", "bytes_written", "writes_existing",
+             "write_drops", "write_errors", "discards")
 
 
 class RemoteTier(RemoteReads, RemoteWriter, Tier):

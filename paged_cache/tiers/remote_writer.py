@@ -91,7 +91,7 @@ class RemoteWriter(WriteBehind):
             sizes = pipe.execute()[:len(puts)]
         self._count("discards", len(discarded))
         px = int(self.ttl * 1000) or None
-        sent = new = 0
+        sent = listed = new = 0
         with self._connected().pipeline(transaction=False) as pipe:
             for j, w in enumerate(puts):
                 if sizes[j]:
@@ -107,7 +107,9 @@ class RemoteWriter(WriteBehind):
                     new += 1
                 listing = listing_name(w.meta)
                 if listing is not None:  # a block of a prefix cache chain: list it under its parent
-                    pipe.hset(listing, w.key, child_entry(w.meta))
+                    entry = child_entry(w.meta)
+                    pipe.hset(listing, w.key, entry)
+                    listed += len(w.key) + len(entry)
                     if px:
                         pipe.pexpire(listing, px)
             results = pipe.execute(raise_on_error=False)
@@ -124,6 +126,7 @@ class RemoteWriter(WriteBehind):
             log.info("remote writes resumed")
         self._count("writes", new)
         self._count("write_bytes", sent)
+        self._count("bytes_written", sent + listed)
         self._remember_present({w.key: size for w, size in zip(puts, sizes)})
 
     def _outage(self, exc: BaseException) -> None:

@@ -43,7 +43,7 @@ from paged_cache.tiers.write_queue import Write, WriteBehind
 
 log = logging.getLogger("paged_cache.ssd")
 
-TOUCH_FLUSH_SECONDS = 1.0  # access times are batched in memory at most this long
+TOUCH_FLUSH_SECONDS = 1.0  # removed rows wait in memory at most this long (deferred.py)
 
 
 class SSDTier(WriteBehind, Tier):
@@ -280,6 +280,7 @@ class SSDTier(WriteBehind, Tier):
         except sqlite3.Error:
             out["blocks"], out["bytes"] = None, None
         out["manifest_bytes"] = self._manifests.file_bytes()
+        out["bytes_written"] = out["write_bytes"] + out["manifest_write_bytes"]
         out.update(max_bytes=self.max_bytes, queue_max_bytes=self.queue_max_bytes,
                    compression=self.compression, open_seconds=self.open_seconds,
                    chain_lookups=self._manifest.queries)
@@ -370,7 +371,7 @@ class SSDTier(WriteBehind, Tier):
         return TOUCH_FLUSH_SECONDS
 
     def _idle(self) -> None:
-        self._flush_deferred()
+        self._flush_deferred(periodic=self._updates.periodic_due())
 
     def _take(self) -> list[Write]:
         item = self._queue[0]
@@ -419,7 +420,9 @@ class SSDTier(WriteBehind, Tier):
             return False
         row = row_from_meta(key, RESERVED, encoded.file_bytes, encoded.raw_bytes,
                             encoded.compression, item.meta, now(), self._writer_id)
-        with self._updates.taken() as deferred:
+        # access times go with this transaction when it may evict (its order must see them)
+        evicting = self._manifest.totals()[1] + encoded.file_bytes > self.max_bytes
+        with self._updates.taken(periodic=evicting or self._updates.periodic_due()) as deferred:
             status, victims = self._manifest.reserve(row, self.max_bytes, deferred,
                                                      self._files.remove, self._files.exists)
         self._count_evicted(victims)
@@ -434,7 +437,10 @@ class SSDTier(WriteBehind, Tier):
             self._files.install(tmp_name, key, encoded.compression)
         except BaseException:
             unlink_quiet(tmp_name, self._files.tmp_fd)
-            self._manifest.abandon(key, self._writer_id)
+            try:
+                self._manifest.abandon(key, self._writer_id)
+            except (sqlite3.Error, ManifestError):  # e.g. no room for the WAL on a full disk
+                self._updates.add_incomplete(key)   # the reservation goes at a later flush
             raise
         try:
             completed = self._manifest.complete(key, self._writer_id)
@@ -446,6 +452,8 @@ class SSDTier(WriteBehind, Tier):
             return False
         self._count("writes")
         self._count("write_bytes", encoded.file_bytes)
+        self._updates.wrote(encoded.file_bytes)
+        self._manifest_written()
         if self._failing:
             self._failing = False
             log.info("SSD writes resumed")
@@ -475,30 +483,46 @@ class SSDTier(WriteBehind, Tier):
 
     # ---- deferred manifest updates (access times, dropped rows) ---------------------------
 
-    def _retry_completions(self) -> None:
-        """Mark complete the rows whose file was renamed but whose completion failed (SQLite busy
-        or out of space), so no reservation of a whole file outlives the episode."""
+    def _retry_completions(self) -> bool:
+        """Settle the reservations a failed manifest update left (SQLite busy or out of space):
+        marked complete when the file was renamed into place, dropped when the write failed, so
+        no reservation outlives the episode. False when one still fails (kept for later)."""
         pending = self._updates.take_incomplete()
         for n, key in enumerate(pending):
             try:
-                if not self._manifest.complete(key, self._writer_id):
+                if self._files.compression_of(key) is None:
+                    self._manifest.abandon(key, self._writer_id)
+                elif not self._manifest.complete(key, self._writer_id):
                     self._forget(key)
             except (sqlite3.Error, ManifestError) as exc:
                 self._deferred_failed(f"{len(pending) - n} row completions", exc)
                 self._updates.keep_incomplete(pending[n:])
-                return
+                return False
+        return True
 
-    def _flush_deferred(self) -> None:
-        self._retry_completions()
+    def _manifest_written(self) -> None:
+        """Count what the manifest's transactions wrote since the last call."""
+        written = self._manifest.take_written()
+        if written:
+            self._count("manifest_write_bytes", written)
+            self._updates.wrote(written)
+
+    def _flush_deferred(self, periodic: bool = True) -> None:
+        """Apply the deferred manifest updates: all of them, or (``periodic`` False: the writer
+        idling) the forgets and incomplete rows only."""
+        settled = self._retry_completions()
+        self._manifest_written()
         sizes = (0, 0)
         try:
-            with self._updates.taken() as (touches, forgets):
-                sizes = (len(touches), len(forgets))
-                self._manifest.apply(touches, forgets, self._files.exists)
+            with self._updates.taken(periodic) as deferred:
+                sizes = (len(deferred.touches), len(deferred.forgets))
+                self._manifest.apply(deferred, self._files.exists)
         except (sqlite3.Error, ManifestError) as exc:
             self._deferred_failed(f"{sizes[0]} access times, {sizes[1]} removed rows", exc)
             return
-        if self._deferred_failing:
+        finally:
+            self._manifest_written()
+        if self._deferred_failing and settled:
             self._deferred_failing = False
             log.info("deferred manifest updates resumed")
 
@@ -523,6 +547,7 @@ class SSDTier(WriteBehind, Tier):
 
 
 _COUNTERS = ("hits", "misses", "pending_hits", "damaged", "read_errors", "writes", "write_bytes",
+             "manifest_write_bytes",
              "write_errors", "write_drops", "write_on_caller", "write_too_large", "write_budget_full",
              "evictions", "evicted_bytes", "adopted", "rows_dropped", "temps_removed",
              "strays_removed", "unlink_errors", "deferred_errors", "manifest_rebuilds")

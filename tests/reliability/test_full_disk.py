@@ -31,9 +31,17 @@ def manifest_state(db: sqlite3.Connection, key: str) -> int | None:
 
 
 def _episode_logs(caplog: pytest.LogCaptureFixture) -> tuple[int, int]:
-    failed = [r for r in caplog.records if r.name == "paged_cache.ssd" and "failed" in r.getMessage()]
-    resumed = [r for r in caplog.records if r.name == "paged_cache.ssd" and "resumed" in r.getMessage()]
-    return len(failed), len(resumed)
+    """(warnings, resumptions) of the SSD tier's write episodes. A full disk may also fail a row
+    completion after its file was renamed (SQLite cannot grow its WAL): that deferred update has
+    its own episode, at most one warning and one resumption per write episode."""
+    messages = [r.getMessage() for r in caplog.records if r.name == "paged_cache.ssd"]
+    deferred = [m for m in messages if m.startswith(("manifest update failed",
+                                                     "deferred manifest updates resumed"))]
+    writes = [m for m in messages if m not in deferred]
+    failed, resumed = sum("failed" in m for m in writes), sum("resumed" in m for m in writes)
+    assert sum("failed" in m for m in deferred) <= failed
+    assert sum("resumed" in m for m in deferred) <= resumed + 1
+    return failed, resumed
 
 
 def _episodes(root: Path, filler: Path, caplog: pytest.LogCaptureFixture, count: int) -> list[dict]:

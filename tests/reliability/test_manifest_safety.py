@@ -36,7 +36,7 @@ from helpers.managers import new_manager
 from helpers.cli import run_cli
 from reliability_support import SMALL, audit, fill, manifest_rows
 
-MANIFEST_ROW_BOUND = 1024  # bytes of manifest.sqlite per block, at most (docs/file-format.md)
+MANIFEST_ROW_BOUND = 1536  # bytes of manifest.sqlite per block, at most (docs/file-format.md)
 LOCK_HOLD_SECONDS = 12.0  # longer than SQLite's 10 s busy timeout of every manifest connection
 CHAINS = 20
 

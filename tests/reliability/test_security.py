@@ -87,10 +87,10 @@ def test_namespaces_keep_tenants_apart(tmp_path: Path) -> None:
         bob = BlockAwarePrefixCache(manager, model, namespace="bob")
         anon = BlockAwarePrefixCache(manager, model)
         store_prompt(model, alice, tokens)
+        manager.flush()  # before the fetch, which hands the partial tail over (in RAM till now)
         for other in (bob, anon):
             assert other.fetch(tokens + [1]) == (None, 0)
         assert alice.fetch(tokens + [1])[1] == len(tokens)
-        manager.flush()
     with new_manager(tmp_path / "c", **SMALL | dict(block_size=16, hot_cache_max_bytes=0)) as manager:  # from SSD
         for ns in ("bob", "", "alice/", "ALICE"):
             assert BlockAwarePrefixCache(manager, model, namespace=ns).fetch(tokens + [1]) == (None, 0)
