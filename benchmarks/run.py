@@ -21,7 +21,7 @@ from typing import Sequence
 from benchmarks.common import RESULTS_DIR, Context, machine, markdown_table, write_json
 
 FAMILIES = ("restore", "ttft", "remote", "lookup", "startup", "peers", "memory", "engines",
-            "sharded")
+            "sharded", "wear", "scale")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,143 @@
+"""SSD writes against reuse: ``ssd_admission`` "all" (every block written) and "reused" (a block is
+written once it is read again), with write-through and write-back, on one request stream:
+
+- agent conversations sharing a system prompt, turn by turn, interleaved with one-shot requests
+  (prompts nobody sends again), under a hot budget smaller than the stream, driven the way
+  mlx_lm.server drives its prompt cache (fetch, prefill the rest, generate, insert);
+- then a restart (the manager closed and opened again on the same directory) and one more turn
+  of each conversation.
+
+Figures per setting: SSD bytes written (block files + manifest, ``ssd.bytes_written``) per byte
+of one copy of every request's KV, and the prompt tokens reused while running and after the
+restart, each against "all" with write-through (the default) measured in the same run.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from typing import Any
+
+from benchmarks.common import MIB, Context, bar_plot, figure, kv_model, settle
+from benchmarks.peers import BLOCK, _bind, turn
+from paged_cache import CacheConfig, PagedSSDCacheManager
+from paged_cache.integrations.mlx_lm import PagedPromptCache
+
+FAMILY = "wear"
+SETTINGS = (("all", "write-through"), ("reused", "write-through"), ("all", "write-back"),
+            ("reused", "write-back"))
+
+
+def _label(admission: str, policy: str) -> str:
+    return f"{admission}, {policy}"
+
+
+def _stream(ctx: Context) -> tuple[list[list[int]], list[tuple[str, int, list[int]]], int]:
+    """(users, requests, gen): requests are ("turn", conversation, user tokens) or ("once", -1,
+    prompt), one-shot requests between the conversations' turns."""
+    conversations, turns, one_shots, user, once, gen = ctx.pick((3, 3, 4, 256, 512, 8),
+                                                                (4, 5, 12, 256, 768, 16))
+    rng = random.Random(25)
+    requests = []
+    for t in range(turns):
+        for c in range(conversations):
+            requests.append(("turn", c, [rng.randrange(256) for _ in range(user)]))
+            if len(requests) % 2 == 0 and sum(r[0] == "once" for r in requests) < one_shots:
+                requests.append(("once", -1, [rng.randrange(256) for _ in range(once)]))
+    system = [rng.randrange(256) for _ in range(2 * BLOCK)]
+    restart = [[rng.randrange(256) for _ in range(user)] for _ in range(conversations)]
+    return [system, *restart], requests, gen
+
+
+def _play(ctx: Context, model: Any, admission: str, policy: str, hot_bytes: int,
+          per_token: int) -> dict:
+    ssd_dir = ctx.scratch / f"wear-{admission}-{policy}"
+    shutil.rmtree(ssd_dir, ignore_errors=True)
+    config = CacheConfig(block_size=BLOCK, ssd_dir=ssd_dir, hot_cache_max_bytes=hot_bytes,
+                         ssd_max_bytes="4GiB", write_policy=policy, ssd_admission=admission)
+    (system, *restart), requests, gen = _stream(ctx)
+    history: dict[int, list[int]] = {}
+    reused = asked = once = 0
+    cache = PagedPromptCache(PagedSSDCacheManager(config), _bind(model), max_size=64)
+    try:
+        for kind, c, tokens in requests:
+            prompt = (history.get(c, system) + tokens) if kind == "turn" else tokens
+            r = turn(cache, model, prompt, gen)
+            reused, asked = reused + r["cached"], asked + len(prompt)
+            if kind == "turn":
+                history[c] = prompt + r["tokens"]
+            else:
+                once += len(prompt) + gen
+        cache.manager.flush()
+        written = cache.manager.stats()["ssd"]["bytes_written"]
+    finally:
+        cache.manager.close()
+    written_at_close = _written_after_close(config)
+    # one copy of every request's KV: the shared system prompt once, each conversation past it
+    kv = (len(system) + sum(len(h) - len(system) for h in history.values()) + once) * per_token
+    cache = PagedPromptCache(PagedSSDCacheManager(config), _bind(model), max_size=64)
+    after = []
+    try:
+        for c, tokens in enumerate(restart[:len(history)]):
+            after.append(turn(cache, model, history[c] + tokens, gen)["cached"])
+    finally:
+        cache.manager.close()
+        shutil.rmtree(ssd_dir, ignore_errors=True)
+    settle()
+    return dict(written=written, written_with_close=written_at_close, kv_bytes=kv,
+                reused=reused, asked=asked, reused_after_restart=sum(after),
+                asked_after_restart=sum(len(history[c]) + len(restart[c]) for c in range(len(after))))
+
+
+def _written_after_close(config: CacheConfig) -> int:
+    """The directory's write tally (every byte written by the run, its close included)."""
+    from paged_cache.cachedir.inventory import CacheDir
+
+    return CacheDir(config.ssd_dir).written()[0]
+
+
+def run(ctx: Context) -> dict:
+    layers, kv_heads, head_dim = 4, 2, 64
+    model = kv_model(layers=layers, kv_heads=kv_heads, head_dim=head_dim)
+    per_token = layers * kv_heads * head_dim * 2 * 4   # float32 keys + values
+    hot_bytes = ctx.pick(8, 12) * BLOCK * per_token     # a few blocks: the stream does not fit
+    results = {}
+    for admission, policy in SETTINGS:
+        r = _play(ctx, model, admission, policy, hot_bytes, per_token)
+        results[_label(admission, policy)] = r
+        print(f"   {_label(admission, policy)}: wrote {r['written_with_close'] / MIB:.1f} MiB "
+              f"({r['written_with_close'] / r['kv_bytes']:.2f}x the KV), reused {r['reused']}/"
+              f"{r['asked']} tokens, after restart {r['reused_after_restart']}/"
+              f"{r['asked_after_restart']}", flush=True)
+    base = results[_label("all", "write-through")]
+    figures = []
+    for label, r in results.items():
+        figures.append(figure(FAMILY, f"bytes written, {label}", measured=r["written_with_close"],
+                              baseline=r["kv_bytes"], unit="B",
+                              meaning="SSD bytes written / one copy of the stream's KV"))
+        if r is base:
+            continue
+        figures.append(figure(FAMILY, f"tokens reused, {label}", measured=r["reused"],
+                              baseline=base["reused"], unit="tokens",
+                              meaning="prompt tokens reused while running / admission all, "
+                                      "write-through"))
+        figures.append(figure(FAMILY, f"tokens reused after restart, {label}",
+                              measured=r["reused_after_restart"],
+                              baseline=base["reused_after_restart"], unit="tokens",
+                              meaning="prompt tokens reused after a restart / admission all, "
+                                      "write-through"))
+    return dict(figures=figures, results=results, hot_bytes=hot_bytes,
+                kv_bytes_per_token=per_token, block_size=BLOCK)
+
+
+def plots(data: dict, results) -> list[str]:
+    rows = data["results"]
+    labels = list(rows)
+    bar_plot(results / "wear.png", "SSD writes vs reuse (ssd_admission, write policy)", labels,
+             {"bytes written / KV": [rows[k]["written_with_close"] / rows[k]["kv_bytes"]
+                                     for k in labels],
+              "reused / asked": [rows[k]["reused"] / rows[k]["asked"] for k in labels],
+              "reused after restart / asked": [rows[k]["reused_after_restart"] /
+                                               max(rows[k]["asked_after_restart"], 1)
+                                               for k in labels]}, "ratio")
+    return ["wear.png"]
