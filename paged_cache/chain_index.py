@@ -83,10 +83,37 @@ class ChainNode:
         return cls(key, parent, fingerprint, start, text, bool(checkpoint), restorable != 0,
                    tier, ntokens)
 
-    def keyed_by(self, namespace: str) -> bool:
-        """True when the node's key is the one ``namespace`` gives its parent and tokens."""
+    def unfit(self, fingerprint: str, namespace: str, start: int, block_size: int,
+              path_key: str | None) -> str | None:
+        """Why this listed node cannot be a child, for a request of ``fingerprint`` and
+        ``namespace``, of the parent whose children start at ``start`` (None when it can be).
+        Its key must be the hash of that fingerprint, namespace, its parent and its token ids
+        (the tokens are what a listing says; the key is what the block holds), so a node listed
+        with another node's ids, under another parent, model or namespace, is refused. A node
+        whose key is ``path_key`` (the request's own block there) is known by its key: its ids
+        are not decoded."""
+        if self.fingerprint != fingerprint:
+            return "another model's or layout's node"
+        if self.start != start:
+            return f"starts at {self.start}, its parent's children at {start}"
+        if not 1 <= self.ntokens <= block_size:
+            return f"{self.ntokens} tokens in a node of a {block_size}-token grid"
+        if self.key == path_key:
+            return "the request's own block listed as a checkpoint" if self.checkpoint else None
+        if len(self.token_ids) != self.ntokens:
+            return f"{len(self.token_ids)} token ids for {self.ntokens} tokens"
         make = checkpoint_key if self.checkpoint else block_key
-        return make(self.fingerprint, namespace, self.parent, self.token_ids) == self.key
+        if make(fingerprint, namespace, self.parent, self.token_ids) != self.key:
+            return "its key is not the hash of its parent, token ids and namespace"
+        return None
+
+    def describes(self, meta: Mapping[str, str]) -> bool:
+        """True when a block's meta (what its tier read) has this node's chain fields: a value
+        stored under this node's key for another span is never used for this one."""
+        return (meta.get(META_PARENT) == self.parent and meta.get(META_START) == str(self.start)
+                and meta.get(META_TOKENS) == str(self.ntokens)
+                and meta.get(META_FINGERPRINT) == self.fingerprint
+                and (meta.get(META_CHECKPOINT) == "1") == self.checkpoint)
 
     def with_tier(self, tier: str | None) -> "ChainNode":
         """The same node, held in ``tier``."""

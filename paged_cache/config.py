@@ -55,6 +55,8 @@ REMOTE_TIMEOUT_DEFAULT = 0.5        # seconds a remote read or write may wait on
 REMOTE_SCHEMES = ("redis", "rediss", "valkey", "valkeys")  # "...s": TLS
 # Read by the remote tier at connect time, never stored in a CacheConfig (nor shown by `config`).
 REMOTE_PASSWORD_ENV = "PAGED_CACHE_REMOTE_PASSWORD"
+SECRET_MIN_CHARS = 16         # remote_secret: shorter ones are refused (a MAC key must not be guessable)
+TLS_SCHEMES = ("rediss", "valkeys")
 READ_THREADS_DEFAULT = 1      # block files read at once by a fetch (measured: docs/benchmarks.md)
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
@@ -184,6 +186,34 @@ class RemoteURL(str):
         return repr(self.redacted())
 
 
+class Secret(str):
+    """A secret setting: its repr and ``shown`` never hold it (configs are logged and printed)."""
+
+    def __repr__(self) -> str:
+        return "'***'"
+
+    def shown(self) -> str:
+        return "***"
+
+
+def _secret(value: Any, name: str) -> Secret | None:
+    if value is None or (isinstance(value, str) and not value):
+        return None
+    if not isinstance(value, str):  # never echo the value: it may be the secret itself
+        raise ValueError(f"{name}: expected a string of at least {SECRET_MIN_CHARS} characters, "
+                         f"got a {type(value).__name__}")
+    if len(value) < SECRET_MIN_CHARS:
+        raise ValueError(f"{name}: expected at least {SECRET_MIN_CHARS} characters, got "
+                         f"{len(value)} (a short secret can be guessed from what the server holds)")
+    return Secret(value)
+
+
+def _optional_path(value: Any, name: str) -> Path | None:
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    return _path(value, name)
+
+
 def _remote_url(value: Any, name: str) -> RemoteURL | None:
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
@@ -256,6 +286,18 @@ _FIELD_SPECS: dict[str, tuple[Any, str]] = {
     "remote_timeout": (_positive_seconds, "seconds one remote socket operation may wait before the "
                                           "tier counts an error and serves locally (default 0.5)"),
     "remote_queue_max_bytes": (parse_size, "byte bound of the remote write queue (default 64 MiB)"),
+    "remote_secret": (_secret, "key of the MAC every remote value carries: values without a valid "
+                               f"one are refused (at least {SECRET_MIN_CHARS} characters; never "
+                               "shown; default none: anyone who can write to the server can "
+                               "poison it)"),
+    "remote_tls_ca": (_optional_path, "CA certificates (PEM) that verify a rediss:// server "
+                                      "(default: the system's)"),
+    "remote_tls_cert": (_optional_path, "client certificate (PEM) for a rediss:// server that "
+                                        "asks for one (with remote_tls_key)"),
+    "remote_tls_key": (_optional_path, "private key (PEM) of remote_tls_cert"),
+    "cache_salt_from_user": (parse_bool, "serve: a request's OpenAI `user` field is its cache salt "
+                                         "when it names none (tenants never share a prefix; "
+                                         "default false)"),
     "ssd_read_threads": (_read_threads, "block files a fetch reads from SSD at once (default 1)"),
 }
 
@@ -275,6 +317,11 @@ _DEFAULTS: dict[str, Any] = {
     "remote_ttl": 0.0,
     "remote_timeout": REMOTE_TIMEOUT_DEFAULT,
     "remote_queue_max_bytes": REMOTE_QUEUE_DEFAULT,
+    "remote_secret": None,
+    "remote_tls_ca": None,
+    "remote_tls_cert": None,
+    "remote_tls_key": None,
+    "cache_salt_from_user": False,
     "ssd_read_threads": READ_THREADS_DEFAULT,
 }
 
@@ -309,6 +356,11 @@ class CacheConfig:
     remote_ttl: float = UNSET
     remote_timeout: float = UNSET
     remote_queue_max_bytes: int = UNSET
+    remote_secret: Secret | None = UNSET
+    remote_tls_ca: Path | None = UNSET
+    remote_tls_cert: Path | None = UNSET
+    remote_tls_key: Path | None = UNSET
+    cache_salt_from_user: bool = UNSET
     ssd_read_threads: int = UNSET
     origin: InitVar[Mapping[str, str] | None] = None
     explicit: frozenset = field(init=False, repr=False, compare=False)
@@ -342,6 +394,16 @@ class CacheConfig:
                 f"{self.sources['hot_cache_max_bytes']}) exceeds this machine's RAM "
                 f"({format_size(ram)}): the hot tier could never stay in memory; give a size "
                 f"below RAM (the default is {format_size(default_hot_cache_max_bytes())})")
+        tls = [n for n in ("remote_tls_ca", "remote_tls_cert", "remote_tls_key")
+               if getattr(self, n) is not None]
+        scheme = urllib.parse.urlsplit(self.remote_url or "").scheme.lower()
+        if tls and scheme not in TLS_SCHEMES:
+            raise ValueError(f"{tls[0]} (from {self.sources[tls[0]]}) needs a TLS remote_url "
+                             f"({' or '.join(s + '://' for s in TLS_SCHEMES)}), got "
+                             f"{RemoteURL(self.remote_url).redacted() if self.remote_url else None!r}")
+        if (self.remote_tls_cert is None) != (self.remote_tls_key is None):
+            raise ValueError("remote_tls_cert and remote_tls_key: give both (a client certificate "
+                             "and its private key) or neither")
         if not self.hot_cache_only and self.ssd_max_bytes == 0:
             raise ValueError(
                 f"ssd_max_bytes: 0 (from {self.sources['ssd_max_bytes']}) leaves no SSD space with "
@@ -450,8 +512,10 @@ class CacheConfig:
     # ----------------------------------------------------------------------------- views
 
     def to_dict(self) -> dict[str, Any]:
-        """Field values as JSON-friendly types (paths as strings, the remote URL without password)."""
-        return {n: str(v) if isinstance(v, Path) else v.redacted() if isinstance(v, RemoteURL) else v
+        """Field values as JSON-friendly types (paths as strings, the remote URL without password,
+        a secret as ***)."""
+        return {n: str(v) if isinstance(v, Path) else v.redacted() if isinstance(v, RemoteURL)
+                else v.shown() if isinstance(v, Secret) else v
                 for n in _FIELD_SPECS for v in [getattr(self, n)]}
 
     def ssd_budget_bytes(self, cache_bytes: int = 0) -> int:

@@ -25,7 +25,7 @@ from paged_cache.handlers import Part, Span
 from paged_cache.handlers.base import clipped, copies_on_host, rebuild_pipeline
 from paged_cache.hashing import ROOT_PARENT, chain_keys, shared_prefix
 from paged_cache.loans import Lent
-from paged_cache.tiers.format import META_FINGERPRINT, META_LAYERS, layer_of
+from paged_cache.tiers.format import META_LAYERS, layer_of
 
 logger = logging.getLogger("paged_cache.fetch")
 
@@ -90,9 +90,7 @@ def find(pc: Any, ids: np.ndarray, limit: int | None = None) -> Found:
     listed: dict[str, ChainNode] = {}  # path blocks as the lookup listed them
     cands = []
     for depth, parent in enumerate(parents):
-        for node in kids.get(parent, ()):
-            if node.start != depth * bs:
-                continue  # not where this parent's children start: another chain's meta
+        for node in kids.get(parent, ()):  # checked against the request by the chain lookup
             if depth < held and node.key == keys[depth]:
                 listed[node.key] = node
                 cands.append(Candidate(node, bs))  # a path block: its key says its tokens
@@ -204,8 +202,9 @@ def _try_nodes(search: _Search, n: int, chosen: list[tuple[ChainNode, int]]) -> 
         if node.key not in search.blocks:
             # an SSD block handed over is read without promotion (taken)
             take = node.key in handover and node.tier != "hot"
-            block = manager.get(node.key, take=take, in_place=in_place)
-            if block is not None and block.meta.get(META_FINGERPRINT) != layout.fingerprint:
+            block = pc.read(node.key, take=take, in_place=in_place)
+            if block is not None and not node.describes(block.meta):
+                pc.count("blocks_rejected")  # a value under this key claiming another span
                 block = None
             search.blocks[node.key] = block
         if search.blocks[node.key] is None:
@@ -226,7 +225,7 @@ def _try_nodes(search: _Search, n: int, chosen: list[tuple[ChainNode, int]]) -> 
     lent = []
     for j, (node, _) in enumerate(chosen):
         if node.key in handover and node.tier == "hot":
-            got = manager.get(node.key, take=True)
+            got = pc.read(node.key, take=True)
             if got is not None:
                 blocks[j] = got
                 if manager.config.hot_cache_only:  # its only copy: lent, see loans.py

@@ -35,6 +35,7 @@ class CacheLayout:
         self.unsupported: str | None = None
         self.handlers: list[LayerHandler] = []
         self.layouts: list[dict] = []
+        self.forms: list[Any] = []  # per entry: what every stored node of it holds (stored_form)
         self.signatures: list[Any] = []
         self.template: list[Any] = []
         self.snapshot_layers: list[bool] = []  # per entry: some part cannot be cut by token
@@ -62,6 +63,7 @@ class CacheLayout:
         mx.eval([a for layer in template for a in layer_arrays(layer)])
         self.handlers = handlers
         self.layouts = [h.layout(layer) for h, layer in zip(handlers, template)]
+        self.forms = [h.stored_form(layer) for h, layer in zip(handlers, template)]
         self.snapshot_layers = snapshot_layers
         self.full_history = not any(snapshot_layers)
         self.exact_end = any(layer_needs_exact_end(layer) for layer in template)

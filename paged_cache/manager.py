@@ -36,7 +36,7 @@ from paged_cache.config import CacheConfig
 from paged_cache.hashing import ROOT_PARENT
 from paged_cache.tiers.base import Tier
 from paged_cache.tiers.direct import StoredBlock, read_stored
-from paged_cache.tiers.format import RawTensors, check_meta, raw_tensors
+from paged_cache.tiers.format import Expected, RawTensors, check_meta, raw_tensors
 from paged_cache.tiers.stack import HIT_LABELS, TIER_GAUGES, open_tiers
 
 log = logging.getLogger("paged_cache.manager")
@@ -62,7 +62,7 @@ class PagedSSDCacheManager:
                              promotions=0, takes=0, discards=0, spills=0, evicted_dropped=0,
                              evicted_dropped_bytes=0, deferred_dropped=0,
                              deferred_dropped_bytes=0, admissions=0, probation_dropped=0,
-                             probation_dropped_bytes=0)
+                             probation_dropped_bytes=0, nodes_rejected=0)
         self._hits = dict.fromkeys(HIT_LABELS, 0)
         # hot blocks whose write to the keeping tier waits: key -> DEFERRED (flush / close write
         # it) or PROBATION (written at its first reuse); dropped when they leave RAM otherwise
@@ -171,17 +171,20 @@ class PagedSSDCacheManager:
 
     # ------------------------------------------------------------------------------ reads
 
-    def get(self, key: str, *, take: bool = False, in_place: bool = False) -> Block | StoredBlock | None:
+    def get(self, key: str, *, take: bool = False, in_place: bool = False,
+            expect: Expected | None = None) -> Block | StoredBlock | None:
         """The block for `key` from the fastest tier holding it, or None.
 
         take=True hands the arrays over: the block leaves the hot tier (spilled to SSD first if it
         had no SSD copy yet) and is not promoted. Callers must not mutate the arrays they get.
         take=True with in_place=True: a block only on SSD comes back as a ``StoredBlock`` (header
         verified, payload on disk) for a rebuild to read straight into place (``read_in_place``).
+        ``expect`` (a prefix cache's ``bounds``): what a block read from SSD or the remote tier
+        must be; one that is not is a counted miss (``damaged``) before anything is allocated.
         """
         check_key(key)
         try:
-            return self._get(key, take, in_place and take)
+            return self._get(key, take, in_place and take, expect)
         finally:
             self._after()
 
@@ -191,7 +194,8 @@ class PagedSSDCacheManager:
         file removed): what was rebuilt from it must be dropped."""
         return read_stored(blocks, self.config.ssd_read_threads)
 
-    def _get(self, key: str, take: bool, in_place: bool) -> Block | StoredBlock | None:
+    def _get(self, key: str, take: bool, in_place: bool,
+             expect: Expected | None) -> Block | StoredBlock | None:
         with self._lock:
             self._check_open()
             self.counters["gets"] += 1
@@ -201,7 +205,7 @@ class PagedSSDCacheManager:
                 return block
             discards = self._discards
         for i, tier in enumerate(self._lower):
-            found = tier.read(key, in_place=in_place)
+            found = tier.read(key, in_place=in_place, expect=expect)
             if found is not None:
                 break
         else:
@@ -429,9 +433,11 @@ class PagedSSDCacheManager:
         child nodes of ``fingerprint``, as every tier lists them: RAM, the SSD write queue and
         files of any process (one manifest query, which also says which keys of the chain are on
         SSD: no file is looked at unless the manifest misses it) and, for the held part of the
-        chain, the remote tier's listings (pipelined, cached briefly). Every namespace's chains
-        start at the same root: a root child is listed only when its key is the one
-        ``namespace`` gives its tokens. Each parent's children come in key order."""
+        chain, the remote tier's listings (pipelined, cached briefly). Every listed node is checked
+        against the request (``ChainNode.unfit``: fingerprint, start, key = hash of ``namespace``,
+        parent and token ids); one that fails is never returned and, unless it is a root child
+        (every namespace's chains start at the same root), counted in ``nodes_rejected``. Each
+        parent's children come in key order."""
         keys = _checked_keys(keys)
         parents = [ROOT_PARENT, *keys]
         with self._lock:
@@ -447,22 +453,29 @@ class PagedSSDCacheManager:
         for tier in self._lower:
             if tier.shared:
                 rows[tier] = tier.children(parents, fingerprint)
-        wanted = set(parents)
+        depth = {parent: d for d, parent in enumerate(parents)}
+        bs = self.config.block_size
         nodes: dict[str, ChainNode] = {}  # the fastest tier's node first
         for tier in (self._hot, *self._lower):
             for row in rows.get(tier, ()):
-                if row[1] in wanted and row[0] not in nodes:
-                    node = ChainNode.from_row(row, tier.name)
-                    if node is not None:
-                        nodes[node.key] = node
+                d = depth.get(row[1])
+                if d is None or row[0] in nodes:
+                    continue
+                node = ChainNode.from_row(row, tier.name)
+                if node is None:
+                    continue  # not a node row (no chain fields)
+                reason = node.unfit(fingerprint, namespace, d * bs, bs,
+                                    keys[d] if d < len(keys) else None)
+                if reason is None:
+                    nodes[node.key] = node
+                elif d:  # the root's children are every namespace's: another's is no damage
+                    self._reject(row[0], tier.name, reason)
         known = dict(zip(keys[:held], tiers))  # the path: looked up once
         others = iter(self._walk([k for k in nodes if k not in known], chain=False, shared=False,
                                  listed=listed))
         out: dict[str, list[ChainNode]] = {}
         for key, node in nodes.items():
             tier = known[key] if key in known else next(others)
-            if node.parent == ROOT_PARENT and not node.keyed_by(namespace):
-                continue
             tier = tier or (node.tier if node.tier == "remote" else None)  # not asked again
             if tier is not None:
                 out.setdefault(node.parent, []).append(node if tier == node.tier
@@ -470,6 +483,16 @@ class PagedSSDCacheManager:
         for kids in out.values():  # one order whatever the tiers listed (sets, query plans)
             kids.sort(key=lambda node: node.key)
         return tiers, out
+
+    def _reject(self, key: str, tier: str, reason: str) -> None:
+        """Count a listed node that does not fit its parent in the request (a planted or damaged
+        listing entry or manifest row): it is never used. The first is logged at WARNING."""
+        with self._lock:
+            self.counters["nodes_rejected"] += 1
+            first = self.counters["nodes_rejected"] == 1
+        log.log(logging.WARNING if first else logging.DEBUG,
+                "listed node %s (%s) refused: %s%s", str(key)[:16], tier, reason,
+                "; further refusals are counted in nodes_rejected" if first else "")
 
 
 def _checked_keys(keys: Sequence[str]) -> list[str]:

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
+from paged_cache.bounds import NodeBounds
 from paged_cache.distributed import WORLD, Agreement, resolve_group, shard_of
 from paged_cache.fetch import Found, find
 from paged_cache.handlers import layer_needs_snapshots
@@ -101,9 +102,10 @@ class BlockAwarePrefixCache:
             ("hits", "misses", "tokens_requested", "tokens_matched", "tokens_saved",
              "partial_block_tokens_lost", "walkbacks", "walkback_tokens_lost", "stores",
              "blocks_written", "checkpoints_written", "blocks_deduplicated", "blocks_taken",
-             "store_seconds", "restore_seconds"), 0)
+             "blocks_rejected", "store_seconds", "restore_seconds"), 0)
         self.last_fetch = FetchInfo(0, 0, "miss", 0.0, 0)
         self._loans = Loans(lambda layers, lent: put_back(self, layers, lent))
+        self._bounds: NodeBounds | None = None
 
     # ------------------------------------------------------------------ layout / fingerprint
 
@@ -120,6 +122,19 @@ class BlockAwarePrefixCache:
     def fingerprint(self) -> str | None:
         """Model + layout fingerprint (learned by a 1-token dry run), None if unsupported."""
         return self.layout.fingerprint if self.layout.ready() else None
+
+    @property
+    def bounds(self) -> NodeBounds:
+        """What a node of this prefix cache read from SSD or the remote tier can be (checked on
+        its header before anything is allocated for it); the layout must be ready."""
+        if self._bounds is None:
+            names = len(self.namespace.encode()) + len(self.model_name.encode())
+            self._bounds = NodeBounds(self.layout, names)
+        return self._bounds
+
+    def read(self, key: str, *, take: bool = False, in_place: bool = False) -> Any:
+        """``manager.get`` of a node of this prefix cache, checked against ``bounds``."""
+        return self.manager.get(key, take=take, in_place=in_place, expect=self.bounds)
 
     @property
     def needs_snapshots(self) -> bool:
@@ -290,6 +305,10 @@ class BlockAwarePrefixCache:
             store_chain(self, tokens[:found.n], found.cache, {}, consume=True)
         except Exception as exc:  # noqa: BLE001 - a lost block costs reuse, never the group
             logger.warning("could not store back the blocks of a dropped fetch: %r", exc)
+
+    def count(self, name: str) -> None:
+        """Count one event of ``name`` in ``stats()`` (fetch.py's rejected blocks)."""
+        self._stats[name] += 1
 
     def _held(self, keys: list[str]) -> bool:
         return all(t is not None for t in self.manager.tiers_of(keys))

@@ -72,7 +72,7 @@ def store_chain(pc: Any, tokens: np.ndarray, cache: list, snaps: dict, consume: 
         restoring = {p: _restoring(kids, parents, ids, spans, p) for p in _positions(snaps, n)}
         promote = [keys[j] for j in on_disk] + _disk_checkpoints(restoring)
         for key in promote:
-            manager.get(key)  # read and promoted into RAM
+            pc.read(key)  # read and promoted into RAM
         ckpts += _checkpoint_positions(restoring, spans, new, exclude={p for p, _ in ckpts})
     types = [type(layer).__name__ for layer in cache]
     block_cuts, ckpt_cuts = [], []
@@ -83,7 +83,7 @@ def store_chain(pc: Any, tokens: np.ndarray, cache: list, snaps: dict, consume: 
             ckpt_cuts.append([h.cut_checkpoint(cache[i], spans[j][0], p, captures, n)
                               for p, j in ckpts])
         else:
-            ckpt_cuts.append([({}, {"has_rows": False})] * len(ckpts))
+            ckpt_cuts.append([({}, h.empty_desc(layout.template[i]))] * len(ckpts))
         if consume:
             mx.eval([a for cuts in (block_cuts[-1], ckpt_cuts[-1]) for arrays, _ in cuts
                      for a in arrays.values()])
@@ -172,7 +172,7 @@ def _dominated_tails(kids: dict, parents: list[str], ids: np.ndarray,
 def _tail_to_checkpoint(pc: Any, tail: ChainNode) -> None:
     """Replace a dominated partial tail by a checkpoint of the same tokens: its state (and the
     rows of windowed layers) stay, the rows of layers a block holds go."""
-    block = pc.manager.get(tail.key, take=True)
+    block = pc.read(tail.key, take=True)
     pc.manager.discard(tail.key)
     if block is None:
         return
@@ -184,7 +184,8 @@ def _tail_to_checkpoint(pc: Any, tail: ChainNode) -> None:
             arrays.update({k: v for k, v in block.arrays.items()
                            if (layer_of(k) or (-1,))[0] == i})
         else:
-            descs[i] = {"type": descs[i]["type"], "has_rows": False}
+            empty = layout.handlers[i].empty_desc(layout.template[i])
+            descs[i] = {"type": descs[i]["type"], **empty}
     key = checkpoint_key(layout.fingerprint, pc.namespace, tail.parent, tail.token_ids)
     node = ChainNode(key, tail.parent, tail.fingerprint, tail.start, tail.token_ids,
                      checkpoint=True, restorable=tail.restorable)

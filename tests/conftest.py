@@ -6,11 +6,12 @@ the tiny random-weight models once per session. Helpers (no fixtures) live in te
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
 from paged_cache.testing import tiny_model
+from paged_cache.testing.server import ValkeyServer, client
 
 ENGINE_TESTS = Path(__file__).parent / "engines"
 
@@ -61,3 +62,20 @@ class _Models(dict):
 def models() -> _Models:
     """``models[arch]``: the session's tiny random-weight model of ``arch`` (built once)."""
     return _Models()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ValkeyServer]:
+    """A real valkey-server / redis-server for the module's tests (no binary: an error naming
+    the install step, never a skip)."""
+    with ValkeyServer() as srv:
+        yield srv
+
+
+@pytest.fixture
+def url(server: ValkeyServer) -> str:
+    """The module's server, running and emptied."""
+    if not server.ping():
+        server.start()
+    client(server.url).flushall()
+    return server.url

@@ -132,7 +132,8 @@ def test_demo_table_fits_80_columns(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("command, flags", [
-    ("inspect", {"--config", "--ssd-dir", "--ssd-max-bytes", "--remote-url", "--remote-cluster"}),
+    ("inspect", {"--config", "--ssd-dir", "--ssd-max-bytes", "--remote-url", "--remote-cluster",
+                 "--remote-tls-ca", "--remote-tls-cert", "--remote-tls-key"}),
     ("ls", {"--config", "--ssd-dir"}), ("show", {"--config", "--ssd-dir"}),
     ("chains", {"--config", "--ssd-dir"}), ("verify", {"--config", "--ssd-dir"}),
     ("prune", {"--config", "--ssd-dir"}), ("purge", {"--config", "--ssd-dir"}),

@@ -187,3 +187,17 @@ def test_layers_summary() -> None:
     assert json.loads(fmt.layers_summary({"layers": json.dumps(layers)})) == {
         "KVCache": 2, "ArraysCache+RotatingKVCache": 1}
     assert fmt.layers_summary({}) is None and fmt.layers_summary({"layers": "{"}) is None
+
+
+@pytest.mark.parametrize("compression", ["none", "lz4"])
+def test_a_deeply_nested_header_is_damage_not_a_recursion_error(compression: str) -> None:
+    """JSON nested beyond the interpreter's recursion limit (200,000 brackets, 200 KB): a
+    BlockFileError like any unreadable header (it raised RecursionError, which no reader
+    catches)."""
+    header = b"[" * 200_000
+    data = struct.pack("<Q", len(header)) + header
+    data = lz4.frame.compress(data) if compression == "lz4" else data
+    with pytest.raises(fmt.BlockFileError, match="not JSON"):
+        fmt.decode(data, KEY, max_bytes=1 << 30)
+    with pytest.raises(fmt.BlockFileError, match="not JSON"):
+        fmt.read_header_only(lambda off, n: data[off:off + n], len(data), 1 << 30)

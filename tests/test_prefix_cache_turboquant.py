@@ -8,28 +8,15 @@ import pytest
 from mlx_lm.generate import generate_step
 
 tq = pytest.importorskip("mlx_vlm.turboquant")
-from mlx_vlm.models.llama.config import ModelConfig  # noqa: E402
-from mlx_vlm.models.llama.language import Model  # noqa: E402
 
 from paged_cache.handlers import Span, handler_for  # noqa: E402
 from paged_cache.testing.models import VOCAB  # noqa: E402
 
 from helpers.prefix import assert_exact, hot_prefix, prefill, prompt, store_prompt  # noqa: E402
+from helpers.turboquant import tiny_vlm_llama  # noqa: E402
 
 pytestmark = pytest.mark.turboquant
 BITS = [dict(bits=4), dict(bits=3.5), dict(bits=3, key_bits=2.5)]  # 2.5: a split codec
-
-
-def tiny_vlm_llama(dtype: mx.Dtype = mx.float32) -> Model:
-    """mlx-vlm's llama language model (its attention handles TurboQuant), random weights."""
-    cfg = ModelConfig(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                      num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-                      vocab_size=VOCAB, tie_word_embeddings=False)
-    mx.random.seed(0)
-    model = Model(cfg)
-    model.set_dtype(dtype)
-    model.eval()
-    return model
 
 
 def _packed_bytes(layer) -> list[bytes]:

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
 
 import mlx.core as mx
 import pytest
@@ -32,20 +31,6 @@ from helpers.prefix import assert_exact, prompt, store_prompt
 BLOCK = 16
 WALK = "0" * 64  # a fingerprint for chain walks that only ask where the keys are held
 HOST = Path(__file__).with_name("remote_host.py")
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ValkeyServer]:
-    with ValkeyServer() as srv:  # no binary: an error naming the install step, never a skip
-        yield srv
-
-
-@pytest.fixture
-def url(server: ValkeyServer) -> str:
-    if not server.ping():
-        server.start()
-    client(server.url).flushall()
-    return server.url
 
 
 LOADED = 5.0  # remote_timeout of tests that do not test timeouts: a busy CI machine is slow

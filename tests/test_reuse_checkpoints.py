@@ -19,7 +19,7 @@ from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
 from paged_cache.tiers.ssd import SSDTier
 from scheduler import Scheduler
-from helpers.prefix import assert_exact, prefill, prompt
+from helpers.prefix import assert_exact, prefill, prompt, store_prompt
 from helpers.managers import new_manager
 
 BLOCK = 16
@@ -241,3 +241,19 @@ def test_after_a_mid_prefill_store_the_snapshots_restore_every_boundary(tmp_path
         prefix.store(tokens[:since + 1], cache, snapshots=snaps)
         for n in (24, 32, window):
             assert assert_exact(model, prefix, tokens[:n] + [255, 254]) == n
+
+
+@pytest.mark.parametrize("ssd", [False, True])
+def test_a_checkpoint_restores_a_cache_list_that_needs_no_state(tmp_path: Path, ssd: bool) -> None:
+    """longcat_flash_ngram: a recurrent n-gram state and a CacheList of KV layers. A checkpoint
+    holds the state; its CacheList descriptor lists its members (holding nothing), as every
+    block's does. (It was a bare ``{"has_rows": false}``: the fetch at the checkpoint raised
+    KeyError 'members'.)"""
+    model = tiny_model("longcat_flash_ngram")
+    base = prompt(5 * BLOCK + 3)
+    with manager_for(tmp_path, ssd) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        store_prompt(model, prefix, base)
+        store_prompt(model, prefix, base[:3 * BLOCK + 5])
+        assert prefix.stats()["checkpoints_written"] >= 1
+        assert assert_exact(model, prefix, base[:3 * BLOCK + 5] + [1]) == 3 * BLOCK + 5

@@ -29,7 +29,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                           "with --remote-url also the remote server's blocks, "
                                           "memory and eviction policy.")
     render.add_dir_arguments(p, fields=("ssd_dir", "ssd_max_bytes", "remote_url",
-                                         "remote_cluster"))
+                                         "remote_cluster", "remote_tls_ca", "remote_tls_cert",
+                                         "remote_tls_key"))
     p.set_defaults(func=render.dir_command("inspect", run_inspect))
 
     p = subparsers.add_parser("ls", help="one row per stored block")
@@ -128,10 +129,13 @@ def _remote(args: argparse.Namespace) -> dict[str, Any] | None:
     if config.remote_url is None:
         return None
     from paged_cache.cli.remote_summary import server_summary
+    from paged_cache.tiers.remote_client import TLSFiles
 
     try:
-        return server_summary(config.remote_url, cluster=config.remote_cluster)
-    except (OSError, ImportError) as exc:  # no answer, refused, no client: shown, not fatal
+        return server_summary(config.remote_url, cluster=config.remote_cluster,
+                              tls=TLSFiles.of(config))
+    except (OSError, ImportError, ValueError) as exc:  # no answer, refused, no client, an
+        # unreadable TLS file: shown, not fatal
         return {"url": config.remote_url.redacted(), "error": str(exc)}
 
 

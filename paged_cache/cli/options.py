@@ -18,7 +18,9 @@ _CHOICES = {"compression": COMPRESSIONS, "write_policy": WRITE_POLICIES,
 _METAVARS = {"block_size": "TOKENS", "hot_cache_max_bytes": "SIZE", "ssd_dir": "DIR",
              "ssd_max_bytes": "SIZE|auto", "write_queue_max_bytes": "SIZE",
              "remote_url": "URL", "remote_ttl": "SECONDS", "remote_timeout": "SECONDS",
-             "remote_queue_max_bytes": "SIZE", "ssd_read_threads": "N"}
+             "remote_queue_max_bytes": "SIZE", "ssd_read_threads": "N", "remote_secret": "SECRET",
+             "remote_tls_ca": "FILE", "remote_tls_cert": "FILE", "remote_tls_key": "FILE"}
+BOOL_FIELDS = ("hot_cache_only", "remote_cluster", "cache_salt_from_user")
 
 
 def flag_of(name: str) -> str:
@@ -36,7 +38,7 @@ def add_config_arguments(parser: argparse.ArgumentParser,
                        help="TOML file with a [paged_cache] table (or settings at top level)")
     for name in fields or CacheConfig.field_names():
         help_text = CacheConfig.field_help(name)
-        if name in ("hot_cache_only", "remote_cluster"):
+        if name in BOOL_FIELDS:
             group.add_argument(flag_of(name), dest=name, default=None,
                                action=argparse.BooleanOptionalAction, help=help_text)
         else:

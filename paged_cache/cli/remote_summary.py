@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from paged_cache.tiers.remote_client import KEY_PREFIX, client_module, connect, shown
+from paged_cache.tiers.remote_client import KEY_PREFIX, TLSFiles, client_module, connect, shown
 
 SUMMARY_SCAN_LIMIT = 1_000_000  # keys `inspect` counts at most
 
 
-def server_summary(url: str, timeout: float = 2.0, cluster: bool = False) -> dict[str, Any]:
+def server_summary(url: str, timeout: float = 2.0, cluster: bool = False,
+                   tls: TLSFiles | None = None) -> dict[str, Any]:
     """What the server at ``url`` holds and how it evicts (``paged-cache inspect --remote-url``):
     paged-cache's block and listing keys (a bounded SCAN), memory, maxmemory and its policy,
     evictions, expiries (a cluster's primaries added up). OSError when the server does not answer
@@ -18,7 +19,7 @@ def server_summary(url: str, timeout: float = 2.0, cluster: bool = False) -> dic
     valkey = client_module()
     db = None
     try:
-        db = connect(url, timeout=timeout, cluster=cluster)
+        db = connect(url, timeout=timeout, cluster=cluster, tls=tls)
         return _summary(db, url, valkey.ResponseError, cluster)
     except (valkey.ValkeyError, valkey.exceptions.ValkeyClusterException, OSError) as exc:
         raise OSError(str(exc)) from exc

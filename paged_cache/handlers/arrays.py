@@ -13,8 +13,8 @@ from typing import Any, Sequence
 
 from mlx_lm.models.cache import ArraysCache
 
-from paged_cache.handlers.base import (Arrays, Captured, LayerHandler, Part, Span, detached,
-                                       kept)
+from paged_cache.handlers.base import (Arrays, Captured, LayerHandler, Part, Span, Stored,
+                                       detached, flag, form_of, kept, nbytes_of)
 
 
 class ArraysHandler(LayerHandler):
@@ -57,6 +57,31 @@ class ArraysHandler(LayerHandler):
             if span.end == n and span.desc.get("has_state"):
                 return [i]
         return None
+
+    def stored_form(self, layer: Any) -> Any:
+        return [None if a is None else form_of(a) for a in layer.cache]
+
+    def accepts(self, layer: Any, form: Any, stored: Stored) -> str | None:
+        """A state array has the dtype, rank and batch of the layer's state after the dry run and
+        its shape but for at most one axis, grown by at most a block (a window of recent ids)."""
+        has_state = flag(stored.desc, "has_state")
+        if has_state is None or stored.desc.get("size") != len(form):
+            return f"descriptor is not has_state true / false with size {len(form)}"
+        want = {f"s{i}": f for i, f in enumerate(form) if f is not None} if has_state else {}
+        if set(stored.tensors) != set(want):
+            return f"state arrays {sorted(stored.tensors)}, expected {sorted(want)}"
+        for name, (dtype, shape) in want.items():
+            got_dtype, got = stored.tensors[name]
+            grown = [g - s for g, s in zip(got, shape) if g != s]
+            if (got_dtype != dtype or len(got) != len(shape) or got[:1] != tuple(shape[:1])
+                    or len(grown) > 1 or any(not 0 <= d <= stored.block_size for d in grown)):
+                return f"state {name!r} is {got_dtype} {list(got)}, expected {dtype} {shape}"
+        return None
+
+    def node_bytes(self, layer: Any, form: Any, block_size: int) -> int:
+        return sum(max(nbytes_of(dtype, shape[:k] + [shape[k] + block_size] + shape[k + 1:])
+                       for k in range(1, len(shape))) if len(shape) > 1 else nbytes_of(dtype, shape)
+                   for dtype, shape in filter(None, form))
 
     def rebuild(self, layer: Any, parts: Sequence[Part], n: int, capacity: int) -> Any:
         part = next(p for p in parts if p.end == n and p.desc.get("has_state"))

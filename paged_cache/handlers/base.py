@@ -11,6 +11,7 @@ land their rows in its buffers, and the caller reads them after the last layer.
 
 from __future__ import annotations
 
+import math
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ from typing import Any, ClassVar, Iterable, Iterator, Sequence
 
 import mlx.core as mx
 import numpy as np
+
+from paged_cache.tiers.format import DTYPES, mx_dtype_name
 
 TOKEN_AXIS = 2  # every mlx-lm / mlx-vlm KV array is (B, heads, tokens, ...)
 
@@ -42,6 +45,23 @@ class Span:
     start: int
     end: int
     desc: dict
+
+
+Tensors = dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype name, shape), as a header declares
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One layer of a stored node as its header declares it, before anything is read: the node's
+    span ``[start, end)``, whether it is a checkpoint, the block size, the layer's descriptor (any
+    JSON value: untrusted) and its tensors."""
+
+    start: int
+    end: int
+    checkpoint: bool
+    block_size: int
+    desc: Any
+    tensors: Tensors
 
 
 class LayerHandler:
@@ -90,6 +110,28 @@ class LayerHandler:
         """Indices of the blocks needed to rebuild ``layer`` (a fresh one) at ``n`` tokens, or None."""
         raise NotImplementedError
 
+    def empty_desc(self, layer: Any) -> dict:
+        """The descriptor of a node that holds nothing of this layer (a checkpoint's layers that
+        every block holds)."""
+        return {"has_rows": False}
+
+    def stored_form(self, layer: Any) -> Any:
+        """What every node stored from this layer holds whatever its tokens (names, dtypes, shapes
+        but for the token axis), learned once from ``layer`` after the layout's 1-token dry run;
+        ``accepts`` and ``node_bytes`` take it (JSON-like, small)."""
+        raise NotImplementedError
+
+    def accepts(self, layer: Any, form: Any, stored: Stored) -> str | None:
+        """Why ``stored`` cannot be this layer's part of a node a store wrote (descriptor fields,
+        array names, dtypes, shapes, rows for the span), or None when it can: checked before
+        anything is read or allocated for it. ``layer`` is a fresh entry of the layout (for its
+        parameters: window, keep, chunk size)."""
+        raise NotImplementedError
+
+    def node_bytes(self, layer: Any, form: Any, block_size: int) -> int:
+        """The most bytes one stored node (block or checkpoint) holds for this layer."""
+        raise NotImplementedError
+
     def rebuild(self, layer: Any, parts: Sequence[Part], n: int, capacity: int) -> Any:
         """Fill the fresh ``layer`` so it equals the original positioned at ``n`` tokens."""
         raise NotImplementedError
@@ -134,6 +176,22 @@ def union_of_plans(plans: Iterable[list[int] | None]) -> list[int] | None:
             return None
         needed.update(idx)
     return sorted(needed)
+
+
+def flag(desc: Any, name: str) -> bool | None:
+    """``desc[name]`` when ``desc`` is a dict holding a bool there, else None (untrusted JSON)."""
+    value = desc.get(name) if isinstance(desc, dict) else None
+    return value if isinstance(value, bool) else None
+
+
+def nbytes_of(dtype: str, shape: Sequence[int]) -> int:
+    """Bytes of an array of ``dtype`` (an MLX dtype name) and ``shape``."""
+    return math.prod(shape) * DTYPES[dtype].itemsize
+
+
+def form_of(x: mx.array) -> tuple[str, list[int]]:
+    """(dtype name, shape) of an array, as a stored form records it."""
+    return mx_dtype_name(x.dtype), list(x.shape)
 
 
 def token_slice(x: mx.array, a: int, b: int) -> mx.array:

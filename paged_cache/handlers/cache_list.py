@@ -5,11 +5,12 @@ A block stores each member's own slice under ``m<j>.``; never the cumulative sta
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Sequence
 
 from mlx_lm.models.cache import CacheList
 
-from paged_cache.handlers.base import (Arrays, Captured, LayerHandler, Part, Span,
+from paged_cache.handlers.base import (Arrays, Captured, LayerHandler, Part, Span, Stored,
                                        union_of_plans)
 
 
@@ -78,6 +79,31 @@ class CacheListHandler(LayerHandler):
         return union_of_plans(
             handler.plan(member, [Span(s.start, s.end, s.desc["members"][j]) for s in spans], n)
             for j, (member, handler) in enumerate(self.members(layer)))
+
+    def empty_desc(self, layer: Any) -> dict:
+        return {"members": [h.empty_desc(m) for m, h in self.members(layer)]}
+
+    def stored_form(self, layer: Any) -> Any:
+        return [h.stored_form(m) for m, h in self.members(layer)]
+
+    def accepts(self, layer: Any, form: Any, stored: Stored) -> str | None:
+        members = self.members(layer)
+        descs = stored.desc.get("members") if isinstance(stored.desc, dict) else None
+        if not isinstance(descs, list) or len(descs) != len(members):
+            return f"descriptor does not list {len(members)} members"
+        prefixes = [f"m{j}." for j in range(len(members))]
+        strays = [n for n in stored.tensors if not n.startswith(tuple(prefixes))]
+        if strays:
+            return f"arrays {sorted(strays)} belong to no member"
+        for j, ((member, handler), prefix) in enumerate(zip(members, prefixes)):
+            mine = {n[len(prefix):]: v for n, v in stored.tensors.items() if n.startswith(prefix)}
+            reason = handler.accepts(member, form[j], replace(stored, desc=descs[j], tensors=mine))
+            if reason is not None:
+                return f"member {j}: {reason}"
+        return None
+
+    def node_bytes(self, layer: Any, form: Any, block_size: int) -> int:
+        return sum(h.node_bytes(m, f, block_size) for (m, h), f in zip(self.members(layer), form))
 
     def rebuild(self, layer: Any, parts: Sequence[Part], n: int, capacity: int) -> Any:
         spans = [Span(p.start, p.end, p.desc) for p in parts]

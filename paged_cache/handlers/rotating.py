@@ -25,7 +25,7 @@ from mlx_lm.models.cache import RotatingKVCache
 
 from paged_cache import compat
 from paged_cache.caches import PreallocatedRotatingKVCache
-from paged_cache.handlers.base import Arrays, Part, Span
+from paged_cache.handlers.base import Arrays, Part, Span, Stored
 from paged_cache.handlers.rows import RowsHandler, Run, held_ranges
 
 
@@ -81,6 +81,13 @@ class RotatingHandler(RowsHandler):
                 elif "ring_idx" in p.desc and p.end == n:  # written before "ring": a ring's end
                     rings.append([n, n - (p.desc["ring_idx"] - layer.keep)])
         return min(rings)[1] if rings else None
+
+    def accepts(self, layer: Any, form: Any, stored: Stored) -> str | None:
+        reason = super().accepts(layer, form, stored)
+        ring = stored.desc.get("ring_idx") if reason is None else None
+        if ring is not None and not (type(ring) is int and layer.keep < ring < layer.max_size):
+            return f"ring_idx {ring!r:.20} is not a slot in ({layer.keep}, {layer.max_size})"
+        return reason
 
     def rebuild(self, layer: Any, parts: Sequence[Part], n: int, capacity: int) -> Any:
         phase = self.phase_at(layer, parts, n) if n > layer.max_size else None

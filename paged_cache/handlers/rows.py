@@ -12,9 +12,11 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from paged_cache.handlers.base import (TOKEN_AXIS, Arrays, Captured, LayerHandler, Part, Piece,
-                                       Span, assemble_rows, owned, token_slice)
+                                       Span, Stored, Tensors, assemble_rows, flag, form_of,
+                                       nbytes_of, owned, token_slice)
 
 Run = tuple[int, int, int]  # (first position, end position, first row)
+FAR = 1 << 62  # a position past any real sequence (for the widest window a layer can hold)
 
 
 def merge_runs(runs: Sequence[Run]) -> list[Run]:
@@ -121,14 +123,66 @@ class RowsHandler(LayerHandler):
     def cut_checkpoint(self, layer: Any, start: int, end: int, captures: dict[int, Captured],
                        live_at: int) -> tuple[Arrays, dict]:
         """A windowed layer's checkpoint holds every row of its window at ``end`` the sources
-        still have (blocks cut earlier may have lost them), not just ``[start, end)``."""
-        reach = start
-        if self.needs_snapshots:
-            reach = min([start] + [lo for lo, _ in self.window(layer, end)])
-        arrays, desc = self.cut(layer, [(reach, end)], captures, live_at)[0]
-        if reach < start and desc["has_rows"]:
-            desc.setdefault("rows", [[reach, end]])  # held positions, not the node's span
+        still have (blocks cut earlier may have lost them), not just ``[start, end)``; nothing
+        outside ``node_positions`` (what a rebuild at ``end`` can use), however much the live
+        buffer or the boundary captures hold."""
+        within = self.node_positions(layer, start, end, checkpoint=True)
+        arrays, desc = self.cut(layer, [(within[0][0], end)], captures, live_at)[0]
+        if not desc["has_rows"]:
+            return arrays, desc
+        held = held_ranges(Span(within[0][0], end, desc))
+        kept = intersect_ranges(held, within)
+        if kept != held:
+            rows = _rows_of(held, kept)
+            for name in self.names(layer):
+                pieces = [token_slice(arrays[name], a, b) for a, b in rows]
+                arrays[name] = (owned(pieces[0]) if len(pieces) == 1
+                                else mx.concatenate(pieces, axis=TOKEN_AXIS))
+        if kept != [(start, end)]:
+            desc["rows"] = [list(r) for r in kept]  # held positions, not the node's span
+        else:
+            desc.pop("rows", None)
         return arrays, desc
+
+    def node_positions(self, layer: Any, start: int, end: int, *,
+                       checkpoint: bool) -> list[tuple[int, int]]:
+        """Positions a node over ``[start, end)`` may hold rows for: its span, and for a
+        checkpoint of a windowed layer also its window at ``end`` (sorted, merged)."""
+        if checkpoint and self.needs_snapshots:
+            return merge_ranges([(start, end), *self.window(layer, end)])
+        return [(start, end)]
+
+    def stored_form(self, layer: Any) -> Any:
+        return {"arrays": {name: form_of(a) for name, a in self.arrays(layer).items()}}
+
+    def accepts(self, layer: Any, form: Any, stored: Stored) -> str | None:
+        has_rows = flag(stored.desc, "has_rows")
+        if has_rows is None:
+            return "descriptor has no has_rows true / false"
+        if not has_rows:
+            return None if not stored.tensors else f"arrays {sorted(stored.tensors)} without rows"
+        within = self.node_positions(layer, stored.start, stored.end, checkpoint=stored.checkpoint)
+        ranges = parse_ranges(stored.desc.get("rows", [[stored.start, stored.end]]), within)
+        if ranges is None:
+            return f"rows {stored.desc.get('rows')!r:.80} are not sorted ranges within {within}"
+        rows = sum(b - a for a, b in ranges)
+        for name, (dtype, shape) in form["arrays"].items():
+            want = (dtype, tuple(shape[:TOKEN_AXIS] + [rows] + shape[TOKEN_AXIS + 1:]))
+            if stored.tensors.get(name) != want:
+                return f"array {name!r} is {stored.tensors.get(name)}, expected {want}"
+        return self.accepts_extra(layer, form, stored,
+                                  {k: v for k, v in stored.tensors.items() if k not in form["arrays"]})
+
+    def accepts_extra(self, layer: Any, form: Any, stored: Stored, others: Tensors) -> str | None:
+        """Why the arrays besides the rows (``others``) and the descriptor's other fields do not
+        fit (None when they do): by default there are none."""
+        return None if not others else f"unexpected arrays {sorted(others)}"
+
+    def node_bytes(self, layer: Any, form: Any, block_size: int) -> int:
+        rows = sum(b - a for a, b in self.node_positions(layer, FAR - block_size, FAR,
+                                                        checkpoint=True))
+        return sum(nbytes_of(dtype, shape[:TOKEN_AXIS] + [rows] + shape[TOKEN_AXIS + 1:])
+                   for dtype, shape in form["arrays"].values())
 
     def plan(self, layer: Any, spans: Sequence[Span], n: int) -> list[int] | None:
         # what each span holds rows for (a checkpoint's may reach back before its start)
@@ -180,6 +234,39 @@ def merge_ranges(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
             out[-1] = (out[-1][0], max(out[-1][1], b))
         else:
             out.append((a, b))
+    return out
+
+
+def intersect_ranges(ranges: Sequence[tuple[int, int]],
+                     within: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The positions of ``ranges`` that lie in ``within`` (both sorted and disjoint), merged."""
+    out = [(max(a, x), min(b, y)) for a, b in ranges for x, y in within if max(a, x) < min(b, y)]
+    return merge_ranges(out)
+
+
+def parse_ranges(value: Any, within: Sequence[tuple[int, int]]) -> list[tuple[int, int]] | None:
+    """A descriptor's ``rows`` as sorted, disjoint, non-empty position ranges inside ``within``,
+    or None when it is anything else (untrusted JSON)."""
+    if not isinstance(value, list) or not value:
+        return None
+    out: list[tuple[int, int]] = []
+    for item in value:
+        if (not isinstance(item, list) or len(item) != 2
+                or not all(type(v) is int for v in item) or not item[0] < item[1]
+                or (out and item[0] < out[-1][1])
+                or not any(x <= item[0] and item[1] <= y for x, y in within)):
+            return None
+        out.append((item[0], item[1]))
+    return out
+
+
+def _rows_of(held: Sequence[tuple[int, int]], kept: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Row ranges, in arrays holding the positions ``held`` in order, of the positions ``kept``
+    (each inside one held range)."""
+    out, row = [], 0
+    for a, b in held:
+        out += [(row + x - a, row + y - a) for x, y in kept if a <= x and y <= b]
+        row += b - a
     return out
 
 

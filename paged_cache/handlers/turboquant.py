@@ -16,7 +16,8 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 from paged_cache import compat
-from paged_cache.handlers.base import Arrays, Part, Span, detached
+from paged_cache.handlers.base import (Arrays, Part, Span, Stored, Tensors, detached, form_of,
+                                       nbytes_of)
 from paged_cache.handlers.rows import RowsHandler
 
 tq = compat.turboquant()
@@ -100,6 +101,27 @@ class TurboQuantHandler(RowsHandler):
         structure = {side: flatten_state(getattr(layer, side), side, {}) for side in SIDES}
         return arrays, {"codec": codecs, "codec_digest": digest.hexdigest(), "bits": self._meta(layer),
                         "structure": structure, "names": self.names(layer)}
+
+    def stored_form(self, layer: Any) -> Any:
+        arrays, desc = self.extra(layer)
+        fixed = {k: v for k, v in desc.items() if k != "codec_digest"}
+        return {**super().stored_form(layer), "codec": {k: form_of(v) for k, v in arrays.items()},
+                "desc": json.loads(json.dumps(fixed))}
+
+    def accepts_extra(self, layer: Any, form: Any, stored: Stored, others: Tensors) -> str | None:
+        """The descriptor's codec fields are the layout's (a digest aside) and the codec arrays
+        the ones the layout's codec has."""
+        for name, want in form["desc"].items():
+            if stored.desc.get(name) != want:
+                return f"descriptor field {name!r} is not this layout's"
+        if not isinstance(stored.desc.get("codec_digest"), str):
+            return "descriptor has no codec digest"
+        want = {k: (dtype, tuple(shape)) for k, (dtype, shape) in form["codec"].items()}
+        return None if others == want else f"codec arrays {others}, expected {want}"
+
+    def node_bytes(self, layer: Any, form: Any, block_size: int) -> int:
+        return super().node_bytes(layer, form, block_size) + sum(
+            nbytes_of(dtype, shape) for dtype, shape in form["codec"].values())
 
     def plan(self, layer: Any, spans: Sequence[Span], n: int) -> list[int] | None:
         idx = super().plan(layer, spans, n)

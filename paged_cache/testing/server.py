@@ -1,7 +1,8 @@
 """A real valkey-server / redis-server on 127.0.0.1 for tests and benchmarks of the remote tier.
 
 The binary comes from PATH (``make test`` installs one when it is missing); no persistence, a
-free port, killed with SIGKILL and restarted on the same port when a test asks.
+free port, killed with SIGKILL and restarted on the same port when a test asks; with ``tls``
+(testing/certs.py) it speaks TLS only, asking clients for a certificate when ``client_certs``.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -39,25 +41,36 @@ def free_port() -> int:
 class ValkeyServer:
     """One server process; ``url`` for clients, ``kill`` (SIGKILL), ``start`` again, ``stop``.
     ``settings``: extra config directives, e.g. {"maxmemory": "2mb", "maxmemory-policy":
-    "allkeys-lru"}."""
+    "allkeys-lru"}; ``users``: ACL rules; ``tls``: a testing.certs.TLSCerts (TLS only, client
+    certificates asked for when ``client_certs``)."""
 
-    def __init__(self, **settings: Any) -> None:
+    def __init__(self, *, tls: Any = None, client_certs: bool = False, users: tuple[str, ...] = (),
+                 **settings: Any) -> None:
         self.binary = server_binary()
         self.port = free_port()
+        self.tls, self.client_certs = tls, client_certs
+        self.users = users  # ACL rules, e.g. "app on >pw ~paged-cache:* +@read"
         self.settings = {k.replace("_", "-"): str(v) for k, v in settings.items()}
+        if tls is not None:
+            self.settings.update({"tls-cert-file": str(tls.server), "tls-key-file": str(tls.server_key),
+                                  "tls-ca-cert-file": str(tls.ca),
+                                  "tls-auth-clients": "yes" if client_certs else "no"})
         self._dir = tempfile.mkdtemp(prefix="paged-cache-valkey-")
         self.process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
 
     def start(self) -> "ValkeyServer":
         """Start the server (again) on ``port`` and wait until it answers PING."""
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+        ports = ["--port", "0", "--tls-port", str(self.port)] if self.tls else ["--port", str(self.port)]
+        args = [self.binary, *ports, "--bind", "127.0.0.1", "--save", "",
                 "--appendonly", "no", "--dir", self._dir, "--protected-mode", "yes"]
         for name, value in self.settings.items():
             args += [f"--{name}", value]
+        for rule in self.users:
+            args += ["--user", *rule.split()]
         log = open(Path(self._dir) / "server.log", "ab")
         self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL)
@@ -78,11 +91,29 @@ class ValkeyServer:
         """True when the server answers a RESP PING (raw socket, no client library; a server
         with a password answers NOAUTH)."""
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as s:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as raw:
+                s = raw if self.tls is None else self._tls_context().wrap_socket(
+                    raw, server_hostname="127.0.0.1")
                 s.sendall(b"*1\r\n$4\r\nPING\r\n")
                 return s.recv(16).startswith((b"+PONG", b"-NOAUTH"))  # answering
         except OSError:
             return False
+
+    def _tls_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=str(self.tls.ca))
+        context.check_hostname = False  # whether it answers, whatever host its certificate names
+        if self.client_certs:
+            context.load_cert_chain(str(self.tls.client), str(self.tls.client_key))
+        return context
+
+    def client_options(self) -> dict[str, Any]:
+        """Keyword arguments a valkey client of ``url`` needs (TLS files), for ``client``."""
+        if self.tls is None:
+            return {}
+        out = dict(ssl_ca_certs=str(self.tls.ca))
+        if self.client_certs:
+            out.update(ssl_certfile=str(self.tls.client), ssl_keyfile=str(self.tls.client_key))
+        return out
 
     def kill(self) -> None:
         """SIGKILL the server and reap it (its data is gone: nothing is persisted)."""
@@ -152,11 +183,12 @@ class ServerCluster:
         self.stop()
 
 
-def client(url: str) -> Any:
-    """A valkey client of ``url`` for planting and reading values directly in tests."""
+def client(url: str, **options: Any) -> Any:
+    """A valkey client of ``url`` for planting and reading values directly in tests
+    (``options``: e.g. ``ValkeyServer.client_options()``)."""
     import valkey
 
-    return valkey.Valkey.from_url(url, socket_timeout=5.0)
+    return valkey.Valkey.from_url(url, socket_timeout=5.0, **options)
 
 
 __all__ = ["ServerCluster", "ValkeyServer", "client", "free_port", "server_binary"]

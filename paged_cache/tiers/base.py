@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, AbstractSet, Any, ClassVar, Sequence
 
-from paged_cache.tiers.format import NodeRow, RawTensors
+from paged_cache.tiers.format import Expected, NodeRow, RawTensors
 
 if TYPE_CHECKING:
     from paged_cache.block import Block
@@ -49,9 +49,13 @@ class Tier:
         model is ``fingerprint``, in one lookup whatever the number of parents."""
         raise NotImplementedError
 
-    def read(self, key: str, *, in_place: bool = False) -> tuple[Block | StoredBlock, str] | None:
+    def read(self, key: str, *, in_place: bool = False,
+             expect: Expected | None = None) -> tuple[Block | StoredBlock, str] | None:
         """``(block, label)`` of ``key``, verified, or None (a miss; damage is counted, never
-        raised). ``in_place``: a block on disk may come back as a StoredBlock (payload unread)."""
+        raised). ``in_place``: a block on disk may come back as a StoredBlock (payload unread).
+        ``expect``: what a block read from storage must be (checked on its header before anything
+        is allocated for it: a block that is not is damage); the RAM tier's own blocks need no
+        check."""
         raise NotImplementedError
 
     def write(self, block: Block, raw: RawTensors | None = None, *, now: bool = False) -> bool:

@@ -51,13 +51,15 @@ class BlockFiles:
                 os.close(fd)
         self.tmp_fd = self.blocks_fd = self.root_fd = -1
 
-    def read(self, key: str) -> Block | None:
-        """Read and verify a block from disk; None on a miss or damage (damage is counted, file removed)."""
-        return self._with_file(key, self._read_open_file)
+    def read(self, key: str, expect: fmt.Expected | None = None) -> Block | None:
+        """Read and verify a block from disk (and against ``expect``); None on a miss or damage
+        (damage is counted, file removed)."""
+        return self._with_file(key, lambda *a: self._read_open_file(*a, expect))
 
-    def open_stored(self, key: str) -> StoredBlock | None:
-        """The block with its header verified and its payload left on disk (see SSDTier.open_stored)."""
-        return self._with_file(key, self._stored_open_file)
+    def open_stored(self, key: str, expect: fmt.Expected | None = None) -> StoredBlock | None:
+        """The block with its header verified (and checked against ``expect``) and its payload
+        left on disk (see SSDTier.open_stored)."""
+        return self._with_file(key, lambda *a: self._stored_open_file(*a, expect))
 
     def _with_file(self, key: str, use: Any) -> Any:
         """``use(fan_fd, fd, name, key)`` on the block's file (which ``use`` closes), or None."""
@@ -89,15 +91,13 @@ class BlockFiles:
         self._count("misses")
         self._forget(key)
 
-    def _read_open_file(self, fan_fd: int, fd: int, name: str, key: str) -> Block | None:
+    def _read_open_file(self, fan_fd: int, fd: int, name: str, key: str,
+                        expect: fmt.Expected | None) -> Block | None:
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                reason = "not a regular file"
-            elif st.st_size > self.max_bytes:
-                reason = f"{st.st_size} bytes exceeds the tier budget"
-            else:
-                reason, data = None, read_exact(fd, st.st_size)
+            reason = self._unreadable(st, expect)
+            if reason is None:
+                data = read_exact(fd, st.st_size)
         except OSError as exc:
             self._count("read_errors")
             log.warning("block %s: read failed: %s", key[:16], exc)
@@ -106,7 +106,8 @@ class BlockFiles:
             os.close(fd)
         if reason is None:
             try:
-                arrays, meta = fmt.decode(data, key, max_bytes=fmt.decoded_limit(st.st_size))
+                arrays, meta = fmt.decode(data, key, max_bytes=fmt.decoded_limit(st.st_size),
+                                          expect=expect)
             except ValueError as exc:
                 reason = str(exc)
         if reason is not None:
@@ -114,17 +115,12 @@ class BlockFiles:
             return None
         return Block(key, arrays, meta)
 
-    def _stored_open_file(self, fan_fd: int, fd: int, name: str, key: str) -> StoredBlock | None:
-        limit = None
+    def _stored_open_file(self, fan_fd: int, fd: int, name: str, key: str,
+                          expect: fmt.Expected | None) -> StoredBlock | None:
         try:
             st = os.fstat(fd)
-            limit = fmt.decoded_limit(st.st_size)
-            if not stat.S_ISREG(st.st_mode):
-                reason = "not a regular file"
-            elif st.st_size > self.max_bytes:
-                reason = f"{st.st_size} bytes exceeds the tier budget"
-            else:
-                reason = None
+            reason = self._unreadable(st, expect)
+            if reason is None:
                 head = os.pread(fd, min(st.st_size, 4), 0)
                 whole = read_exact(fd, st.st_size) if head == fmt.LZ4_MAGIC else None
                 read_at = ((lambda off, n: whole[off:off + n]) if whole is not None
@@ -136,7 +132,8 @@ class BlockFiles:
             return None
         if reason is None:
             try:
-                header = fmt.read_header_only(read_at, st.st_size, limit)
+                header = fmt.read_header_only(read_at, st.st_size,
+                                              fmt.decoded_limit(st.st_size), expect)
                 fmt.verify_header(header, key)
             except (OSError, ValueError) as exc:
                 reason = str(exc)
@@ -152,6 +149,17 @@ class BlockFiles:
         block.arrays = {n: StoredTensor(block, dtype, shape, begin)
                         for n, dtype, shape, begin, _ in header.tensors}
         return block
+
+    def _unreadable(self, st: os.stat_result, expect: fmt.Expected | None) -> str | None:
+        """Why a block file is not read at all (not a regular file, larger than the budget or
+        than any block ``expect`` allows), or None."""
+        if not stat.S_ISREG(st.st_mode):
+            return "not a regular file"
+        if st.st_size > self.max_bytes:
+            return f"{st.st_size} bytes exceeds the tier budget"
+        if expect is not None and st.st_size > fmt.stored_limit(expect):
+            return f"{st.st_size} bytes is more than a block of this layout can take"
+        return None
 
     def _damaged_later(self, key: str, name: str, ino: int, reason: str) -> None:
         """``_damaged`` for a file found damaged after it was opened (its directory reopened)."""

@@ -7,11 +7,14 @@ tools, so every one of them names, opens and judges files the same way.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import stat
 
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.manifest import now
+
+log = logging.getLogger("paged_cache.ssd")
 
 MANIFEST_NAME = "manifest.sqlite"
 MANIFEST_FILES = (MANIFEST_NAME, MANIFEST_NAME + "-wal", MANIFEST_NAME + "-shm")
@@ -46,9 +49,10 @@ class CacheDirError(ValueError):
 
 def open_cache_root(path: os.PathLike | str) -> int:
     """Open (creating 0700) the cache directory itself; CacheDirError saying why it cannot be
-    used (not creatable, not a directory, not ours, unreadable, on a read-only filesystem)."""
+    used (not creatable, not a directory, not ours, unreadable, on a read-only filesystem). An
+    existing directory others could write to is tightened to 0700 with one WARNING naming it."""
     try:
-        fd = open_private_dir(None, os.fspath(path))
+        fd = open_private_dir(None, os.fspath(path), warn=True)
     except CacheDirError as exc:  # a file or symlink in its place, another owner
         raise CacheDirError(path, exc.reason) from None
     except OSError as exc:
@@ -62,8 +66,9 @@ def open_cache_root(path: os.PathLike | str) -> int:
     return fd
 
 
-def open_private_dir(dir_fd: int | None, name: str) -> int:
-    """Open (creating 0700 if needed) a directory we own, refusing symlinks."""
+def open_private_dir(dir_fd: int | None, name: str, *, warn: bool = False) -> int:
+    """Open (creating 0700 if needed) a directory we own, refusing symlinks; its mode is made
+    0700 (``warn``: with a WARNING naming it when group or others could write there)."""
     try:
         os.mkdir(name, 0o700, dir_fd=dir_fd) if dir_fd is not None else os.makedirs(name, 0o700)
     except FileExistsError:
@@ -77,7 +82,12 @@ def open_private_dir(dir_fd: int | None, name: str) -> int:
     if st.st_uid != os.getuid():
         os.close(fd)
         raise CacheDirError(name, f"is owned by uid {st.st_uid}, not by this user")
-    if stat.S_IMODE(st.st_mode) != 0o700:
+    mode = stat.S_IMODE(st.st_mode)
+    if mode != 0o700:
+        if warn and mode & 0o022:
+            log.warning("cache directory %s was writable by %s (mode %04o): another user could "
+                        "have planted or changed files in it; its mode is now 0700",
+                        os.path.abspath(name), "others" if mode & 0o002 else "its group", mode)
         os.fchmod(fd, 0o700)
     return fd
 

@@ -11,7 +11,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import lz4.frame
 import numpy as np
@@ -127,7 +127,8 @@ class BlockFileError(ValueError):
     """A block file is damaged, truncated, of another format version, or not the block asked for."""
 
 
-def _mx_dtype_name(dtype: Any) -> str:
+def mx_dtype_name(dtype: Any) -> str:
+    """The MLX name of a dtype ("float16", "bfloat16", ...): the names of DTYPES."""
     return str(dtype).rsplit(".", 1)[-1]
 
 
@@ -140,7 +141,7 @@ def raw_tensors(block: Any) -> RawTensors:
 
     out: RawTensors = {}
     for name, array in block.arrays.items():
-        dname = _mx_dtype_name(array.dtype)
+        dname = mx_dtype_name(array.dtype)
         if dname not in DTYPES:
             raise ValueError(f"block.arrays[{name!r}]: dtype {dname} is not storable; "
                              f"expected one of {sorted(DTYPES)}")
@@ -283,13 +284,41 @@ def _int_list(value: Any, what: str) -> list[int]:
     return value
 
 
-def header_length(prefix: bytes, limit: int) -> int:
-    """The header length from the first 8 bytes, checked against MAX_HEADER_BYTES and ``limit``."""
+class Expected(Protocol):
+    """What a reader knows about a block before reading its data (a prefix cache: from the
+    model's layout): bounds on its header and data section, and a check of a parsed header that
+    raises BlockFileError when its tensors or meta cannot be such a block. Applied before
+    anything is allocated or decompressed for the data."""
+
+    header_bytes: int
+    data_bytes: int
+
+    def check(self, header: "Header") -> None: ...
+
+
+def stored_limit(expect: Expected) -> int:
+    """Most bytes a stored block file (plain, or in an lz4 frame, which may be slightly larger
+    than its content) of a block ``expect`` allows can take."""
+    raw = 8 + expect.header_bytes + expect.data_bytes
+    return raw + raw // LZ4_MAX_RATIO + 1024
+
+
+def expected_limit(max_bytes: int, expect: Expected | None) -> int:
+    """The most bytes a (decompressed) block file may hold: ``max_bytes``, and at most what
+    ``expect`` allows when given."""
+    return max_bytes if expect is None else min(max_bytes, 8 + expect.header_bytes + expect.data_bytes)
+
+
+def header_length(prefix: bytes, limit: int, header_bytes: int = MAX_HEADER_BYTES) -> int:
+    """The header length from the first 8 bytes, checked against MAX_HEADER_BYTES,
+    ``header_bytes`` (what the reader expects at most) and ``limit`` (the file's bytes)."""
     if len(prefix) < 8:
         raise BlockFileError(f"file too short: {len(prefix)} bytes")
     n = struct.unpack("<Q", prefix[:8])[0]
-    if n < 2 or n > MAX_HEADER_BYTES or n > limit - 8:
-        raise BlockFileError(f"header length {n} out of range (file holds {limit} bytes)")
+    most = min(MAX_HEADER_BYTES, header_bytes)
+    if n < 2 or n > most or n > limit - 8:
+        raise BlockFileError(f"header length {n} out of range (file holds {limit} bytes, "
+                             f"headers at most {most})")
     return n
 
 
@@ -297,7 +326,7 @@ def parse_header(header: bytes, *, data_limit: int) -> Header:
     """Validate a header's JSON, dtypes, shapes and offsets; the data section may hold at most ``data_limit``."""
     try:
         doc = json.loads(bytes(header).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise BlockFileError(f"header is not JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise BlockFileError("header is not a JSON object")
@@ -364,16 +393,21 @@ def _lz4_reader(data: memoryview) -> Callable[[int], bytearray]:
     return read
 
 
-def split_file(data: Any, *, max_bytes: int) -> tuple[Header, memoryview]:
+def split_file(data: Any, *, max_bytes: int, admit: Callable[[Header], None] | None = None,
+               header_bytes: int = MAX_HEADER_BYTES) -> tuple[Header, memoryview]:
     """Validate a whole block file (plain or lz4) and return its header and data section.
 
-    ``max_bytes`` bounds the decompressed size of an lz4 file before it is decompressed.
+    ``max_bytes`` bounds the decompressed size of an lz4 file before it is decompressed and
+    ``header_bytes`` its header; ``admit(header)`` (raising BlockFileError) runs before any data
+    is decompressed.
     """
     view = byte_view(data)
     if view[:4] == LZ4_MAGIC:
         read = _lz4_reader(view)
-        n = header_length(read(8), max_bytes)
+        n = header_length(read(8), max_bytes, header_bytes)
         h = parse_header(read(n), data_limit=max_bytes - 8 - n)
+        if admit is not None:
+            admit(h)
         body = memoryview(read(h.data_bytes)) if h.data_bytes else memoryview(b"")
         dec = read.decompressor  # type: ignore[attr-defined]
         if not dec.eof and dec.decompress(b"", max_length=1):
@@ -381,42 +415,57 @@ def split_file(data: Any, *, max_bytes: int) -> tuple[Header, memoryview]:
         if not dec.eof or dec.unused_data:
             raise BlockFileError("lz4 frame is not complete or has trailing bytes")
         return h, body
-    n = header_length(bytes(view[:8]), view.nbytes)
-    h = parse_header(view[8:8 + n], data_limit=view.nbytes - 8 - n)
+    limit = min(view.nbytes, max_bytes)
+    n = header_length(bytes(view[:8]), limit, header_bytes)
+    h = parse_header(view[8:8 + n], data_limit=limit - 8 - n)
     if h.file_bytes != view.nbytes:
         raise BlockFileError(f"file has {view.nbytes} bytes, header describes {h.file_bytes}")
+    if admit is not None:
+        admit(h)
     return h, view[8 + n:]
 
 
 def read_header_only(read_at: Callable[[int, int], bytes], file_size: int,
-                     max_bytes: int) -> Header:
-    """Parse just the header of a block file via ``read_at(offset, n)`` (used to adopt files)."""
+                     max_bytes: int, expect: Expected | None = None) -> Header:
+    """Parse just the header of a block file via ``read_at(offset, n)`` (to adopt files, or to
+    read a payload in place later), verified, and checked against ``expect`` when given."""
+    limit = expected_limit(max_bytes, expect)
+    most = MAX_HEADER_BYTES if expect is None else expect.header_bytes
     head = read_at(0, min(file_size, 1 << 16))
     if head[:4] == LZ4_MAGIC:
         whole = head if len(head) == file_size else head + read_at(len(head), file_size - len(head))
         read = _lz4_reader(memoryview(whole))
-        n = header_length(read(8), max_bytes)
-        h = parse_header(read(n), data_limit=max_bytes - 8 - n)
+        n = header_length(read(8), limit, most)
+        h = parse_header(read(n), data_limit=limit - 8 - n)
     else:
-        n = header_length(head[:8], file_size)
+        n = header_length(head[:8], min(file_size, limit), most)
         raw = head[8:8 + n] if len(head) >= 8 + n else read_at(8, n)
         h = parse_header(raw, data_limit=file_size - 8 - n)
         if h.file_bytes != file_size:
             raise BlockFileError(f"file has {file_size} bytes, header describes {h.file_bytes}")
     verify_header(h, None)
+    if expect is not None:
+        expect.check(h)
     return h
 
 
-def decode(data: Any, key: str, *, max_bytes: int) -> tuple[dict[str, Any], dict[str, str]]:
-    """Verify a block file (header, key, payload checksum) and build its mx.arrays (one copy).
+def decode(data: Any, key: str, *, max_bytes: int,
+           expect: Expected | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """Verify a block file (header, key, ``expect``, payload checksum) and build its mx.arrays
+    (one copy). Nothing is decompressed or allocated for the data before the header passed.
 
     Returns (arrays, meta) with the storage layer's reserved keys removed from meta.
     Raises BlockFileError on any damage; runs on the caller thread (it calls MLX).
     """
     import mlx.core as mx
 
-    h, body = split_file(data, max_bytes=max_bytes)
-    verify_header(h, key)
+    def admit(h: Header) -> None:
+        verify_header(h, key)
+        if expect is not None:
+            expect.check(h)
+
+    h, body = split_file(data, max_bytes=expected_limit(max_bytes, expect), admit=admit,
+                         header_bytes=MAX_HEADER_BYTES if expect is None else expect.header_bytes)
     if xxhash.xxh3_128_hexdigest(body) != h.meta.get(META_CHECKSUM):
         raise BlockFileError("payload checksum mismatch")
     arrays: dict[str, Any] = {}

@@ -310,7 +310,8 @@ class HotTier(Tier):
                         out.append(node_row(key, meta))
         return out
 
-    def read(self, key: str, *, in_place: bool = False) -> tuple[Block, str] | None:
+    def read(self, key: str, *, in_place: bool = False,
+             expect: Any = None) -> tuple[Block, str] | None:
         """``(block, "hot")`` (now most recently used), or None."""
         block = self.get(key)
         return None if block is None else (block, self.name)

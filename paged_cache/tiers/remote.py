@@ -1,7 +1,9 @@
 """Remote tier: blocks shared by several hosts on a Valkey or Redis server, below the SSD tier.
 
-Values are block files (tiers/format.py: versioned, checksummed); a damaged, truncated or foreign
-value is a counted miss. The server keys are named in tiers/remote_client.py; a block key hashes
+Values are block files (tiers/format.py: versioned, checksummed), sealed with a MAC under
+``remote_secret`` (tiers/mac.py); a damaged, truncated or foreign value, or one that does not fit
+the reader's layout, is a counted miss, and with a secret a value without a valid tag is refused
+(``rejected``) before it is decoded. The server keys are named in tiers/remote_client.py; a block key hashes
 the model fingerprint and the prefix cache's namespace, so two models or namespaces never share a
 block entry.
 
@@ -23,12 +25,13 @@ from paged_cache.block import Block, check_key
 from paged_cache.config import REMOTE_QUEUE_DEFAULT
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.base import Tier
-from paged_cache.tiers.remote_client import client_module, connect, shown
+from paged_cache.tiers.mac import Sealer
+from paged_cache.tiers.remote_client import TLSFiles, client_module, connect, shown
 from paged_cache.tiers.remote_reads import RemoteReads
 from paged_cache.tiers.remote_writer import RemoteWriter
 from paged_cache.tiers.write_queue import Write
 
-_COUNTERS = ("hits", "misses", "damaged", "errors", "skipped", "outages", "reads", "read_bytes",
+_COUNTERS = ("hits", "misses", "damaged", "rejected", "errors", "skipped", "outages", "reads", "read_bytes",
              "read_seconds", "writes", "write_bytes", "bytes_written", "writes_existing",
              "write_drops", "write_errors", "discards")
 
@@ -41,10 +44,15 @@ class RemoteTier(RemoteReads, RemoteWriter, Tier):
 
     def __init__(self, url: str, *, timeout: float = 0.5, ttl: float = 0.0,
                  queue_max_bytes: int = REMOTE_QUEUE_DEFAULT, compression: str = "none",
-                 cluster: bool = False) -> None:
+                 cluster: bool = False, secret: str | None = None,
+                 tls: TLSFiles | None = None) -> None:
         valkey = client_module()
+        if tls is not None:
+            tls.options()  # a TLS file that cannot be read: ValueError naming it, now
         RemoteWriter.__init__(self, queue_max_bytes)
         self.url = url
+        self.tls = tls
+        self._sealer = Sealer(secret) if secret else None  # remote_secret: values carry a MAC
         self.timeout = timeout
         self.cluster = cluster
         self.ttl = ttl
@@ -99,9 +107,10 @@ class RemoteTier(RemoteReads, RemoteWriter, Tier):
                     out.append(fmt.node_row(key, meta))
         return out
 
-    def read(self, key: str, *, in_place: bool = False) -> tuple[Block, str] | None:
+    def read(self, key: str, *, in_place: bool = False,
+             expect: fmt.Expected | None = None) -> tuple[Block, str] | None:
         """``(block, "remote")`` (``read_block``), or None."""
-        block = self.read_block(key)
+        block = self.read_block(key, expect)
         return None if block is None else (block, self.name)
 
     def write(self, block: Block, raw: fmt.RawTensors | None = None, *, now: bool = False) -> bool:
@@ -149,7 +158,8 @@ class RemoteTier(RemoteReads, RemoteWriter, Tier):
         """The client, made on first use (a cluster client connects when it is made)."""
         with self._client_lock:
             if self._client is None:
-                self._client = connect(self.url, timeout=self.timeout, cluster=self.cluster)
+                self._client = connect(self.url, timeout=self.timeout, cluster=self.cluster,
+                                       tls=self.tls)
             return self._client
 
     # ---- stats -------------------------------------------------------------------------------

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import urllib.parse
+from dataclasses import dataclass
 from typing import Any
 
 from paged_cache.block import check_key, is_key
-from paged_cache.config import REMOTE_PASSWORD_ENV, RemoteURL
+from paged_cache.config import REMOTE_PASSWORD_ENV, TLS_SCHEMES, RemoteURL
 from paged_cache.tiers import format as fmt
 
 KEY_PREFIX = f"paged-cache:{fmt.FORMAT_VERSION}"
@@ -69,18 +71,48 @@ def client_module() -> Any:
     return valkey
 
 
-def connect(url: str, *, timeout: float, cluster: bool = False) -> Any:
+@dataclass(frozen=True)
+class TLSFiles:
+    """Files of a TLS connection (``rediss://``): CA certificates that verify the server (None:
+    the system's), and a client certificate with its key for servers that ask for one."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    @classmethod
+    def of(cls, config: Any) -> "TLSFiles":
+        """The TLS files a CacheConfig names (its remote_tls_* fields)."""
+        paths = (config.remote_tls_ca, config.remote_tls_cert, config.remote_tls_key)
+        return cls(*(None if p is None else os.fspath(p) for p in paths))
+
+    def options(self) -> dict[str, Any]:
+        """The client's keyword arguments: the server's certificate and host name verified;
+        ValueError naming a file that cannot be read."""
+        for what, path in (("remote_tls_ca", self.ca), ("remote_tls_cert", self.cert),
+                           ("remote_tls_key", self.key)):
+            if path is not None and not os.access(path, os.R_OK):
+                raise ValueError(f"{what}: {path!r} is not a readable file")
+        return dict(ssl_ca_certs=self.ca, ssl_certfile=self.cert, ssl_keyfile=self.key,
+                    ssl_cert_reqs="required", ssl_check_hostname=True)
+
+
+def connect(url: str, *, timeout: float, cluster: bool = False, tls: TLSFiles | None = None) -> Any:
     """A client of ``url`` (a cluster client when ``cluster``: it connects to discover the
     shards, so it may raise the client's errors). No client-side retry: a failure is reported at
     once (the tier starts an outage and probes). The password comes from the URL or, without
-    one there, from REMOTE_PASSWORD_ENV."""
+    one there, from REMOTE_PASSWORD_ENV (a user may be in the URL alone). A TLS URL
+    (``rediss://``, ``valkeys://``) verifies the server's certificate and host name."""
     valkey = client_module()
     from valkey.backoff import NoBackoff
     from valkey.retry import Retry
 
-    password = None if "@" in url.partition("://")[2] else os.environ.get(REMOTE_PASSWORD_ENV)
+    parts = urllib.parse.urlsplit(url)
+    password = None if parts.password is not None else os.environ.get(REMOTE_PASSWORD_ENV)
     options = dict(password=password, socket_timeout=timeout, socket_connect_timeout=timeout,
                    retry=Retry(NoBackoff(), 0), client_name="paged-cache")
+    if parts.scheme.lower() in TLS_SCHEMES:
+        options.update((tls or TLSFiles()).options())
     if cluster:
         from valkey.cluster import ValkeyCluster
 

@@ -2,8 +2,8 @@
 planned chain, and the child listings cache.
 
 ``RemoteReads`` is a part of ``RemoteTier`` (tiers/remote.py): it works on the tier's ``_lock``
-(counters, plan, read-ahead, remembered keys / metas / listings), its ``_pipelined`` round trips
-and ``_count``.
+(counters, plan, read-ahead, remembered keys / metas / listings), its ``_pipelined`` round trips,
+``_count`` and ``_sealer`` (tiers/mac.py: None without a remote_secret).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 from paged_cache.block import Block, check_key, is_key
 from paged_cache.tiers import format as fmt
+from paged_cache.tiers.mac import SEAL_BYTES, unsealed
 from paged_cache.tiers.remote_client import block_name, children_name, parse_child_entry
 
 log = logging.getLogger("paged_cache.remote")
@@ -34,7 +35,8 @@ class RemoteReads:
         self._plan: dict[str, int] = {}            # chain keys found on the server, in order
         self._plan_keys: list[str] = []
         self._chain: list[str] = []
-        self._fetched: dict[str, Block] = {}       # read ahead, not yet asked for
+        self._fetched: dict[str, Block | None] = {}  # read ahead, not yet asked for (None: no
+        # value there, or a damaged one)
         self._metas: OrderedDict[str, dict[str, str]] = OrderedDict()  # from child listings
         self._present: OrderedDict[str, tuple[float, int]] = OrderedDict()  # key -> (seen, bytes)
         self._listings: OrderedDict[str, tuple[float, list[str]]] = OrderedDict()  # name -> (at, keys)
@@ -74,27 +76,29 @@ class RemoteReads:
             self._plan = {k: i for i, k in enumerate(self._plan_keys)}
             self._fetched = {}
 
-    def read_block(self, key: str) -> Block | None:
+    def read_block(self, key: str, expect: fmt.Expected | None = None) -> Block | None:
         """The verified block for ``key`` (a read-ahead hit or one pipelined round trip that also
-        reads the planned keys after it), or None: a miss, damage (counted) or an outage."""
+        reads the planned keys after it), or None: a miss, damage (counted) or an outage.
+        ``expect``: what every block read must be (a value that is not, or that is larger than
+        any such block can be, is damage: no more than that is read or decompressed)."""
         check_key(key)
         with self._lock:
-            block = self._fetched.pop(key, None)
-            if block is not None:
-                self._counts["hits"] += 1
+            if key in self._fetched:  # read ahead: a block, or None (no value, or damaged)
+                block = self._fetched.pop(key)
+                self._counts["hits" if block is not None else "misses"] += 1
                 return block
             i = self._plan.get(key)
             batch = [key] if i is None else self._read_ahead(i)
-        values = self._pipelined(lambda p: [p.get(block_name(k)) for k in batch])
+        cap = MAX_VALUE_BYTES if expect is None else fmt.stored_limit(expect) + SEAL_BYTES
+        # at most one byte past the largest acceptable value is read (a longer one is damage)
+        values = self._pipelined(lambda p: [p.getrange(block_name(k), 0, cap) for k in batch])
         if values is None:
             return None
-        found: dict[str, Block] = {}
+        found: dict[str, Block | None] = {}
         for j, k in enumerate(batch):
-            block = self._decode(k, values[j])
+            found[k] = self._decode(k, values[j] or None, cap, expect)  # b"": no such key
             values[j] = None  # one value's bytes at a time beside the decoded blocks
-            if block is not None:
-                found[k] = block
-        block = found.pop(key, None)
+        block = found.pop(key)
         with self._lock:
             self._counts["hits" if block is not None else "misses"] += 1
             if self._plan.get(key) == i and i is not None:
@@ -175,16 +179,27 @@ class RemoteReads:
             meta = self._metas.get(key)
         return None if meta is None else dict(meta)
 
-    def _decode(self, key: str, value: Any) -> Block | None:
+    def _decode(self, key: str, value: Any, cap: int, expect: fmt.Expected | None) -> Block | None:
+        """The block a value read (at most ``cap`` + 1 bytes of it) holds, or None: a miss (no
+        value), damage (counted) or, with a secret, a value without a valid tag (counted in
+        ``rejected``: never decoded)."""
         if value is None:
             return None
-        if isinstance(value, BaseException) or not isinstance(value, bytes) \
-                or len(value) > MAX_VALUE_BYTES:
+        if isinstance(value, BaseException) or not isinstance(value, bytes):
             reason = str(value) if isinstance(value, BaseException) else "not a string value"
+        elif len(value) > cap:
+            reason = f"more than {cap} bytes, more than a block can take"
         else:
             self._count("read_bytes", len(value))
+            body = unsealed(value) if self._sealer is None else \
+                self._sealer.open(block_name(key), value)
+            if body is None:
+                self._count("rejected")
+                log.debug("remote block %s: value without a valid tag refused", key[:16])
+                return None
             try:
-                arrays, meta = fmt.decode(value, key, max_bytes=fmt.decoded_limit(len(value)))
+                arrays, meta = fmt.decode(body, key, max_bytes=fmt.decoded_limit(body.nbytes),
+                                          expect=expect)
                 return Block(key, arrays, meta)
             except ValueError as exc:
                 reason = str(exc)

@@ -3,8 +3,8 @@ thread, and the outage it starts on any network or server error (queue dropped, 
 the server probed with growing back-off until it answers).
 
 ``RemoteWriter`` is a part of ``RemoteTier`` (tiers/remote.py): it uses the tier's client
-(``_connected``, ``_errors``), ``url``, ``ttl``, ``compression``, ``_count`` and
-``_forget_reads``.
+(``_connected``, ``_errors``), ``url``, ``ttl``, ``compression``, ``_sealer`` (tiers/mac.py;
+None without a remote_secret), ``_count`` and ``_forget_reads``.
 """
 
 from __future__ import annotations
@@ -100,6 +100,8 @@ class RemoteWriter(WriteBehind):
                         pipe.pexpire(block_name(w.key), px)
                 else:
                     chunks = fmt.encode(w.key, w.raw, w.meta, self.compression).chunks
+                    if self._sealer is not None:
+                        chunks = self._sealer.seal(block_name(w.key), chunks)
                     value = b"".join(fmt.byte_view(c) for c in chunks)
                     pipe.set(block_name(w.key), value, nx=True, px=px)
                     sizes[j] = len(value)

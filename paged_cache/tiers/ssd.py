@@ -185,15 +185,16 @@ class SSDTier(WriteBehind, Tier):
         self._check_open()
         return self._write_here(item)
 
-    def read_file(self, key: str) -> Block | None:
-        """Read and verify a block from disk; None on a miss or damage (damage is counted, file removed)."""
-        return self._hit(key, self._files.read(key))
+    def read_file(self, key: str, expect: fmt.Expected | None = None) -> Block | None:
+        """Read and verify a block from disk (and against ``expect``: see fmt.Expected); None on
+        a miss or damage (damage is counted, file removed)."""
+        return self._hit(key, self._files.read(key, expect))
 
-    def open_stored(self, key: str) -> StoredBlock | None:
-        """The block with its header verified and its payload left on disk, for a rebuild to read
-        straight into place (``direct.read_stored``, which verifies the payload); None on a miss
-        or damage (counted, file removed)."""
-        return self._hit(key, self._files.open_stored(key))
+    def open_stored(self, key: str, expect: fmt.Expected | None = None) -> StoredBlock | None:
+        """The block with its header verified (and checked against ``expect``) and its payload
+        left on disk, for a rebuild to read straight into place (``direct.read_stored``, which
+        verifies the payload); None on a miss or damage (counted, file removed)."""
+        return self._hit(key, self._files.open_stored(key, expect))
 
     def _hit(self, key: str, block: Any) -> Any:
         """Count a block read from its file as a hit and mark it used."""
@@ -325,12 +326,13 @@ class SSDTier(WriteBehind, Tier):
                 break
         return out
 
-    def read(self, key: str, *, in_place: bool = False) -> tuple[Any, str] | None:
+    def read(self, key: str, *, in_place: bool = False,
+             expect: fmt.Expected | None = None) -> tuple[Any, str] | None:
         """The queued block ("pending"), else the file's (``open_stored`` with ``in_place``)."""
         block = self.read_pending(key)
         if block is not None:
             return block, "pending"
-        block = self.open_stored(key) if in_place else self.read_file(key)
+        block = self.open_stored(key, expect) if in_place else self.read_file(key, expect)
         return None if block is None else (block, self.name)
 
     def write(self, block: Block, raw: fmt.RawTensors | None = None, *, now: bool = False) -> bool:

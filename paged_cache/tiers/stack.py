@@ -15,6 +15,7 @@ from paged_cache.tiers.files import CacheDirError
 from paged_cache.tiers.hot import EvictCallback, HotTier
 from paged_cache.tiers.manifest import ManifestError
 from paged_cache.tiers.remote import RemoteTier
+from paged_cache.tiers.remote_client import TLSFiles
 from paged_cache.tiers.ssd import SSDTier
 
 log = logging.getLogger("paged_cache.manager")
@@ -40,7 +41,8 @@ def open_tiers(config: CacheConfig, *, lock: Any,
         log.info("remote tier at %r", config.remote_url)
         tiers.append(RemoteTier(config.remote_url, timeout=config.remote_timeout,
                                 ttl=config.remote_ttl, queue_max_bytes=config.remote_queue_max_bytes,
-                                compression=config.compression, cluster=config.remote_cluster))
+                                compression=config.compression, cluster=config.remote_cluster,
+                                secret=config.remote_secret, tls=TLSFiles.of(config)))
     hot = HotTier(config.hot_cache_max_bytes, on_evict=on_evict, lock=lock)
     return [hot, *tiers], ssd_error
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import logging
 import os
 import re
 import resource
@@ -320,3 +321,29 @@ def test_header_claiming_a_huge_tensor_allocates_nothing(tmp_path: Path, compres
     grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before
     assert grown_kib < 64 << 10, f"max RSS grew by {grown_kib} KiB"
     assert key not in block_files(root)
+
+
+def test_a_writable_cache_directory_gets_one_warning_naming_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An existing cache directory its group or others could write to: tightened to 0700 at open,
+    with one WARNING naming it; a private one, or a new one, opens without a word."""
+    old = os.umask(0)
+    try:
+        for mode, warned in [(0o777, "others"), (0o770, "its group"), (0o755, None), (None, None)]:
+            root = tmp_path / f"c{mode}"
+            if mode is not None:
+                root.mkdir()
+                os.chmod(root, mode)
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="paged_cache"):
+                with manager_at(root):
+                    pass
+                with manager_at(root):  # a second open: private now, nothing to say
+                    pass
+            found = [r.getMessage() for r in caplog.records if "writable by" in r.getMessage()]
+            assert found == ([] if warned is None else [found[0]]), found
+            if warned is not None:
+                assert str(root) in found[0] and warned in found[0] and f"{mode:04o}" in found[0]
+            assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    finally:
+        os.umask(old)

@@ -1,0 +1,110 @@
+"""NodeBounds accepts every node a store writes, for every supported cache layout, and refuses
+nodes whose arrays or descriptors another store could not have written (paged_cache/bounds.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from paged_cache.caches import make_bounded_cache
+from paged_cache.config import CacheConfig
+from paged_cache.manager import PagedSSDCacheManager
+from paged_cache.prefix_cache import BlockAwarePrefixCache
+from paged_cache.testing import ARCHS, tiny_model
+from paged_cache.tiers import format as fmt
+from helpers.prefix import prompt, store_prompt
+
+BLOCK = 16
+
+
+def _layouts() -> dict[str, tuple[Any, Callable[[], list] | None]]:
+    out: dict[str, tuple[Any, Callable[[], list] | None]] = {a: (a, None) for a in ARCHS}
+    for name, pre in (("window-keep4-prealloc", True), ("window-keep4", False)):
+        out[name] = ("llama", lambda m, pre=pre: make_bounded_cache(m, 40, keep=4, preallocate=pre))
+    out["quantized"] = ("llama-32", lambda m: [layer.to_quantized(group_size=32, bits=8)
+                                            for layer in make_bounded_cache(m)])
+    return out
+
+
+LAYOUTS = _layouts()
+
+
+def stored_headers(tmp_path: Path, name: str) -> tuple[BlockAwarePrefixCache, list[fmt.Header]]:
+    """The headers of the nodes of layout ``name`` (``stored_nodes``)."""
+    arch, factory = LAYOUTS[name]
+    # quantization groups of 32 need a head dimension of 32: two heads of the 64-wide model
+    model = (tiny_model("llama", num_attention_heads=2, num_key_value_heads=2)
+             if arch == "llama-32" else tiny_model(arch))
+    return stored_nodes(tmp_path, model, factory)
+
+
+def stored_nodes(tmp_path: Path, model: Any, factory: Callable[[Any], list] | None
+                 ) -> tuple[BlockAwarePrefixCache, list[fmt.Header]]:
+    """Store conversations (a branch, partial tails, decoded tokens, a prefix of a stored one:
+    checkpoints for layouts that need them) on SSD; their prefix cache and every file's header."""
+    manager = PagedSSDCacheManager(CacheConfig(block_size=BLOCK, ssd_dir=tmp_path / "c",
+                                               hot_cache_max_bytes=0))
+    prefix = BlockAwarePrefixCache(manager, model,
+                                   make_cache=None if factory is None else lambda: factory(model))
+    base = prompt(5 * BLOCK + 3)
+    store_prompt(model, prefix, base, decode=6)
+    store_prompt(model, prefix, base[:2 * BLOCK] + prompt(BLOCK + 9, seed=4), decode=3)
+    store_prompt(model, prefix, base[:3 * BLOCK + 5])
+    manager.flush()
+    headers = []
+    for path in sorted((tmp_path / "c" / "blocks").rglob("*.safetensors*")):
+        data = path.read_bytes()
+        headers.append(fmt.read_header_only(lambda off, n: data[off:off + n], len(data), 1 << 30))
+    manager.close()
+    return prefix, headers
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_every_stored_node_fits_its_layout_and_altered_ones_do_not(tmp_path: Path,
+                                                                   name: str) -> None:
+    check_nodes(*stored_headers(tmp_path, name), name)
+
+
+@pytest.mark.turboquant
+@pytest.mark.parametrize("bits", [dict(bits=4), dict(bits=3, key_bits=2.5)])  # 2.5: split codec
+def test_turboquant_nodes_fit_their_layout(tmp_path: Path, bits: dict) -> None:
+    tq = pytest.importorskip("mlx_vlm.turboquant")
+    from helpers.turboquant import tiny_vlm_llama
+
+    model = tiny_vlm_llama()
+    check_nodes(*stored_nodes(tmp_path, model,
+                              lambda m: [tq.TurboQuantKVCache(**bits) for _ in m.layers]), "tq")
+
+
+def check_nodes(prefix: BlockAwarePrefixCache, headers: list[fmt.Header], name: str) -> None:
+    """Every header fits ``prefix.bounds``; every alteration of one does not."""
+    bounds = prefix.bounds
+    assert len(headers) >= 8
+    for h in headers:
+        bounds.check(h)  # raises on a node a store wrote: the bound would be too strict
+        assert h.header_len <= bounds.header_bytes and h.data_bytes <= bounds.data_bytes
+        tensors = {n: (d.name, s) for n, d, s, _, _ in h.tensors}
+        for label, meta, changed in _alterations(h.meta, tensors):
+            assert bounds.mismatch(meta, changed) is not None, (name, label, h.meta["layers"])
+
+
+def _alterations(meta: dict[str, str], tensors: dict[str, tuple[str, tuple[int, ...]]]):
+    """(label, meta, tensors) variants no store writes."""
+    first = sorted(tensors)[0] if tensors else None
+    if first is not None:
+        dtype, shape = tensors[first]
+        yield "missing array", meta, {k: v for k, v in tensors.items() if k != first}
+        yield "another dtype", meta, {**tensors, first: ("float64" if dtype != "float64" else
+                                                          "float32", shape)}
+        yield "grown", meta, {**tensors, first: (dtype, tuple(d + 1 + 2 * BLOCK for d in shape))}
+    yield "stray array", meta, {**tensors, "l999.keys": ("float32", (1,))}
+    layers = json.loads(meta["layers"])
+    yield "a layer short", {**meta, "layers": json.dumps(layers[:-1])}, tensors
+    yield "another type", {**meta, "layers": json.dumps([{**layers[0], "type": "Nope"}]
+                                                        + layers[1:])}, tensors
+    yield "off the grid", {**meta, "start": str(int(meta["start"]) + 1)}, tensors
+    yield "more tokens than a block", {**meta, "tokens": str(BLOCK + 1)}, tensors
+    yield "another model", {**meta, "fingerprint": "0" * 64}, tensors
