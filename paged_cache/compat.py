@@ -30,6 +30,8 @@ MLX_VLM_RANGE = (">=0.7.9", "<0.8")      # the turboquant extra's requirement
 _ROTATING_METHODS = ("_temporal_order", "_update_concat", "_update_in_place")
 # mlx_lm.server: the generation object and the function that starts the HTTP server.
 _SERVER_NAMES = ("ResponseGenerator", "_run_http_server", "APIHandler", "ThreadingHTTPServer")
+# ResponseGenerator: the step of the generation thread right before a request's cache fetch.
+_GENERATOR_METHODS = ("_tokenize",)
 
 
 class IncompatibleVersion(ImportError):
@@ -102,6 +104,8 @@ def _check_mlx_lm() -> None:
 
     missing = _check_rotating() + _check_pipeline()
     missing += [f"mlx_lm.server.{n}" for n in _SERVER_NAMES if not hasattr(server, n)]
+    missing += [f"mlx_lm.server.ResponseGenerator.{n}" for n in _GENERATOR_METHODS
+                if not hasattr(getattr(server, "ResponseGenerator", None), n)]
     if missing or not _in_range(_version("mlx-lm"), MLX_LM_RANGE):
         raise _fail("mlx-lm", MLX_LM_RANGE, missing)
 
@@ -272,6 +276,21 @@ def set_server_hooks(generator: type, run_http_server: Callable[..., None]) -> N
 
     server.ResponseGenerator = generator
     server._run_http_server = run_http_server
+
+
+def before_each_fetch(generator: type, hook: Callable[[Any, Any], None]) -> type:
+    """A subclass of the ResponseGenerator class ``generator`` that calls ``hook(self, args)``
+    (``args``: the request's GenerationArguments) on the generation thread right before each
+    request's prompt is tokenized, which both of mlx_lm.server's paths do right before they fetch
+    the request's cache (``_tokenize``, checked at import)."""
+
+    class Hooked(generator):  # type: ignore[misc, valid-type]
+        def _tokenize(self, tokenizer: Any, request: Any, args: Any) -> Any:
+            hook(self, args)
+            return super()._tokenize(tokenizer, request, args)
+
+    Hooked.__name__ = Hooked.__qualname__ = generator.__name__
+    return Hooked
 
 
 class _ParserBuilt(Exception):

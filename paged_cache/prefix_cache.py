@@ -8,6 +8,7 @@ cannot cut from the live cache) are taken here. See docs/architecture.md and doc
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from dataclasses import dataclass, field
@@ -106,6 +107,18 @@ class BlockAwarePrefixCache:
         self.last_fetch = FetchInfo(0, 0, "miss", 0.0, 0)
         self._loans = Loans(lambda layers, lent: put_back(self, layers, lent))
         self._bounds: NodeBounds | None = None
+
+    def in_namespace(self, namespace: str | None) -> "BlockAwarePrefixCache":
+        """This prefix cache for another namespace (a tenant's: no node is shared with any other
+        namespace): the same manager, model, layout (no second dry run) and counters, its own
+        loans."""
+        if namespace is not None and not isinstance(namespace, str):
+            raise TypeError(f"namespace: expected a str or None, got {type(namespace).__name__}")
+        view = copy.copy(self)
+        view.namespace = namespace or ""
+        view._loans = Loans(view._give_back)
+        view._bounds = None
+        return view
 
     # ------------------------------------------------------------------ layout / fingerprint
 

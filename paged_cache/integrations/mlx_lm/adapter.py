@@ -20,6 +20,7 @@ from typing import Any, Callable, Hashable, Iterable, Iterator, Sequence
 from paged_cache.config import format_size
 from paged_cache.distributed import WORLD, resolve_group
 from paged_cache.hashing import chain_keys
+from paged_cache.integrations.tenants import salted_namespace
 from paged_cache.integrations.mlx_lm.binding import (ModelBinding, Resolver, plain_layout,
                                                      quantized_layout)
 from paged_cache.manager import PagedSSDCacheManager
@@ -29,6 +30,7 @@ from paged_cache.stats import nested_gauges
 logger = logging.getLogger("paged_cache.integrations.mlx_lm")
 
 CACHE_TYPES = ("assistant", "user", "system")  # LRUPromptCache's types, in its eviction order
+MAX_TENANTS = 1024  # salted prefix-cache views kept (cheap: they share the model's layout)
 # Requests fetched and not yet finished by their "assistant" insert (a request the client dropped
 # never gets one): beyond this many, the oldest is logged and forgotten.
 MAX_OPEN_REQUESTS = 256
@@ -61,6 +63,7 @@ class _Request:
     cached: int
     tier: str
     fetch_seconds: float
+    salt: str | None = None
     store_seconds: float = 0.0
     stores: int = 0
     store_failed: bool = False
@@ -110,7 +113,11 @@ class PagedPromptCache:
         self.counters = dict(requests=0, **tiers, prompt_tokens=0, cached_tokens=0,
                              fetch_seconds=0.0, inserts=0, store_errors=0, store_seconds=0.0,
                              demote_evictions=0, cache_errors=0, ttft_requests=0,
-                             ttft_seconds=0.0, prefill_tokens=0, prefill_seconds=0.0)
+                             ttft_seconds=0.0, prefill_tokens=0, prefill_seconds=0.0,
+                             requests_salted=0, inserts_unattributed=0)
+        self._salt: str | None = None   # the salt of the next fetch (``next_salt``)
+        self._salted = False            # a salted request was seen: an insert must have its owner
+        self._tenants: OrderedDict[tuple, list[BlockAwarePrefixCache]] = OrderedDict()
 
     @property
     def store_errors(self) -> int:
@@ -126,6 +133,11 @@ class PagedPromptCache:
                                options.pop("model_name", None))
         return cls(manager, lambda _key: binding, **options)
 
+    def next_salt(self, salt: str | None) -> None:
+        """The cache salt of the next ``fetch_nearest_cache`` (the request's tenant: its blocks
+        are its own). mlx_lm.server's generation thread sets it right before each fetch."""
+        self._salt = salt
+
     def bind(self, resolve: Resolver) -> None:
         """Resolve model keys with ``resolve`` from now on (e.g. a server's model provider)."""
         if not callable(resolve):
@@ -133,6 +145,7 @@ class PagedPromptCache:
                             f"got {resolve!r}")
         self._resolve = resolve
         self._current = None
+        self._tenants.clear()
 
     # ------------------------------------------------------------------ prefix cache per model
 
@@ -142,9 +155,23 @@ class PagedPromptCache:
         prefixes = self._prefixes(model_key)
         return prefixes[0] if prefixes else None
 
-    def _prefixes(self, model_key: Hashable) -> list[BlockAwarePrefixCache]:
+    def _prefixes(self, model_key: Hashable, salt: str | None = None) -> list[BlockAwarePrefixCache]:
         """The loaded model's prefix caches, one per layout its caches can have: the plain one,
-        then, with KV quantization, the one whose KV layers are QuantizedKVCache."""
+        then, with KV quantization, the one whose KV layers are QuantizedKVCache; with a salt,
+        the same in the salt's namespace (``tenants.salted_namespace``)."""
+        prefixes = self._model_prefixes(model_key)
+        if salt is None or not prefixes:
+            return prefixes
+        namespace = salted_namespace(prefixes[0].namespace or None, salt)
+        key = (id(prefixes[0]), namespace)
+        views = self._tenants.pop(key, None) or [p.in_namespace(namespace) for p in prefixes]
+        self._tenants[key] = views  # most recently used last
+        while len(self._tenants) > MAX_TENANTS:
+            self._tenants.popitem(last=False)
+        return views
+
+    def _model_prefixes(self, model_key: Hashable) -> list[BlockAwarePrefixCache]:
+        """``_prefixes`` without a salt: made once per loaded model."""
         binding = self._resolve(model_key)
         if binding is None:
             return []
@@ -152,6 +179,7 @@ class PagedPromptCache:
             key, current, prefixes = self._current
             if key == model_key and current.same_as(binding):
                 return prefixes
+        self._tenants.clear()
         # A new model: drop the old prefix caches (and the model reference); blocks stay stored.
         make_plain = binding.make_cache or plain_layout(binding.model)
         layouts = [make_plain]
@@ -172,12 +200,13 @@ class PagedPromptCache:
         """``(cache, rest)``: a fresh cache list covering ``tokens[:len(tokens) - len(rest)]``, or
         ``(None, tokens)`` on a miss."""
         tokens = as_tokens(tokens)
+        salt, self._salt = self._salt, None
         t0 = time.perf_counter()
         cache, n, tier = None, 0, "miss"
         try:
             # The quantized layout first: a quantized cache covers more tokens than a plain one
             # (the server quantizes once a cache reaches --quantized-kv-start).
-            for prefix in reversed(self._prefixes(model)):
+            for prefix in reversed(self._prefixes(model, salt)):
                 cache, n = prefix.fetch(tokens)
                 if cache is not None:
                     tier = prefix.last_fetch.tier
@@ -192,7 +221,10 @@ class PagedPromptCache:
         c["prompt_tokens"] += len(tokens)
         c["cached_tokens"] += n if cache is not None else 0
         c["fetch_seconds"] += seconds
-        self._open.append(_Request(tokens, n if cache is not None else 0, tier, seconds))
+        if salt is not None:
+            c["requests_salted"] += 1
+            self._salted = True
+        self._open.append(_Request(tokens, n if cache is not None else 0, tier, seconds, salt))
         if len(self._open) > MAX_OPEN_REQUESTS:
             self._finish(self._open.pop(0))
         if cache is None:
@@ -212,9 +244,14 @@ class PagedPromptCache:
         if cache_type not in CACHE_TYPES:
             raise ValueError(f"cache_type: expected one of {', '.join(CACHE_TYPES)}, got {cache_type!r}")
         tokens = as_tokens(tokens)
-        request = self._request_of(tokens, final=cache_type == "assistant")
+        request, attributed = self._request_of(tokens, final=cache_type == "assistant")
         try:
-            self._store(model, tokens, prompt_cache, cache_type, request)
+            if attributed:
+                self._store(model, tokens, prompt_cache, cache_type, request)
+            else:  # tenants' requests it could belong to, or none while tenants are served
+                self.counters["inserts_unattributed"] += 1
+                logger.debug("insert_cache: not stored (%s): no single request's tenant owns "
+                             "these %d tokens", cache_type, len(tokens))
         finally:
             if request is not None and cache_type == "assistant":
                 self._open.remove(request)
@@ -224,7 +261,7 @@ class PagedPromptCache:
                request: _Request | None) -> None:
         t0 = time.perf_counter()
         try:
-            prefix = self._layout_of(model, prompt_cache)
+            prefix = self._layout_of(model, prompt_cache, None if request is None else request.salt)
             tokens = tokens[:_covered(prompt_cache, len(tokens))]
             if prefix is None or not tokens:
                 return
@@ -255,10 +292,11 @@ class PagedPromptCache:
         logger.debug("insert: %s, %d tokens; hot tier %d bytes, %d sequences",
                      cache_type, len(tokens), self.nbytes, len(self._sequences))
 
-    def _layout_of(self, model: Hashable, prompt_cache: list) -> BlockAwarePrefixCache | None:
-        """The prefix cache whose layout has ``prompt_cache``'s layer classes (the plain one when
-        none has: its store then reports the mismatch)."""
-        prefixes = self._prefixes(model)
+    def _layout_of(self, model: Hashable, prompt_cache: list,
+                   salt: str | None) -> BlockAwarePrefixCache | None:
+        """The prefix cache (of ``salt``'s tenant) whose layout has ``prompt_cache``'s layer
+        classes (the plain one when none has: its store then reports the mismatch)."""
+        prefixes = self._prefixes(model, salt)
         classes = [type(layer) for layer in prompt_cache]
         for prefix in reversed(prefixes):
             if [type(layer) for layer in prefix.make_cache()] == classes:
@@ -270,9 +308,16 @@ class PagedPromptCache:
         self.counters["cache_errors"] += 1
         logger.error("%s failed, serving uncached: %s", where, error, exc_info=error)
 
-    def _request_of(self, tokens: list[int], final: bool) -> _Request | None:
-        """The open request an insert of `tokens` belongs to (the oldest that matches)."""
-        return next((r for r in self._open if r.covers(tokens, final)), None)
+    def _request_of(self, tokens: list[int], final: bool) -> tuple[_Request | None, bool]:
+        """The open request an insert of `tokens` belongs to (the oldest that matches), and
+        whether its tenant is known: False when requests of several salts match (concurrent
+        tenants sending the same text), or none does while salted requests are served (an
+        owner that was forgotten): such an insert is not stored, so it lands in no tenant's
+        namespace but its own."""
+        matching = [r for r in self._open if r.covers(tokens, final)]
+        if not matching:
+            return None, not self._salted
+        return matching[0], len({r.salt for r in matching}) == 1
 
     def _finish(self, request: _Request) -> None:
         """The request's one INFO line: cached / prompt tokens, tier, fetch and store times."""

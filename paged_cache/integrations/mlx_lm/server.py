@@ -3,11 +3,13 @@ and ``paged-cache serve`` (``serve_main``: address check, model load, then the m
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import signal
 import socket
 import sys
+import threading
 import time
 from contextlib import ExitStack
 from typing import Any, Callable, Iterator, Sequence
@@ -19,6 +21,8 @@ from paged_cache.config import CacheConfig, format_size
 from paged_cache.distributed import WORLD, resolve_group
 from paged_cache.integrations.mlx_lm.adapter import PagedPromptCache
 from paged_cache.integrations.mlx_lm.binding import provider_resolver
+from paged_cache.integrations.tenants import (SaltError, attach_salt, error_body, request_salt,
+                                              salt_of_args)
 from paged_cache.manager import PagedSSDCacheManager
 
 logger = logging.getLogger("paged_cache.integrations.mlx_lm")
@@ -78,20 +82,50 @@ def patch_server(manager: PagedSSDCacheManager | Callable[[Any], PagedSSDCacheMa
                     max_bytes=getattr(args, "prompt_cache_bytes", None))
             super().__init__(model_provider, self.paged_cache)
 
-        def generate(self, *args: Any, **kwargs: Any) -> tuple[Any, Iterator[Any]]:
-            """The server's generate, with the request's time to first token counted."""
+        def generate(self, request: Any, generation_args: Any, *args: Any,
+                     **kwargs: Any) -> tuple[Any, Iterator[Any]]:
+            """The server's generate (on the HTTP handler thread), with the request's time to
+            first token counted and the salt its request carries attached to it."""
+            salt = getattr(_handling, "salt", None)
+            if salt is not None:
+                attach_salt(generation_args, salt)
             submitted = time.perf_counter()
-            ctx, responses = super().generate(*args, **kwargs)
+            ctx, responses = super().generate(request, generation_args, *args, **kwargs)
             return ctx, self.paged_cache.time_first_token(
                 ctx.prompt, lambda: ctx.prompt_cache_count, responses, submitted)
 
+    def before_fetch(generator: Any, args: Any) -> None:  # the generation thread
+        generator.paged_cache.next_salt(salt_of_args(args))
+
     class PagedAPIHandler(server.APIHandler):
-        """mlx_lm.server's request handler plus the `paged-cache stats` routes."""
+        """mlx_lm.server's request handler plus the `paged-cache stats` routes and tenants'
+        cache salts (a request's blocks are its salt's own)."""
 
         def do_GET(self) -> None:
             if not stats_http.answer(self, self.response_generator.paged_cache.stats,
                                      PagedPromptCache.STAT_GAUGES):
                 super().do_GET()
+
+        def do_POST(self) -> None:
+            stream, body = self.rfile, _request_body(self)
+            try:
+                config = self.response_generator.paged_cache.manager.config
+                _handling.salt = request_salt(body, self.headers,
+                                              from_user=config.cache_salt_from_user)
+            except SaltError as error:
+                answer = error_body(error)
+                self.send_response(400)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+                return
+            if body is not None:
+                self.rfile = io.BytesIO(body)  # mlx_lm.server reads the body again
+            try:
+                super().do_POST()
+            finally:
+                self.rfile, _handling.salt = stream, None
 
     def paged_run_http_server(host: str, port: int, response_generator: Any,
                               server_class: Any = server.ThreadingHTTPServer,
@@ -104,7 +138,21 @@ def patch_server(manager: PagedSSDCacheManager | Callable[[Any], PagedSSDCacheMa
             raise ServeError(f"HTTP server on {host}:{port} failed: {error}") from error
 
     paged_run_http_server.paged_base = run_http_server  # type: ignore[attr-defined]
-    compat.set_server_hooks(PagedResponseGenerator, paged_run_http_server)
+    compat.set_server_hooks(compat.before_each_fetch(PagedResponseGenerator, before_fetch),
+                            paged_run_http_server)
+
+
+_handling = threading.local()  # the cache salt of the request an HTTP handler thread serves
+
+
+def _request_body(handler: Any) -> bytes | None:
+    """The body of the request ``handler`` serves (read: its stream is past it), or None when
+    its Content-Length is missing or not a number (mlx_lm.server then answers the error)."""
+    try:
+        length = int(handler.headers.get("Content-Length", ""))
+    except ValueError:
+        return None
+    return handler.rfile.read(length) if length >= 0 else None
 
 
 def _load_default(provider: Any) -> None:
@@ -173,6 +221,10 @@ def serve_main(config: CacheConfig, server_argv: Sequence[str]) -> int:
                     raise ServeError(f"cannot open the SSD tier at {config.ssd_dir}: {error}") \
                         from error
                 logger.info("serving with paged-cache: %s", _describe(fitted))
+                if config.remote_url and not config.remote_secret:
+                    logger.warning("remote tier %s has no remote_secret: anyone who can write to "
+                                   "that server can change what this server answers (set one on "
+                                   "every host: docs/scaling.md)", config.remote_url.redacted())
                 return manager
 
             patch_server(open_manager, load_first=True)
