@@ -55,7 +55,8 @@ demo: $(DEMO_STAMP)
 
 # The remote tier's tests need valkey-server or redis-server on PATH: installed here when missing
 # (apt-get: valkey-server where the distribution has it, else redis-server; macOS: brew). Fails,
-# never skips, when neither can be had.
+# never skips, when neither can be had. These packages are built with TLS, which the TLS tests
+# need (tests/test_remote_auth.py fails naming it on a server without).
 server:
 	@if command -v valkey-server >/dev/null 2>&1 || command -v redis-server >/dev/null 2>&1; then \
 		exit 0; \

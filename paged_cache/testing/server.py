@@ -78,7 +78,9 @@ class ValkeyServer:
         deadline = time.monotonic() + START_SECONDS
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"{self.binary} exited with {self.process.returncode}: "
+                hint = (" (TLS asked for: the server must be built with TLS, as the Debian / "
+                        "Homebrew packages `make server` installs are)") if self.tls else ""
+                raise RuntimeError(f"{self.binary} exited with {self.process.returncode}{hint}: "
                                    f"{self.log_tail()}")
             if self.ping():
                 return self
