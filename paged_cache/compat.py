@@ -208,7 +208,8 @@ def rotating_updates(cls: type) -> type:
 # their index keys, and the float32 projections of the open group. It has no state setter, trim
 # or from_state: a rebuild assigns these attributes (and ``offset``) itself.
 LAYER_CACHE_FIELDS = ("window", "compress_kv", "index_k", "pending_kv", "pending_gate")
-_V41_ARGS = ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids", "sliding_window")
+_V41_ARGS = ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids", "sliding_window",
+             "head_dim", "index_head_dim")
 
 
 def _check_deepseek_v41() -> type | None:
@@ -259,6 +260,14 @@ def deepseek_v41_layer(model: Any, index: int) -> tuple[int, bool]:
     ratios = args.compress_ratios
     ratio = int(ratios[layer]) if layer < len(ratios) and layer in args.kv_source_layer_ids else 0
     return ratio, bool(ratio) and layer in args.index_source_layer_ids
+
+
+def deepseek_v41_widths(model: Any) -> dict[str, int]:
+    """The last axis of each LayerCache array (``LAYER_CACHE_FIELDS``) of a deepseek_v41 model:
+    the compressor and the window project to ``head_dim``, the index keys to ``index_head_dim``."""
+    args = model.args
+    return {**dict.fromkeys(LAYER_CACHE_FIELDS, int(args.head_dim)),
+            "index_k": int(args.index_head_dim)}
 
 
 # ----------------------------------------------------------------------------- mlx_lm.server

@@ -105,7 +105,7 @@ class BlockAwarePrefixCache:
              "blocks_written", "checkpoints_written", "blocks_deduplicated", "blocks_taken",
              "blocks_rejected", "store_seconds", "restore_seconds"), 0)
         self.last_fetch = FetchInfo(0, 0, "miss", 0.0, 0)
-        self._loans = Loans(lambda layers, lent: put_back(self, layers, lent))
+        self._loans = self._new_loans()
         self._bounds: NodeBounds | None = None
 
     def in_namespace(self, namespace: str | None) -> "BlockAwarePrefixCache":
@@ -116,9 +116,13 @@ class BlockAwarePrefixCache:
             raise TypeError(f"namespace: expected a str or None, got {type(namespace).__name__}")
         view = copy.copy(self)
         view.namespace = namespace or ""
-        view._loans = Loans(view._give_back)
+        view._loans = view._new_loans()
         view._bounds = None
         return view
+
+    def _new_loans(self) -> Loans:
+        """Loans whose blocks go back into this prefix cache's namespace."""
+        return Loans(lambda layers, lent: put_back(self, layers, lent))
 
     # ------------------------------------------------------------------ layout / fingerprint
 

@@ -108,3 +108,25 @@ def _alterations(meta: dict[str, str], tensors: dict[str, tuple[str, tuple[int, 
     yield "off the grid", {**meta, "start": str(int(meta["start"]) + 1)}, tensors
     yield "more tokens than a block", {**meta, "tokens": str(BLOCK + 1)}, tensors
     yield "another model", {**meta, "fingerprint": "0" * 64}, tensors
+
+
+@pytest.mark.parametrize("name", ["window-keep4", "gemma3_text"])
+def test_a_ring_no_store_writes_is_refused(tmp_path: Path, name: str) -> None:
+    """A sliding window's ``ring`` (source position, phase) is checked before a rebuild orders
+    rows by it: a position before the node's end, a phase outside the ring, a phase or position
+    of another type (min() over them raised TypeError) are mismatches."""
+    prefix, headers = stored_headers(tmp_path, name)
+    ringed = [(h, i) for h in headers for i, d in enumerate(json.loads(h.meta["layers"]))
+              if "ring" in d]
+    assert ringed
+    for h, i in ringed:
+        layers = json.loads(h.meta["layers"])
+        layer = prefix.layout.template[i]
+        tensors = {n: (d.name, s) for n, d, s, _, _ in h.tensors}
+        pos, phase = layers[i]["ring"]
+        assert prefix.bounds.mismatch(h.meta, tensors) is None
+        for bad in (["x", phase], [pos], [int(h.meta["start"]), phase], [pos, "0"], [pos, -1],
+                    [pos, layer.max_size - layer.keep], [float(pos), phase], "ring"):
+            meta = {**h.meta, "layers": json.dumps(layers[:i] + [{**layers[i], "ring": bad}]
+                                                    + layers[i + 1:])}
+            assert prefix.bounds.mismatch(meta, tensors) is not None, bad

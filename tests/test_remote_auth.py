@@ -11,7 +11,6 @@ import logging
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 

@@ -19,11 +19,12 @@ rows ``[n - window_size, n)``, groups ``[0, n // ratio)`` and open rows ``[n - n
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Sequence
 
 from paged_cache import compat
-from paged_cache.handlers.base import (Arrays, Captured, LayerHandler, Part, Span,
-                                       union_of_plans)
+from paged_cache.handlers.base import (Arrays, Captured, LayerHandler, Part, Span, Stored, flag,
+                                       form_of, union_of_plans)
 from paged_cache.handlers.cache_list import split_prefixed
 from paged_cache.handlers.rows import RowsHandler, Run, held_ranges
 
@@ -48,6 +49,16 @@ class _Rows(RowsHandler):
     def install(self, layer: Any, buffers: Arrays, n: int, rows: int) -> Arrays:
         return buffers
 
+    def form(self, layer: Any, batch: int, widths: dict[str, int]) -> dict:
+        """``stored_form`` with the model's ``widths``: an array the dry run did not fill yet (no
+        group closed) has every dtype of ``rows.FLOATS``."""
+        arrays = {}
+        for name in self.fields:
+            live = compat.layer_cache_get(layer, name)
+            arrays[name] = (form_of(live[:, None]) if live is not None
+                            else (None, [batch, 1, 1, widths[name]]))
+        return {"arrays": arrays}
+
 
 class _Window(_Rows):
     needs_snapshots = True
@@ -71,6 +82,9 @@ class _Groups(_Rows):
     def runs(self, layer: Any) -> list[Run]:
         return [(0, layer.offset // self.ratio, 0)]
 
+    def node_rows(self, layer: Any, block_size: int) -> int:
+        return block_size // self.ratio + 1  # the groups closing inside one block
+
 
 class _Open(_Rows):
     """The open group's rows, by token position."""
@@ -88,6 +102,9 @@ class _Open(_Rows):
     def window(self, layer: Any, n: int) -> list[tuple[int, int]]:
         return [(n - n % self.ratio, n)]
 
+    def node_rows(self, layer: Any, block_size: int) -> int:
+        return max(block_size, self.ratio - 1)  # a checkpoint holds its open group
+
     def capture(self, layer: Any, since: int, boundary: int) -> Captured | None:
         # all of the open group: an earlier capture holding its first rows may be thinned away
         return super().capture(layer, min(since, boundary - boundary % self.ratio), boundary)
@@ -100,8 +117,9 @@ class LayerCacheHandler(LayerHandler):
     cache_types = () if compat.LayerCache is None else (compat.LayerCache,)
     needs_snapshots = True
 
-    def __init__(self, ratio: int = 0, index: bool = False) -> None:
-        self.ratio, self.index = ratio, index
+    def __init__(self, ratio: int = 0, index: bool = False,
+                 widths: dict[str, int] | None = None) -> None:
+        self.ratio, self.index, self.widths = ratio, index, widths or {}
         self.parts: list[tuple[str, _Rows]] = [("w", _Window())]
         if ratio:
             self.parts.append(("g", _Groups(ratio, index)))
@@ -109,7 +127,8 @@ class LayerCacheHandler(LayerHandler):
             self.parts.append(("p", _Open(ratio)))
 
     def bind(self, model: Any, index: int) -> "LayerCacheHandler":
-        return LayerCacheHandler(*compat.deepseek_v41_layer(model, index))
+        return LayerCacheHandler(*compat.deepseek_v41_layer(model, index),
+                                 widths=compat.deepseek_v41_widths(model))
 
     def layout(self, layer: Any) -> dict:
         return {"class": type(layer).__name__, "window_size": layer.window_size,
@@ -153,9 +172,13 @@ class LayerCacheHandler(LayerHandler):
         for (s, e), (_, desc) in zip(spans, out):
             # what a rebuild at the node's end needs from the node itself
             desc["has_rows"] = desc["w"]["has_rows"]
-            desc["has_state"] = "p" not in desc or _covers(Span(s, e, desc["p"]),
-                                                           max(s, e - e % self.ratio), e)
+            desc["has_state"] = self._has_state(s, e, desc)
         return out
+
+    def _has_state(self, start: int, end: int, desc: dict) -> bool:
+        """True when a node's open rows (if the layer has any) hold its end's open group."""
+        return self.ratio <= 1 or _covers(Span(start, end, desc["p"]),
+                                          max(start, end - end % self.ratio), end)
 
     def cut(self, layer: Any, spans: Sequence[tuple[int, int]], captures: dict[int, Captured],
             live_at: int) -> list[tuple[Arrays, dict]]:
@@ -164,6 +187,33 @@ class LayerCacheHandler(LayerHandler):
     def cut_checkpoint(self, layer: Any, start: int, end: int, captures: dict[int, Captured],
                        live_at: int) -> tuple[Arrays, dict]:
         return self._cuts(layer, [(start, end)], captures, live_at, checkpoint=True)[0]
+
+    def stored_form(self, layer: Any) -> Any:
+        batch = compat.layer_cache_get(layer, "window").shape[0]
+        return {name: rows.form(layer, batch, self.widths) for name, rows in self.parts}
+
+    def accepts(self, layer: Any, form: Any, stored: Stored) -> str | None:
+        desc = stored.desc
+        if not isinstance(desc, dict) or not all(isinstance(desc.get(n), dict) for n, _ in self.parts):
+            return f"descriptor does not describe the rows {[n for n, _ in self.parts]}"
+        prefixes = tuple(f"{name}." for name, _ in self.parts)
+        strays = [n for n in stored.tensors if not n.startswith(prefixes)]
+        if strays:
+            return f"arrays {sorted(strays)} belong to no kind of rows"
+        for (name, rows), prefix in zip(self.parts, prefixes):
+            mine = {n[len(prefix):]: v for n, v in stored.tensors.items() if n.startswith(prefix)}
+            start, end = self._coords(name, stored.start, stored.end)
+            reason = rows.accepts(layer, form[name], replace(stored, start=start, end=end,
+                                                             desc=desc[name], tensors=mine))
+            if reason is not None:
+                return f"{name}: {reason}"
+        if (flag(desc, "has_rows") != desc["w"]["has_rows"]
+                or flag(desc, "has_state") != self._has_state(stored.start, stored.end, desc)):
+            return "has_rows / has_state do not follow from the rows held"
+        return None
+
+    def node_bytes(self, layer: Any, form: Any, block_size: int) -> int:
+        return sum(rows.node_bytes(layer, form[name], block_size) for name, rows in self.parts)
 
     def _target(self, name: str, n: int) -> int:
         return n // self.ratio if name == "g" else n

@@ -80,14 +80,23 @@ class RotatingHandler(RowsHandler):
                     rings.append(p.desc["ring"])
                 elif "ring_idx" in p.desc and p.end == n:  # written before "ring": a ring's end
                     rings.append([n, n - (p.desc["ring_idx"] - layer.keep)])
-        return min(rings)[1] if rings else None
+        # the nearest source; of equals, one in temporal order (None) first
+        return min(rings, key=lambda r: (r[0], -1 if r[1] is None else r[1]))[1] if rings else None
 
     def accepts(self, layer: Any, form: Any, stored: Stored) -> str | None:
         reason = super().accepts(layer, form, stored)
-        ring = stored.desc.get("ring_idx") if reason is None else None
-        if ring is not None and not (type(ring) is int and layer.keep < ring < layer.max_size):
-            return f"ring_idx {ring!r:.20} is not a slot in ({layer.keep}, {layer.max_size})"
-        return reason
+        if reason is not None:
+            return reason
+        slot, ring = stored.desc.get("ring_idx"), stored.desc.get("ring")
+        if slot is not None and not (type(slot) is int and layer.keep < slot < layer.max_size):
+            return f"ring_idx {slot!r:.20} is not a slot in ({layer.keep}, {layer.max_size})"
+        period = layer.max_size - layer.keep
+        if ring is not None and not (
+                isinstance(ring, list) and len(ring) == 2 and type(ring[0]) is int
+                and ring[0] >= stored.end
+                and (ring[1] is None or (type(ring[1]) is int and 0 <= ring[1] < period))):
+            return f"ring {ring!r:.40} is not [source position >= {stored.end}, phase < {period}]"
+        return None
 
     def rebuild(self, layer: Any, parts: Sequence[Part], n: int, capacity: int) -> Any:
         phase = self.phase_at(layer, parts, n) if n > layer.max_size else None

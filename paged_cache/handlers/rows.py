@@ -17,6 +17,7 @@ from paged_cache.handlers.base import (TOKEN_AXIS, Arrays, Captured, LayerHandle
 
 Run = tuple[int, int, int]  # (first position, end position, first row)
 FAR = 1 << 62  # a position past any real sequence (for the widest window a layer can hold)
+FLOATS = ("float32", "float16", "bfloat16")  # an array's dtype when its form has none, widest first
 
 
 def merge_runs(runs: Sequence[Run]) -> list[Run]:
@@ -168,8 +169,9 @@ class RowsHandler(LayerHandler):
         rows = sum(b - a for a, b in ranges)
         for name, (dtype, shape) in form["arrays"].items():
             want = (dtype, tuple(shape[:TOKEN_AXIS] + [rows] + shape[TOKEN_AXIS + 1:]))
-            if stored.tensors.get(name) != want:
-                return f"array {name!r} is {stored.tensors.get(name)}, expected {want}"
+            got = stored.tensors.get(name)
+            if got is None or got[1] != want[1] or got[0] not in ((dtype,) if dtype else FLOATS):
+                return f"array {name!r} is {got}, expected {want}"
         return self.accepts_extra(layer, form, stored,
                                   {k: v for k, v in stored.tensors.items() if k not in form["arrays"]})
 
@@ -178,10 +180,15 @@ class RowsHandler(LayerHandler):
         fit (None when they do): by default there are none."""
         return None if not others else f"unexpected arrays {sorted(others)}"
 
-    def node_bytes(self, layer: Any, form: Any, block_size: int) -> int:
-        rows = sum(b - a for a, b in self.node_positions(layer, FAR - block_size, FAR,
+    def node_rows(self, layer: Any, block_size: int) -> int:
+        """The most rows one node (block or checkpoint) holds: a block's, or a checkpoint's
+        window (the same wherever it ends, unless a subclass says otherwise)."""
+        return sum(b - a for a, b in self.node_positions(layer, FAR - block_size, FAR,
                                                         checkpoint=True))
-        return sum(nbytes_of(dtype, shape[:TOKEN_AXIS] + [rows] + shape[TOKEN_AXIS + 1:])
+
+    def node_bytes(self, layer: Any, form: Any, block_size: int) -> int:
+        rows = self.node_rows(layer, block_size)
+        return sum(nbytes_of(dtype or FLOATS[0], shape[:TOKEN_AXIS] + [rows] + shape[TOKEN_AXIS + 1:])
                    for dtype, shape in form["arrays"].values())
 
     def plan(self, layer: Any, spans: Sequence[Span], n: int) -> list[int] | None:
