@@ -251,7 +251,7 @@ def test_a_checkpoint_restores_a_cache_list_that_needs_no_state(tmp_path: Path, 
     KeyError 'members'.)"""
     model = tiny_model("longcat_flash_ngram")
     base = prompt(5 * BLOCK + 3)
-    with manager_for(tmp_path, ssd) as manager:
+    with new_manager(tmp_path if ssd else None, block_size=BLOCK) as manager:
         prefix = BlockAwarePrefixCache(manager, model)
         store_prompt(model, prefix, base)
         store_prompt(model, prefix, base[:3 * BLOCK + 5])

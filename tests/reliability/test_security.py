@@ -336,9 +336,9 @@ def test_a_writable_cache_directory_gets_one_warning_naming_it(
                 os.chmod(root, mode)
             caplog.clear()
             with caplog.at_level(logging.WARNING, logger="paged_cache"):
-                with manager_at(root):
+                with new_manager(root, **SMALL):
                     pass
-                with manager_at(root):  # a second open: private now, nothing to say
+                with new_manager(root, **SMALL):  # a second open: private now, nothing to say
                     pass
             found = [r.getMessage() for r in caplog.records if "writable by" in r.getMessage()]
             assert found == ([] if warned is None else [found[0]]), found
