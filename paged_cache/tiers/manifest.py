@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.eviction import LeavesFirst, eviction_order
+from paged_cache.tiers.wal_meter import WalMeter
 
 SCHEMA_VERSION = "2"  # 2: chain columns (start, token ids, node flags)
 RESERVED, COMPLETE = 0, 1
@@ -167,7 +167,7 @@ class Manifest:
         self._connections: dict[threading.Thread, sqlite3.Connection] = {}
         self._connections_lock = threading.Lock()
         self.queries = 0  # chain lookups answered (child_rows), for tests and stats
-        self._wal: _WalMeter | None = None
+        self._wal: WalMeter | None = None
         try:
             self.inode = _inode(path)  # before connecting: what a rebuild may remove
             db = self._db
@@ -175,7 +175,7 @@ class Manifest:
             db.execute(f"PRAGMA page_size = {PAGE_BYTES}")  # a new database only
             if db.execute("PRAGMA journal_mode = WAL").fetchone()[0].lower() != "wal":
                 raise ManifestError(f"{path}: WAL mode unavailable")
-            self._wal = _WalMeter(path, db.execute("PRAGMA page_size").fetchone()[0])
+            self._wal = WalMeter(path, db.execute("PRAGMA page_size").fetchone()[0])
             with self._txn():
                 new = is_new(db)
                 problem = None if new else schema_problem(db)
@@ -245,7 +245,7 @@ class Manifest:
 
     def take_written(self) -> int:
         """Bytes this object's write transactions wrote to the WAL and checkpointed into the
-        database since the last call (see ``_WalMeter``)."""
+        database since the last call (see ``WalMeter``)."""
         return 0 if self._wal is None else self._wal.take()
 
     # ---- queries -------------------------------------------------------------------------
@@ -278,8 +278,9 @@ class Manifest:
         """Make room for ``row`` under ``max_bytes`` (LRU, complete rows only) and insert it as RESERVED.
 
         ``deferred`` is applied first (see ``apply``). Victim files are removed by
-        ``remove_file(key)`` (True once no file is left) *before* their rows are deleted, inside the transaction: a crash leaves rows without
-        files (over-counted bytes), never files without rows. Returns ("reserved" | "exists" |
+        ``remove_file(key)`` (True once no file is left) *before* their rows are deleted, inside
+        the transaction: a crash leaves rows without files (over-counted bytes), never files
+        without rows. Returns ("reserved" | "exists" |
         "full", [(victim, bytes)]).
         """
         with self._txn():
@@ -498,70 +499,10 @@ def damage(db: sqlite3.Connection) -> str | None:
     return None if found == ["ok"] else "; ".join(found)
 
 
-class _WalMeter:
-    """Counts the bytes a manifest's write transactions write: WAL frames (a page plus a 24-byte
-    frame header each) and pages a checkpoint run by the commit copies into the database file.
-
-    Read from the WAL-index header SQLite keeps at the start of ``<manifest>-shm`` (SQLite's
-    documented WAL-index format, native byte order: mxFrame, the last valid frame, at offset 16;
-    the salts at 32; nBackfill, the frames checkpointed, at 96) right after BEGIN IMMEDIATE (the
-    write lock is held: no other commit moves it) and right after COMMIT. New salts mean the WAL
-    was restarted from its first frame. A header that cannot be read or looks wrong (its two
-    copies differ, another version) counts nothing; a commit of another process landing between
-    ours and the second read is counted as ours (rare; only with a shared directory)."""
-
-    _HEADER = struct.Struct("=IIIBBHII8s8s8s")  # a WalIndexHdr, 48 bytes
-    _VERSION = 3007000
-
-    def __init__(self, path: Path, page_size: int) -> None:
-        self._path = f"{path}-shm"
-        self._page = page_size
-        self._fd = -1
-        self._lock = threading.Lock()
-        self._bytes = 0
-
-    def position(self) -> tuple[int, bytes, int] | None:
-        """(mxFrame, salts, nBackfill) now, or None."""
-        try:
-            if self._fd < 0:
-                self._fd = os.open(self._path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            raw = os.pread(self._fd, 100, 0)
-        except OSError:
-            return None
-        if len(raw) < 100 or raw[:48] != raw[48:96]:
-            return None
-        version, _, _, init, _, page, frames, _, _, salts, _ = self._HEADER.unpack(raw[:48])
-        if version != self._VERSION or not init or (page if page != 1 else 65536) != self._page:
-            return None
-        return frames, salts, struct.unpack("=I", raw[96:100])[0]
-
-    def count(self, before: tuple[int, bytes, int] | None) -> None:
-        """Add what was written since ``before`` (a ``position``)."""
-        after = self.position()
-        if before is None or after is None:
-            return
-        restarted = after[1] != before[1]
-        frames = after[0] if restarted else after[0] - before[0]
-        copied = after[2] if restarted else after[2] - before[2]
-        if frames >= 0 and copied >= 0:
-            with self._lock:
-                self._bytes += frames * (self._page + 24) + copied * self._page
-
-    def take(self) -> int:
-        with self._lock:
-            out, self._bytes = self._bytes, 0
-        return out
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-
 class _Txn:
     """BEGIN IMMEDIATE ... COMMIT (ROLLBACK on error) on the calling thread's connection, refused
     (ManifestReplaced) when another process has rebuilt the manifest file meanwhile; the bytes a
-    commit writes are counted (``_WalMeter``)."""
+    commit writes are counted (``WalMeter``)."""
 
     def __init__(self, db: sqlite3.Connection, manifest: Manifest) -> None:
         self._db = db
