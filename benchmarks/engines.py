@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Context, Timing, as_json, bar_plot, figure
+from benchmarks.common import Context, Timing, bar_plot, figure
 from paged_cache.testing import write_model_dir
 from paged_cache.testing.engines import ENGINES, Turn, chat, engine_python
 
@@ -103,7 +103,7 @@ def _report(ctx: Context, results: dict, notes: list[str], workload: dict) -> di
     table = {n: {label: {k: (v.__dict__ if isinstance(v, Timing) else v)
                          for k, v in r[label].items()} for label in r} for n, r in results.items()}
     out = {"figures": figures, "notes": notes, "workload": workload, "engines": table}
-    return dict(out, plots=plots(as_json(out), ctx.results))
+    return out
 
 
 def plots(data: dict, results: Path) -> list[str]:

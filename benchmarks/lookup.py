@@ -74,4 +74,4 @@ def run(ctx: Context) -> dict:
                           blocks=n // BLOCK))
     del cache
     settle()
-    return {"figures": figures, "notes": [], "plots": []}
+    return {"figures": figures, "notes": []}

@@ -15,7 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import LRUPromptCache
 
-from benchmarks.common import MIB, Context, as_json, figure, line_plot, settle
+from benchmarks.common import MIB, Context, figure, line_plot, settle
 from benchmarks.peers import turn
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
 from paged_cache.testing import build_model, model_config
@@ -100,7 +100,7 @@ def run(ctx: Context) -> dict:
     out = {"figures": figures, "notes": [],
            "series": {name: {k: v for k, v in r.items()} for name, r in runs.items()},
            "hot_budget_bytes": HOT_BUDGET, "block_size": BLOCK}
-    return dict(out, plots=plots(as_json(out), ctx.results))
+    return out
 
 
 def plots(data: dict, results: Path) -> list[str]:

@@ -26,7 +26,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
-from benchmarks.common import (MIB, Context, Timing, as_json, bar_plot, figure, kv_model,
+from benchmarks.common import (MIB, Context, Timing, bar_plot, figure, kv_model,
                                settle, weights_bytes)
 from paged_cache import CacheConfig, PagedSSDCacheManager
 from paged_cache.integrations.mlx_lm import PagedPromptCache
@@ -277,7 +277,7 @@ def _report(ctx: Context, results: dict, workload: dict) -> dict:
     table = {n: {k: (v.__dict__ if isinstance(v, Timing) else v) for k, v in r.items() if k != "tokens"}
              for n, r in results.items()}
     out = {"figures": figures, "notes": notes, "workload": workload, "contenders": table}
-    return dict(out, plots=plots(as_json(out), ctx.results))
+    return out
 
 
 def plots(data: dict, results: Path) -> list[str]:

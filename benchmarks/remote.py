@@ -14,7 +14,7 @@ import random
 import shutil
 from pathlib import Path
 
-from benchmarks.common import (Context, Timing, as_json, bar_plot, block_files, drop_page_cache,
+from benchmarks.common import (Context, Timing, bar_plot, block_files, drop_page_cache,
                                figure, figures_by_name, kv_model, settle)
 from benchmarks.ttft import scheduler_ttft
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
@@ -99,7 +99,7 @@ def run(ctx: Context) -> dict:
     notes = ["Loopback: no network latency or bandwidth cost; see docs/scaling.md for LAN figures "
              "on paper. read_bytes and round_trips are those of one remote hit."]
     out = {"figures": figures, "notes": notes}
-    return dict(out, plots=plots(as_json(out), ctx.results))
+    return out
 
 
 def plots(data: dict, results: Path) -> list[str]:

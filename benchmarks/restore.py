@@ -22,7 +22,7 @@ import lz4.frame
 import mlx.core as mx
 import numpy as np
 
-from benchmarks.common import (KIB, Context, as_json, block_files, bar_plot, drop_page_cache,
+from benchmarks.common import (KIB, Context, block_files, bar_plot, drop_page_cache,
                                eval_cache, figure, figures_by_name, filled_cache, io_model,
                                read_files, repeat, return_pages, settle)
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
@@ -209,7 +209,7 @@ def run(ctx: Context) -> dict:
     settle()
 
     out = {"figures": figures, "notes": notes}
-    return dict(out, plots=plots(as_json(out), ctx.results))
+    return out
 
 
 def plots(data: dict, results: Path) -> list[str]:

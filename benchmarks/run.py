@@ -1,8 +1,9 @@
 """Run the benchmarks: ``python -m benchmarks.run [--quick] [--only NAME ...] [--plots-only]``.
 
-Each family (one module) measures its figures against baselines measured in the same run and
-writes ``benchmarks/results/<family>.json`` and its PNG plots; the runner then writes
-``results.json`` and ``results.md`` (one table of every family's latest figures).
+Each family (one module) measures its figures against baselines measured in the same run
+(``run(ctx)``); the runner draws the family's PNG plots from their JSON form (its ``plots(data,
+results)``, the same call ``--plots-only`` makes), writes ``benchmarks/results/<family>.json``,
+then ``results.json`` and ``results.md`` (one table of every family's latest figures).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from benchmarks.common import RESULTS_DIR, Context, machine, markdown_table, write_json
+from benchmarks.common import RESULTS_DIR, Context, as_json, machine, markdown_table, write_json
 
 FAMILIES = ("restore", "ttft", "remote", "lookup", "startup", "peers", "memory", "engines",
             "sharded", "wear", "scale")
@@ -50,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {name}", flush=True)
             module = importlib.import_module(f"benchmarks.{name}")
             out = module.run(ctx)
+            # every family's plots are drawn from its JSON form, as --plots-only redraws them
+            out["plots"] = (module.plots(as_json(out), ctx.results) if hasattr(module, "plots")
+                            else [])
             out.update(family=name, quick=args.quick, seconds=time.perf_counter() - started,
                        machine=where)
             write_json(args.results, name, out)

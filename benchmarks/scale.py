@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import LRUPromptCache
 
-from benchmarks.common import (MIB, Context, Timing, as_json, bar_plot, eval_cache, figure,
+from benchmarks.common import (MIB, Context, Timing, bar_plot, eval_cache, figure,
                                filled_cache, io_model, kv_bytes, return_pages, settle)
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
 
@@ -141,7 +141,7 @@ def run(ctx: Context) -> dict:
     n = ctx.pick(2048, 16384)        # tokens: 256 MiB / 2 GiB of 8B-shaped KV
     repeats = ctx.pick(2, 2)
     out = measure(ctx, n, repeats)
-    return dict(out, plots=plots(as_json(out), ctx.results))
+    return out
 
 
 def measure(ctx: Context, n: int, repeats: int) -> dict:

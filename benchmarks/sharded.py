@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import (Context, Timing, as_json, bar_plot, block_files, drop_page_cache,
+from benchmarks.common import (Context, Timing, bar_plot, block_files, drop_page_cache,
                                figure, figures_by_name, settle)
 
 FAMILY = "sharded"
@@ -67,7 +67,7 @@ def run(ctx: Context) -> dict:
     notes = ["Both ranks run on one 2-core machine over loopback: each rank has one core, and "
              "the collective's latency is the loopback's, not a network's."]
     out = {"figures": figures, "notes": notes}
-    return dict(out, plots=plots(as_json(out), ctx.results))
+    return out
 
 
 def plots(data: dict, results: Path) -> list[str]:

@@ -95,7 +95,7 @@ def run(ctx) -> dict:
                  build_seconds=build_s)
     note = (f"startup with {blocks} blocks: {opened.median * 1e3:.0f} ms median (goal <= 1 s: "
             f"{'met' if opened.median <= 1.0 else 'MISSED'}); warm page cache.")
-    return {"figures": [fig], "notes": [note], "plots": []}
+    return {"figures": [fig], "notes": [note]}
 
 
 def main() -> None:

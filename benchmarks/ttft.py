@@ -15,7 +15,7 @@ import random
 import shutil
 from pathlib import Path
 
-from benchmarks.common import (Context, Timing, as_json, bar_plot, block_files, drop_page_cache,
+from benchmarks.common import (Context, Timing, bar_plot, block_files, drop_page_cache,
                                figure, figures_by_name, kv_model, settle)
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
 from scheduler import Scheduler
@@ -100,7 +100,7 @@ def run(ctx: Context) -> dict:
     notes = ["The store-cost ratio depends on compute per KV byte: this tiny model prefills far "
              "faster per byte of KV than a real 8B model, so the ratio is pessimistic."]
     out = {"figures": figures, "notes": notes}
-    return dict(out, plots=plots(as_json(out), ctx.results))
+    return out
 
 
 def plots(data: dict, results: Path) -> list[str]:

@@ -18,7 +18,7 @@ import random
 import shutil
 from typing import Any
 
-from benchmarks.common import MIB, Context, as_json, bar_plot, figure, kv_model, settle
+from benchmarks.common import MIB, Context, bar_plot, figure, kv_model, settle
 from benchmarks.peers import BLOCK, _bind, turn
 from paged_cache import CacheConfig, PagedSSDCacheManager
 from paged_cache.integrations.mlx_lm import PagedPromptCache
@@ -128,7 +128,7 @@ def run(ctx: Context) -> dict:
                                       "write-through"))
     out = dict(figures=figures, results=results, hot_bytes=hot_bytes,
                kv_bytes_per_token=per_token, block_size=BLOCK)
-    return dict(out, plots=plots(as_json(out), ctx.results))
+    return out
 
 
 def plots(data: dict, results) -> list[str]:
