@@ -71,7 +71,21 @@ def _raw(i: int) -> fmt.RawTensors:
     return {"k": ("float16", (64,), memoryview(data))}
 
 
+def _reopened(tmp_path: Path, blocks: list[Block], tag: str, n: int) -> tuple[list[Block], dict]:
+    """Open a manager on ``tmp_path`` after its manifest was damaged or made old: every stored
+    block reads back exactly, then ``n`` new blocks are written and flushed. Returns the new blocks
+    and the manager's stats after the flush."""
+    with new_manager(tmp_path, **SMALL) as manager:
+        assert all(same_block(manager.get(b.key), b) for b in blocks)
+        more = [random_block(key_of(i, tag)) for i in range(n)]
+        for block in more:
+            manager.put(block)
+        manager.flush()
+        return more, manager.stats()
+
+
 # ------------------------------------------------------------------------------ a busy manifest
+
 
 def test_a_manifest_locked_past_the_busy_timeout_is_waited_for_never_rebuilt(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -260,15 +274,10 @@ def test_a_zeroed_manifest_page_is_reported_and_rebuilt(tmp_path: Path, page: st
     assert set(manifest_rows(tmp_path)) == {b.key for b in blocks}
 
     _zero_page(tmp_path, page)                                   # damaged again: the library
-    with new_manager(tmp_path, **SMALL) as manager:                        # rebuilds it itself, at open
-        assert all(same_block(manager.get(b.key), b) for b in blocks)   # or when a write meets it
-        more = [random_block(key_of(i, "page-after")) for i in range(6)]
-        for block in more:
-            manager.put(block)
-        manager.flush()
-        ssd = manager.stats()["ssd"]
-        assert ssd["manifest_rebuilds"] == 1 and ssd["adopted"] == len(blocks)
-        assert ssd["write_errors"] == 0
+    more, stats = _reopened(tmp_path, blocks, "page-after", 6)  # rebuilds it itself, at open
+    ssd = stats["ssd"]                                           # or when a write meets it
+    assert ssd["manifest_rebuilds"] == 1 and ssd["adopted"] == len(blocks)
+    assert ssd["write_errors"] == 0
     assert any("manifest damaged" in m for m in _messages(caplog))
     assert set(audit(tmp_path).files) == {b.key for b in blocks + more}
 
@@ -416,14 +425,9 @@ def test_an_older_manifest_is_migrated_never_taken_for_a_new_one(
     assert set(manifest_rows(tmp_path)) == keys
 
     _schema_one(tmp_path, variant)                                 # old again: the library
-    with new_manager(tmp_path, **SMALL) as manager:                # migrates it at open
-        assert all(same_block(manager.get(b.key), b) for b in blocks)
-        more = [random_block(key_of(i, "old-after")) for i in range(4)]
-        for block in more:
-            manager.put(block)
-        manager.flush()
-        ssd = manager.stats()["ssd"]
-        assert ssd["manifest_rebuilds"] == 1 and ssd["adopted"] == len(blocks)
-        assert ssd["write_errors"] == 0 and "ssd_error" not in manager.stats()
+    more, stats = _reopened(tmp_path, blocks, "old-after", 4)     # migrates it at open
+    ssd = stats["ssd"]
+    assert ssd["manifest_rebuilds"] == 1 and ssd["adopted"] == len(blocks)
+    assert ssd["write_errors"] == 0 and "ssd_error" not in stats
     assert set(manifest_rows(tmp_path)) == keys | {b.key for b in more}
     assert set(audit(tmp_path).files) == keys | {b.key for b in more}
