@@ -6,14 +6,15 @@ clipped to the tokens it shares with the request. Candidate end positions are tr
 first: for layouts with recurrent state only the ends of nodes that hold every such layer's state
 there; otherwise any position the rows reach. A candidate is accepted when every layer's handler
 can plan its rebuild from the chosen nodes (blocks read once, RAM preferred between equals); each
-layer is then rebuilt straight into one buffer sized for the continuation.
+layer is then rebuilt straight into one buffer laid out as mlx-lm's own cache would be after the
+same prefill (its growth step), in the order its arrays lie in a block file (a payload still on
+disk is read once, front to back).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,14 +23,14 @@ import numpy as np
 from paged_cache.block import Block
 from paged_cache.chain_index import ChainNode
 from paged_cache.handlers import Part, Span
-from paged_cache.handlers.base import clipped, copies_on_host, rebuild_pipeline
+from paged_cache.handlers.base import clipped, rebuild_pipeline
 from paged_cache.hashing import ROOT_PARENT, chain_keys, shared_prefix
+from paged_cache.layout import layer_arrays
 from paged_cache.loans import Lent
-from paged_cache.tiers.format import META_LAYERS, layer_of
+from paged_cache.row_path import evaluate
+from paged_cache.tiers.format import META_LAYERS, file_order, layer_of
 
 logger = logging.getLogger("paged_cache.fetch")
-
-GROWTH_STEP = 256  # mlx-lm's KV growth step: rebuilt buffers are a multiple of it
 
 
 @dataclass(frozen=True, eq=False)
@@ -195,8 +196,9 @@ def _try_nodes(search: _Search, n: int, chosen: list[tuple[ChainNode, int]]) -> 
     pc = search.pc
     layout, manager = pc.layout, pc.manager
     handover = _handover(search, chosen)
-    # KV-like layers take SSD payloads read straight into their buffers after the rebuild
-    in_place = copies_on_host() and all(h.reads_in_place for h in layout.handlers)
+    # KV-like layers take SSD payloads read straight into place (row_path: their buffers, or a
+    # layer's staging buffers on the device path)
+    in_place = all(h.reads_in_place for h in layout.handlers)
     blocks = []
     for node, _ in chosen:
         if node.key not in search.blocks:
@@ -230,10 +232,10 @@ def _try_nodes(search: _Search, n: int, chosen: list[tuple[ChainNode, int]]) -> 
                 blocks[j] = got
                 if manager.config.hot_cache_only:  # its only copy: lent, see loans.py
                     lent.append(Lent.of(got, node.start, node.end))
-    capacity = math.ceil((len(search.ids) + pc.headroom) / GROWTH_STEP) * GROWTH_STEP
     by_layer = [_group_by_layer(b.arrays) for b in blocks]
     with rebuild_pipeline():  # a layer's buffers fill while the one before is copied
-        for i, (h, layer) in enumerate(zip(layout.handlers, template)):
+        for i in file_order(len(template)):
+            h, layer = layout.handlers[i], template[i]
             parts = []
             for j in plans[i]:
                 names = by_layer[j].get(i, [])
@@ -242,8 +244,9 @@ def _try_nodes(search: _Search, n: int, chosen: list[tuple[ChainNode, int]]) -> 
                 else:
                     local = {short: blocks[j].arrays[full] for full, short in names}
                 parts.append(Part(spans[i][j].start, spans[i][j].end, spans[i][j].desc, local))
-            template[i] = h.rebuild(layer, parts, n, capacity)
+            template[i] = h.rebuild(layer, parts, n)
             del parts
+    evaluate([a for layer in template for a in layer_arrays(layer)])
     if not manager.read_in_place(blocks):
         return _DAMAGED
     logger.debug("rebuilt at %d from %s", n, ", ".join(

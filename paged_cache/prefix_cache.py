@@ -74,13 +74,11 @@ class BlockAwarePrefixCache:
 
     def __init__(self, manager: Any, model: Any, *, model_id: str | None = None,
                  namespace: str | None = None, make_cache: Callable[[], list] | None = None,
-                 headroom: int = 64, model_name: str | None = None, group: Any = WORLD) -> None:
+                 model_name: str | None = None, group: Any = WORLD) -> None:
         if namespace is not None and not isinstance(namespace, str):
             raise TypeError(f"namespace: expected a str or None, got {type(namespace).__name__}")
         if make_cache is not None and not callable(make_cache):
             raise TypeError(f"make_cache: expected a callable returning a cache list, got {make_cache!r}")
-        if isinstance(headroom, bool) or not isinstance(headroom, int) or headroom < 0:
-            raise ValueError(f"headroom: expected an int >= 0, got {headroom!r}")
         if not callable(model):
             raise TypeError(f"model: expected an mlx-lm model (callable as model(tokens, "
                             f"cache=...)), got {model!r:.60}")
@@ -88,7 +86,6 @@ class BlockAwarePrefixCache:
         self.model = model
         self.namespace = namespace or ""
         self.model_name = model_name or model_id or ""  # shown by the CLI beside the fingerprint
-        self.headroom = headroom
         if make_cache is None:
             from mlx_lm.models.cache import make_prompt_cache
             make_cache = lambda: make_prompt_cache(model)  # noqa: E731

@@ -26,6 +26,7 @@ from paged_cache.chain_index import ChainNode
 from paged_cache.handlers import restorable_at_end
 from paged_cache.hashing import ROOT_PARENT, chain_keys, checkpoint_key
 from paged_cache.loans import digest
+from paged_cache.row_path import evaluate
 from paged_cache.tiers.format import (META_LAYERS, META_MODEL_NAME, META_NAMESPACE, META_SHARD,
                                       array_name, layer_of)
 
@@ -84,10 +85,12 @@ def store_chain(pc: Any, tokens: np.ndarray, cache: list, snaps: dict, consume: 
                               for p, j in ckpts])
         else:
             ckpt_cuts.append([({}, h.empty_desc(layout.template[i]))] * len(ckpts))
-        if consume:
-            mx.eval([a for cuts in (block_cuts[-1], ckpt_cuts[-1]) for arrays, _ in cuts
-                     for a in arrays.values()])
+        if consume:  # this layer's rows are copied out before the live layer goes
+            evaluate([a for cuts in (block_cuts[-1], ckpt_cuts[-1]) for arrays, _ in cuts
+                      for a in arrays.values()])
             cache[i] = None
+    if not consume:  # every cut at once: one evaluation, not one per block
+        evaluate([a for cuts in block_cuts + ckpt_cuts for arrays, _ in cuts for a in arrays.values()])
     written = 0
     for pos, j in enumerate(offered):
         s, e = spans[j]
@@ -115,7 +118,7 @@ def put_back(pc: Any, layers: list, lent: list) -> int:
         for i, (h, layer) in enumerate(zip(handlers, layers)):
             cut, _ = h.cut(layer, [(b.start, b.end)], {}, live_at)[0]
             arrays.update({array_name(i, name): a for name, a in cut.items()})
-        mx.eval(list(arrays.values()))
+        evaluate(list(arrays.values()))
         block = Block(b.key, arrays, b.meta)
         if digest(block) != b.digest:
             break
@@ -136,7 +139,6 @@ def _put(pc: Any, key: str, node: ChainNode, cuts: list[list], pos: int, types: 
         restorable = restorable and (not pc.layout.snapshot_layers[i]
                                      or restorable_at_end(pc.layout.template[i], desc))
         layer_cuts[pos] = None
-    mx.eval(list(arrays.values()))
     node = ChainNode(node.key, node.parent, node.fingerprint, node.start, node.token_ids,
                      node.checkpoint, restorable)
     # a partial tail waits in RAM: the next store of the conversation usually supersedes it

@@ -10,6 +10,7 @@ from typing import Any, Iterator
 
 import pytest
 
+from paged_cache import row_path
 from paged_cache.testing import tiny_model
 from paged_cache.testing.server import ValkeyServer, client
 
@@ -79,3 +80,11 @@ def url(server: ValkeyServer) -> str:
         server.start()
     client(server.url).flushall()
     return server.url
+
+
+@pytest.fixture(params=row_path.PATHS)
+def rows_moved_by(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The test runs once per row path (``host``: numpy copies; ``device``: MLX ops, as on a GPU
+    backend), forced whatever the default device is; yields the path's name."""
+    with row_path.forced(request.param):
+        yield request.param

@@ -12,6 +12,9 @@ from paged_cache.testing import tiny_model
 
 from helpers.prefix import assert_exact, hot_prefix, prefill, prompt, store_prompt
 
+# every test on both row paths: numpy copies (the CPU's) and MLX ops (a GPU's)
+pytestmark = pytest.mark.usefixtures("rows_moved_by")
+
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 # which archs restore token-granularly (every layer trimmable when rows are held)
 TOKEN_GRANULAR = {"llama": True, "gemma3_text": True, "llama4": True, "qwen3_next": False,

@@ -21,6 +21,9 @@ from paged_cache.testing import tiny_model
 
 from helpers.prefix import DECODE_STEPS, hot_prefix, prefill, prompt
 
+# every test on both row paths: numpy copies (the CPU's) and MLX ops (a GPU's)
+pytestmark = pytest.mark.usefixtures("rows_moved_by")
+
 BLOCK, TOKENS, LAYERS = 64, 1024, 16
 
 

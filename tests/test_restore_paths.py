@@ -13,9 +13,9 @@ import pytest
 
 from paged_cache import Block
 from paged_cache.config import CacheConfig
-from paged_cache.handlers import base
 from paged_cache.hashing import chain_keys, token_ids
 from paged_cache.manager import PagedSSDCacheManager
+from paged_cache.row_path import host_view
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
 from paged_cache.tiers import format as fmt
@@ -27,22 +27,9 @@ from helpers.prefix import assert_exact, hot_prefix, prompt, store_prompt
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
-@pytest.fixture
-def mlx_ops(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rebuild with MLX ops, as on a GPU backend (the default device picks it there)."""
-    import paged_cache.fetch as fetch
-
-    monkeypatch.setattr(base, "copies_on_host", lambda: False)
-    monkeypatch.setattr(fetch, "copies_on_host", lambda: False)
-
-
 @pytest.mark.parametrize("arch,dtype", [("llama", "float16"), ("llama", "bfloat16"),
                                         ("gemma3_text", "float32"), ("qwen3_next", "bfloat16")])
-@pytest.mark.parametrize("path", ["host", "mlx_ops"])
-def test_both_copy_paths_are_exact(request: pytest.FixtureRequest, arch: str, dtype: str,
-                                   path: str) -> None:
-    if path == "mlx_ops":
-        request.getfixturevalue("mlx_ops")
+def test_both_copy_paths_are_exact(rows_moved_by: str, arch: str, dtype: str) -> None:
     block = 16
     model = tiny_model(arch, dtype=DTYPES[dtype])
     prefix = hot_prefix(model, block)
@@ -61,15 +48,15 @@ def test_restored_buffers_own_their_memory() -> None:
     tokens = prompt(3 * block)
     store_prompt(model, prefix, tokens + [5] * block)
     store_prompt(model, prefix, tokens + [6] * block)  # the first three blocks are shared
-    held = {k: {n: np.array(base.host_view(a)) for n, a in prefix.manager.get(k).arrays.items()}
+    held = {k: {n: np.array(host_view(a)) for n, a in prefix.manager.get(k).arrays.items()}
             for k in chain_keys(prefix.fingerprint, "", tokens, block)}
     cache, n = prefix.fetch(tokens + [9])
     assert n == len(tokens)
-    views = [base.host_view(a) for layer in cache for a in (layer.keys, layer.values)]
+    views = [host_view(a) for layer in cache for a in (layer.keys, layer.values)]
     for key, arrays in held.items():
         block_arrays = prefix.manager.get(key).arrays
         for name, before in arrays.items():
-            now = base.host_view(block_arrays[name])
+            now = host_view(block_arrays[name])
             assert np.array_equal(now, before)
             assert not any(np.shares_memory(now, v) for v in views)
     assert not any(np.shares_memory(a, b) for i, a in enumerate(views) for b in views[i + 1:])
@@ -77,7 +64,8 @@ def test_restored_buffers_own_their_memory() -> None:
 
 @pytest.mark.parametrize("compression", ["none", "lz4"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_ssd_blocks_are_read_into_place_and_exact(tmp_path: Path, compression: str, dtype: str) -> None:
+def test_ssd_blocks_are_read_into_place_and_exact(tmp_path: Path, compression: str, dtype: str,
+                                                  rows_moved_by: str) -> None:
     block = 16
     model = tiny_model("llama", dtype=DTYPES[dtype])
     config = CacheConfig(block_size=block, ssd_dir=tmp_path, compression=compression,
@@ -123,7 +111,7 @@ def test_stored_rows_land_in_place_and_damage_is_caught(tmp_path: Path, compress
         assert read_stored(stored, threads=2)
         for b, out in zip(blocks, outs):
             for n, a in b.arrays.items():
-                assert np.array_equal(out[n][:, :, 1:7], base.host_view(a)[:, :, 2:8])
+                assert np.array_equal(out[n][:, :, 1:7], host_view(a)[:, :, 2:8])
                 assert not out[n][:, :, [0, 7, 8, 9]].any()
         assert all(s.fd == -1 for s in stored)
         # a flipped payload byte: the read fails, the file is removed, the damage counted

@@ -20,6 +20,8 @@ from typing import Any, ClassVar, Iterable, Iterator, Sequence
 import mlx.core as mx
 import numpy as np
 
+from paged_cache.row_path import copies_on_host, evaluate, host_view, launch, to_device
+from paged_cache.tiers.direct import advance_all
 from paged_cache.tiers.format import DTYPES, mx_dtype_name
 
 TOKEN_AXIS = 2  # every mlx-lm / mlx-vlm KV array is (B, heads, tokens, ...)
@@ -132,7 +134,7 @@ class LayerHandler:
         """The most bytes one stored node (block or checkpoint) holds for this layer."""
         raise NotImplementedError
 
-    def rebuild(self, layer: Any, parts: Sequence[Part], n: int, capacity: int) -> Any:
+    def rebuild(self, layer: Any, parts: Sequence[Part], n: int) -> Any:
         """Fill the fresh ``layer`` so it equals the original positioned at ``n`` tokens."""
         raise NotImplementedError
 
@@ -214,70 +216,131 @@ def clipped(desc: dict) -> dict:
 Piece = tuple[int, int, Arrays, int]  # positions [start, end) are rows [row, row + end - start)
 
 
-def copies_on_host() -> bool:
-    """True on the CPU backend: rows are copied by numpy straight into MLX-owned memory (an
-    evaluated mx.array's buffer is plain host memory there; MLX's CPU copy kernels run at a
-    fraction of memcpy speed). On a GPU backend rows are copied with MLX ops."""
-    return mx.default_device().type == mx.DeviceType.cpu
-
-
-def host_view(x: Any) -> np.ndarray:
-    """A numpy view (no copy) of an mx.array's memory, evaluated first; bfloat16 as uint16
-    (numpy has no bfloat16, the bytes are the same). A numpy array is returned as is."""
-    if isinstance(x, np.ndarray):
-        return x
-    if x.dtype == mx.bfloat16:
-        x = x.view(mx.uint16)
-    return np.asarray(x)
-
-
 def _storage_dtype(dtype: Any) -> Any:
     return mx.uint16 if dtype == mx.bfloat16 else dtype
 
 
+Move = tuple[int, int, int, int]  # (piece index, first destination row, rows, first source row)
+
+
 def assemble_rows(pieces: list[Piece], names: Sequence[str], runs: Sequence[tuple[int, int]],
                   rows: int) -> Arrays:
-    """One buffer per name with ``rows`` rows; token positions of ``runs`` go to rows 0.. in order.
+    """One buffer per name with ``rows`` rows; token positions of ``runs`` go to rows 0.. in order
+    (rows no piece holds are zeros).
 
-    Every row is written once, straight into the buffer (``copies_on_host``: numpy; else MLX
-    ops). ``pieces`` is consumed: with arrays popped from their parts, a block's arrays go as
-    soon as they are written, so the peak is the buffers plus the blocks not yet written. Buffers
-    come from MLX's allocator (its cache of freed buffers when it has them).
+    Every row is written once, by the process's row path (``row_path``): on the host, numpy
+    copies straight into buffers from MLX's allocator (its cache of freed buffers when it has
+    them); on the device, one concatenate per name. ``pieces`` is consumed: with arrays popped
+    from their parts, a block's arrays go as soon as they are written, so the peak is the
+    buffers plus the blocks not yet written.
     """
-    host = copies_on_host()
-    specs = {}
-    dtypes = {}
+    specs, dtypes = {}, {}
     for name in names:
         src = pieces[0][2][name]
         shape = list(src.shape)
         shape[TOKEN_AXIS] = rows
         dtypes[name] = src.dtype
-        specs[name] = (tuple(shape), _storage_dtype(src.dtype) if host else src.dtype)
+        specs[name] = tuple(shape)
     del src
-    buffers = _allocate(specs)
     placements, row = [], 0
     for lo, hi in runs:
         placements.append((lo, hi, row))
         row += hi - lo
-    moves = []  # (piece index, destination index, source index) on the token axis
+    moves: list[Move] = []
     for k, (start, end, _, row0) in enumerate(pieces):
         for lo, hi, out0 in placements:
             a, b = max(lo, start), min(hi, end)
             if a < b:
-                moves.append((k, (slice(None),) * TOKEN_AXIS + (slice(out0 + a - lo, out0 + b - lo),),
-                              (slice(None),) * TOKEN_AXIS + (slice(row0 + a - start, row0 + b - start),)))
-    if host:
-        _copy_on_host(pieces, names, moves, buffers, specs)
+                moves.append((k, out0 + a - lo, b - a, row0 + a - start))
+    moves.sort(key=lambda m: m[1])
+    if copies_on_host():
+        out = _assemble_on_host(pieces, names, moves, specs, dtypes)
     else:
-        _copy_with_mlx(pieces, names, moves, buffers)
+        out = _assemble_on_device(pieces, names, moves, specs, dtypes)
     pieces.clear()
+    return out
+
+
+def _rows(first: int, count: int) -> tuple[slice, ...]:
+    return (slice(None),) * TOKEN_AXIS + (slice(first, first + count),)
+
+
+def _assemble_on_host(pieces: list[Piece], names: Sequence[str], moves: list[Move], specs: dict,
+                      dtypes: dict) -> Arrays:
+    """numpy copies into the buffers' memory (bfloat16 through its uint16 bits)."""
+    storage = {name: (specs[name], _storage_dtype(dtypes[name])) for name in names}
+    buffers = _allocate(storage)
+    _copy_on_host(pieces, names, moves, buffers, storage)
     out: Arrays = {}
     for name in names:
         out[name] = buffers.pop(name)
-        if host and dtypes[name] == mx.bfloat16:
+        if dtypes[name] == mx.bfloat16:
             out[name] = out[name].view(mx.bfloat16)
-    mx.eval(list(out.values()))
+    evaluate(list(out.values()))
     return out
+
+
+def _assemble_on_device(pieces: list[Piece], names: Sequence[str], moves: list[Move], specs: dict,
+                        dtypes: dict) -> Arrays:
+    """MLX ops: per name, one concatenate of the pieces' rows (zeros for rows none holds) or,
+    when some rows are still on disk, one host staging buffer those rows are read into (with the
+    rest copied there) moved to the device once; the layer's buffers are evaluated together,
+    once (waiting there frees each block's arrays as soon as they are written: an evaluation
+    launched without waiting holds them while the next layers are built)."""
+    stored = [name for name in names
+              if any(hasattr(pieces[k][2][name], "read_rows") for k, *_ in moves)]
+    staging = {name: np.zeros(specs[name], dtype=_host_dtype(dtypes[name])) for name in stored}
+    for name in stored:  # every stored row asked for first: one read per file for the layer
+        for k, dst, count, src in moves:
+            piece = pieces[k][2][name]
+            if hasattr(piece, "read_rows"):
+                piece.read_rows(_rows(src, count), staging[name][_rows(dst, count)])
+    advance_all([piece.file for _, _, arrays, _ in pieces for piece in arrays.values()
+                 if hasattr(piece, "read_rows")])
+    out: Arrays = {}
+    for name in names:
+        if name in staging:
+            host = staging.pop(name)
+            for k, dst, count, src in moves:
+                piece = pieces[k][2][name]
+                if not hasattr(piece, "read_rows"):
+                    np.copyto(host[_rows(dst, count)], host_view(piece)[_rows(src, count)])
+            out[name] = to_device(host, dtypes[name])
+            del host
+        else:
+            out[name] = _concatenated([pieces[k][2][name] for k, *_ in moves], moves,
+                                      specs[name], dtypes[name])
+        for _, _, arrays, _ in pieces:  # the name's arrays go once written
+            arrays.pop(name, None)
+    evaluate(list(out.values()))
+    return out
+
+
+def _concatenated(sources: list[Any], moves: list[Move], shape: tuple[int, ...],
+                  dtype: Any) -> mx.array:
+    """The buffer of ``shape`` whose rows ``moves`` take from ``sources`` (one per move), as one
+    concatenate (zeros where no move writes)."""
+    parts, row = [], 0
+    for src, (_, dst, count, first) in zip(sources, moves):
+        if dst > row:
+            parts.append(mx.zeros(_with_rows(shape, dst - row), dtype=dtype))
+        if isinstance(src, np.ndarray):
+            src = to_device(np.ascontiguousarray(src[_rows(first, count)]), dtype)
+            first = 0
+        parts.append(src[_rows(first, count)])
+        row = dst + count
+    if row < shape[TOKEN_AXIS]:
+        parts.append(mx.zeros(_with_rows(shape, shape[TOKEN_AXIS] - row), dtype=dtype))
+    return owned(parts[0]) if len(parts) == 1 else mx.concatenate(parts, axis=TOKEN_AXIS)
+
+
+def _with_rows(shape: tuple[int, ...], rows: int) -> tuple[int, ...]:
+    return shape[:TOKEN_AXIS] + (rows,) + shape[TOKEN_AXIS + 1:]
+
+
+def _host_dtype(dtype: Any) -> np.dtype:
+    """The numpy dtype holding an MLX dtype's bytes (bfloat16 as uint16)."""
+    return np.dtype(DTYPES[mx_dtype_name(dtype)].storage)
 
 
 class _Ahead(threading.local):
@@ -319,36 +382,25 @@ def _allocate_ahead(name: str, spec: tuple) -> None:
     """Inside ``rebuild_pipeline``: start the buffer of ``name`` for the next layer."""
     if _AHEAD.active:
         buffer = mx.zeros(spec[0], dtype=spec[1])
-        mx.async_eval(buffer)
+        launch(buffer)
         _AHEAD.buffers[name] = (spec, buffer)
 
 
-def _copy_on_host(pieces: list[Piece], names: Sequence[str], moves: list[tuple], buffers: Arrays,
+def _copy_on_host(pieces: list[Piece], names: Sequence[str], moves: list[Move], buffers: Arrays,
                   specs: dict) -> None:
     """numpy copies into the buffers' memory, name by name: MLX fills the next buffer (its own
     thread) while this one is written. A source with ``read_rows`` (a block payload still on
     disk, see tiers/direct.py) is asked to land its rows there when its file is read."""
-    mx.async_eval(list(buffers.values()))
+    launch(list(buffers.values()))
     for name in names:
         dst = host_view(buffers[name])
-        for k, into, take in moves:
+        for k, into, count, take in moves:
             src = pieces[k][2][name]
             if hasattr(src, "read_rows"):  # a stored tensor: its bytes are read into place later
-                src.read_rows(take, dst[into])
+                src.read_rows(_rows(take, count), dst[_rows(into, count)])
             else:
-                np.copyto(dst[into], host_view(src)[take])
+                np.copyto(dst[_rows(into, count)], host_view(src)[_rows(take, count)])
         del dst
         for _, _, arrays, _ in pieces:  # the name's arrays go once written
             arrays.pop(name, None)
         _allocate_ahead(name, specs[name])
-
-
-def _copy_with_mlx(pieces: list[Piece], names: Sequence[str], moves: list[tuple], buffers: Arrays) -> None:
-    """MLX slice updates (GPU backends), evaluated piece by piece; each piece's arrays go once written."""
-    for k, (_, _, arrays, _) in enumerate(pieces):
-        for _, into, take in [m for m in moves if m[0] == k]:
-            for name in names:
-                src = arrays[name]
-                buffers[name][into] = (mx.array(src) if isinstance(src, np.ndarray) else src)[take]
-        mx.eval(list(buffers.values()))
-        arrays.clear()

@@ -9,10 +9,11 @@ from mlx_lm.models.cache import ChunkedKVCache, ConcatenateKVCache, KVCache, Qua
 
 from paged_cache.handlers.base import Arrays, Part, Span
 from paged_cache.handlers.rows import RowsHandler, Run
+from paged_cache.row_path import evaluate
 
 
 class KVHandler(RowsHandler):
-    """KVCache: rows ``[0, offset)``; rebuilt into one buffer with room for the continuation."""
+    """KVCache: rows ``[0, offset)``; rebuilt into one buffer on mlx-lm's growth step."""
 
     kind = "kv"
     cache_types = (KVCache,)
@@ -24,7 +25,7 @@ class ConcatenateKVHandler(RowsHandler):
     kind = "concat_kv"
     cache_types = (ConcatenateKVCache,)
 
-    def buffer_rows(self, layer: Any, rows: int, capacity: int) -> int:
+    def buffer_rows(self, layer: Any, rows: int) -> int:
         return rows
 
 
@@ -85,16 +86,16 @@ class ChunkedKVHandler(RowsHandler):
             return shaped[-1:] or None
         return needed
 
-    def rebuild(self, layer: Any, parts: Sequence[Part], n: int, capacity: int) -> Any:
+    def rebuild(self, layer: Any, parts: Sequence[Part], n: int) -> Any:
         runs = [(max(0, n - layer.chunk_size), n)]
         if any(part.desc.get("has_rows") for part in parts):
-            return self.rebuild_runs(layer, parts, n, capacity, runs)
+            return self.rebuild_runs(layer, parts, n, runs)
         rows = runs[0][1] - runs[0][0]  # every row masked: zeros
         buffers = {}
         for name, (dims, dtype) in parts[0].desc["arrays"].items():
-            shape = (*dims[:2], self.buffer_rows(layer, rows, capacity), *dims[2:])
+            shape = (*dims[:2], self.buffer_rows(layer, rows), *dims[2:])
             buffers[name] = mx.zeros(shape, dtype=getattr(mx, dtype.rsplit(".", 1)[-1]))
-        mx.eval(list(buffers.values()))
+        evaluate(list(buffers.values()))
         return self.install(layer, buffers, n, rows)
 
     def layout(self, layer: Any) -> dict:

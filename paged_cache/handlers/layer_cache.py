@@ -43,7 +43,7 @@ class _Rows(RowsHandler):
     def arrays(self, layer: Any) -> Arrays:
         return {name: compat.layer_cache_get(layer, name)[:, None] for name in self.fields}
 
-    def buffer_rows(self, layer: Any, rows: int, capacity: int) -> int:
+    def buffer_rows(self, layer: Any, rows: int) -> int:
         return rows  # the model concatenates onto them: exactly the rows, no room
 
     def install(self, layer: Any, buffers: Arrays, n: int, rows: int) -> Arrays:
@@ -222,7 +222,7 @@ class LayerCacheHandler(LayerHandler):
         return union_of_plans(rows.plan(layer, self._spans(name, spans), self._target(name, n))
                               for name, rows in self.parts)
 
-    def rebuild(self, layer: Any, parts: Sequence[Part], n: int, capacity: int) -> Any:
+    def rebuild(self, layer: Any, parts: Sequence[Part], n: int) -> Any:
         spans = [Span(p.start, p.end, p.desc) for p in parts]
         arrays: dict = dict.fromkeys(compat.LAYER_CACHE_FIELDS)
         for name, rows in self.parts:
@@ -232,7 +232,7 @@ class LayerCacheHandler(LayerHandler):
             sub = [Part(*self._coords(name, parts[i].start, parts[i].end), parts[i].desc[name],
                         split_prefixed(parts[i].arrays, f"{name}.", pop=True)) for i in idx]
             if runs:
-                for field, buffer in rows.rebuild_runs(layer, sub, target, capacity, runs).items():
+                for field, buffer in rows.rebuild_runs(layer, sub, target, runs).items():
                     b, _, t, d = buffer.shape
                     arrays[field] = buffer.reshape(b, t, d)
         compat.layer_cache_set(layer, n, arrays)

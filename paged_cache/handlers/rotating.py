@@ -98,14 +98,14 @@ class RotatingHandler(RowsHandler):
             return f"ring {ring!r:.40} is not [source position >= {stored.end}, phase < {period}]"
         return None
 
-    def rebuild(self, layer: Any, parts: Sequence[Part], n: int, capacity: int) -> Any:
+    def rebuild(self, layer: Any, parts: Sequence[Part], n: int) -> Any:
         phase = self.phase_at(layer, parts, n) if n > layer.max_size else None
         keep, ring = layer.keep, layer.max_size - layer.keep
         newest = 0 if phase is None else (n - phase) % ring  # rows at slots keep.. (newest first)
         if newest == 0:
-            return super().rebuild(layer, parts, n, capacity)
+            return super().rebuild(layer, parts, n)
         runs = [(0, keep), (n - newest, n), (n - ring, n - newest)]
-        self.rebuild_runs(layer, parts, n, capacity, runs)
+        self.rebuild_runs(layer, parts, n, runs)
         self.set_slot(layer, keep + newest, ordered=False)
         return layer
 
@@ -113,7 +113,7 @@ class RotatingHandler(RowsHandler):
         """Set the write slot of a rebuilt layer (``ordered``: its buffer is in temporal order)."""
         compat.set_ring_slot(layer, slot)
 
-    def buffer_rows(self, layer: Any, rows: int, capacity: int) -> int:
+    def buffer_rows(self, layer: Any, rows: int) -> int:
         return rows
 
     def install(self, layer: Any, buffers: Arrays, n: int, rows: int) -> Any:
@@ -130,7 +130,7 @@ class PreallocatedRotatingHandler(RotatingHandler):
     kind = "prealloc_rotating_kv"
     cache_types = (PreallocatedRotatingKVCache,)
 
-    def buffer_rows(self, layer: Any, rows: int, capacity: int) -> int:
+    def buffer_rows(self, layer: Any, rows: int) -> int:
         return layer.max_size
 
     @staticmethod

@@ -17,7 +17,8 @@ from paged_cache.handlers.base import (TOKEN_AXIS, Arrays, Captured, LayerHandle
 
 Run = tuple[int, int, int]  # (first position, end position, first row)
 FAR = 1 << 62  # a position past any real sequence (for the widest window a layer can hold)
-FLOATS = ("float32", "float16", "bfloat16")  # an array's dtype when its form has none, widest first
+FLOATS = ("float32", "float16", "bfloat16")
+GROWTH_STEP = 256  # mlx-lm's KV growth step, for a layer that does not say its own  # an array's dtype when its form has none, widest first
 
 
 def merge_runs(runs: Sequence[Run]) -> list[Run]:
@@ -56,9 +57,12 @@ class RowsHandler(LayerHandler):
         """Positions a layer positioned at ``n`` tokens must hold."""
         return [(0, n)]
 
-    def buffer_rows(self, layer: Any, rows: int, capacity: int) -> int:
-        """Rows to allocate for ``rows`` valid rows (grow-in-place layers take ``capacity``)."""
-        return max(rows, capacity)
+    def buffer_rows(self, layer: Any, rows: int) -> int:
+        """Rows to allocate for ``rows`` valid rows: what mlx-lm's own cache holds after
+        prefilling them in chunks of its growth step (``step``, 256), so a continuation grows it
+        and runs its kernels on the same shapes and strides as on a cold cache."""
+        step = getattr(layer, "step", None) or GROWTH_STEP
+        return -(-rows // step) * step
 
     def install(self, layer: Any, buffers: Arrays, n: int, rows: int) -> Any:
         """Set the rebuilt buffers and counters on ``layer``."""
@@ -207,10 +211,10 @@ class RowsHandler(LayerHandler):
                 pos = b
         return sorted(needed)
 
-    def rebuild(self, layer: Any, parts: Sequence[Part], n: int, capacity: int) -> Any:
-        return self.rebuild_runs(layer, parts, n, capacity, self.window(layer, n))
+    def rebuild(self, layer: Any, parts: Sequence[Part], n: int) -> Any:
+        return self.rebuild_runs(layer, parts, n, self.window(layer, n))
 
-    def rebuild_runs(self, layer: Any, parts: Sequence[Part], n: int, capacity: int,
+    def rebuild_runs(self, layer: Any, parts: Sequence[Part], n: int,
                      runs: Sequence[tuple[int, int]]) -> Any:
         """Rebuild with the positions of ``runs`` written to consecutive rows, in that order."""
         rows = sum(hi - lo for lo, hi in runs)
@@ -225,7 +229,7 @@ class RowsHandler(LayerHandler):
                 pieces.append((a, b, arrays, row))
                 row += b - a
             del arrays
-        buffers = assemble_rows(pieces, names, runs, self.buffer_rows(layer, rows, capacity))
+        buffers = assemble_rows(pieces, names, runs, self.buffer_rows(layer, rows))
         return self.install(layer, buffers, n, rows)
 
     def names_of(self, layer: Any, parts: Sequence[Part]) -> list[str]:

@@ -14,11 +14,11 @@ import json
 from typing import Any, Sequence
 
 import mlx.core as mx
-import numpy as np
 from paged_cache import compat
 from paged_cache.handlers.base import (Arrays, Part, Span, Stored, Tensors, detached, form_of,
                                        nbytes_of)
 from paged_cache.handlers.rows import RowsHandler
+from paged_cache.row_path import evaluate, host_view
 
 tq = compat.turboquant()
 SIDES = ("keys", "values")
@@ -94,10 +94,10 @@ class TurboQuantHandler(RowsHandler):
             codec_arrays, codecs[side] = _codec_parts(getattr(layer, f"{side[:-1]}_codec"), side)
             # the codec's whole arrays, shared with the live codec by every block (not copied)
             arrays.update({k: mx.contiguous(v) for k, v in codec_arrays.items()})
-        mx.eval(list(arrays.values()))
+        evaluate(list(arrays.values()))
         digest = hashlib.blake2b(json.dumps([self._meta(layer), codecs]).encode(), digest_size=16)
         for name in sorted(arrays):
-            digest.update(np.asarray(arrays[name]).tobytes())
+            digest.update(host_view(arrays[name]).tobytes())
         structure = {side: flatten_state(getattr(layer, side), side, {}) for side in SIDES}
         return arrays, {"codec": codecs, "codec_digest": digest.hexdigest(), "bits": self._meta(layer),
                         "structure": structure, "names": self.names(layer)}
@@ -135,17 +135,17 @@ class TurboQuantHandler(RowsHandler):
     def install(self, layer: Any, buffers: Arrays, n: int, rows: int) -> Arrays:
         return buffers  # rebuild installs them with the codecs
 
-    def assemble(self, parts: Sequence[Part], n: int, capacity: int) -> Arrays:
-        """The packed buffers (capacity rows) for positions ``[0, n)``."""
-        return self.rebuild_runs(None, parts, n, capacity, [(0, n)])
+    def assemble(self, parts: Sequence[Part], n: int) -> Arrays:
+        """The packed buffers for positions ``[0, n)``, on the cache's growth step."""
+        return self.rebuild_runs(None, parts, n, [(0, n)])
 
-    def rebuild(self, layer: Any, parts: Sequence[Part], n: int, capacity: int) -> Any:
+    def rebuild(self, layer: Any, parts: Sequence[Part], n: int) -> Any:
         desc = parts[0].desc
         codec_arrays = {k: detached(v) for k, v in parts[0].arrays.items() if k.startswith("codec.")}
         for part in parts:
             for k in [k for k in part.arrays if k.startswith("codec.")]:
                 part.arrays.pop(k)
-        buffers = self.assemble(parts, n, capacity)
+        buffers = self.assemble(parts, n)
         bits, seed, key_bits, value_bits = desc["bits"]
         snapshot = {"meta_state": tuple(map(str, (n, bits, seed, key_bits, value_bits)))}
         for side in SIDES:

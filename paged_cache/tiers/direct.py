@@ -5,7 +5,8 @@
 buffer (``read_rows``); ``read_stored`` then reads every asked-for file once, in file order, with
 one vectored read per file and several files at once, straight into those buffers (lz4 files are
 decompressed piece by piece into them), and verifies each file's payload checksum over the same
-bytes. A file whose checksum fails makes ``read_stored`` return False: the rebuilt buffers hold
+bytes. A rebuild that needs a layer's rows before the next layer is built (the device path,
+``row_path``) reads each file's places so far with ``advance_all``; the file goes on from there. A file whose checksum fails makes ``read_stored`` return False: the rebuilt buffers hold
 damaged rows and must be dropped.
 """
 
@@ -65,7 +66,11 @@ class StoredTensor:
 @dataclass
 class StoredBlock:
     """A block whose header is checked and whose payload is still on disk; ``arrays`` hold
-    ``StoredTensor``s. ``on_damage(reason)`` reports a payload that fails its checksum."""
+    ``StoredTensor``s. ``on_damage(reason)`` reports a payload that fails its checksum.
+
+    The data section is read once, in file order: ``advance`` reads the places asked for so far
+    (a rebuild that needs some rows now, one layer at a time), ``read`` the rest and verifies the
+    checksum over every byte."""
 
     key: str
     meta: dict[str, str]
@@ -77,10 +82,19 @@ class StoredBlock:
     compressed: bytes | None = None  # lz4: the whole file, read when the header was checked
     arrays: dict[str, Any] = field(default_factory=dict)
     wanted: list[tuple[int, int, memoryview]] = field(default_factory=list)
+    damage: str | None = None  # why the payload cannot be used (reported by ``read``)
+    _pos: int = 0  # data bytes read and hashed so far
+    _digest: Any = field(default_factory=xxhash.xxh3_128)
+    _lz4: "_Lz4Stream | None" = None
 
     @property
     def nbytes(self) -> int:
         return self.data_bytes
+
+    @property
+    def begun(self) -> bool:
+        """True once part of the data section was read (``read`` must finish and verify it)."""
+        return self._pos > 0 or self._lz4 is not None
 
     def close(self) -> None:
         """Release the file (and any destination views still asked for)."""
@@ -88,92 +102,165 @@ class StoredBlock:
             os.close(self.fd)
             self.fd = -1
         self.wanted.clear()
-        self.compressed = None
+        self.compressed = self._lz4 = None
 
     def __del__(self) -> None:  # a fetch that gave up before reading: no fd outlives the block
         self.close()
 
-    def read(self) -> bool:
-        """Read the data section into the asked-for places (the rest into scratch) and verify
-        its checksum; False, reported through ``on_damage``, when it does not match."""
+    def advance(self) -> None:
+        """Read the places asked for so far, the bytes before them into scratch (hashed too), so
+        the rows are there now; a place behind what was read already is read again directly."""
+        wanted = sorted(self.wanted, key=lambda w: w[0])
+        self.wanted.clear()
+        if self.damage is not None or not wanted:
+            return
+        ahead = [w for w in wanted if w[0] >= self._pos]
         try:
-            pieces = _tile(sorted(self.wanted, key=lambda w: w[0]), self.data_bytes)
-            reason = self._read_lz4(pieces) if self.compressed is not None else self._read_plain(pieces)
-            if reason is None:
-                digest = xxhash.xxh3_128()
-                for view in pieces:
-                    digest.update(view)
-                if digest.hexdigest() != self.checksum:
-                    reason = "payload checksum mismatch"
+            if ahead:
+                self._consume(_tile(ahead, self._pos, ahead[-1][0] + ahead[-1][1]))
+            for offset, _, view in (w for w in wanted if w[0] < self._pos):
+                if self.damage is None:
+                    self._read_again(offset, _flat(view))
         except OSError as exc:
-            reason = f"read failed: {exc}"
+            self.damage = f"read failed: {exc}"
+
+    def read(self) -> bool:
+        """Read the rest of the data section into the asked-for places (the rest into scratch)
+        and verify its checksum; False, reported through ``on_damage``, when it does not match."""
+        try:
+            self.advance()
+            if self.damage is None and self._pos < self.data_bytes:
+                self._consume(_tile([], self._pos, self.data_bytes))
+            if self.damage is None and self._lz4 is not None:
+                self.damage = self._lz4.finish()
+            if self.damage is None and self._digest.hexdigest() != self.checksum:
+                self.damage = "payload checksum mismatch"
+        except OSError as exc:
+            self.damage = f"read failed: {exc}"
         finally:
+            reason = self.damage
             self.close()
         if reason is not None:
             self.on_damage(reason)
         return reason is None
 
-    def _read_plain(self, pieces: list[memoryview]) -> str | None:
-        """One preadv per IOV_MAX pieces (continued after a short read)."""
-        offset, first = self.data_start, 0
-        pieces = list(pieces)
-        while first < len(pieces):
-            n = os.preadv(self.fd, pieces[first:first + IOV_MAX], offset)
-            if n == 0:
-                return "file ends early"
-            offset += n
-            while first < len(pieces) and n >= pieces[first].nbytes:
-                n -= pieces[first].nbytes
-                first += 1
-            if n:
-                pieces[first] = pieces[first][n:]
+    def _consume(self, pieces: list[memoryview]) -> None:
+        """Fill ``pieces`` with the next bytes of the data section and hash them."""
+        if self.compressed is not None:
+            if self._lz4 is None:
+                self._lz4 = _Lz4Stream(self.compressed, self.data_start)
+            self.damage = self._lz4.fill(pieces)
+        else:
+            self.damage = _read_plain(self.fd, self.data_start + self._pos, pieces)
+        if self.damage is None:
+            for view in pieces:
+                self._digest.update(view)
+                self._pos += view.nbytes
+
+    def _read_again(self, offset: int, view: memoryview) -> None:
+        """Bytes already read and hashed, read again into ``view`` (the file is not changed by
+        anyone else while it is open; lz4: decompressed again from the start)."""
+        if self.compressed is None:
+            self.damage = _read_plain(self.fd, self.data_start + offset, [view])
+            return
+        stream = _Lz4Stream(self.compressed, self.data_start)
+        self.damage = stream.fill([memoryview(bytearray(offset))]) or stream.fill([view])
+
+
+def _flat(view: memoryview) -> memoryview:
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _read_plain(fd: int, offset: int, pieces: list[memoryview]) -> str | None:
+    """One preadv per IOV_MAX pieces from ``offset`` (continued after a short read)."""
+    first = 0
+    pieces = list(pieces)
+    while first < len(pieces):
+        n = os.preadv(fd, pieces[first:first + IOV_MAX], offset)
+        if n == 0:
+            return "file ends early"
+        offset += n
+        while first < len(pieces) and n >= pieces[first].nbytes:
+            n -= pieces[first].nbytes
+            first += 1
+        if n:
+            pieces[first] = pieces[first][n:]
+    return None
+
+
+class _Lz4Stream:
+    """The data section of an lz4 block file, decompressed LZ4_CHUNK compressed bytes at a time,
+    each output scattered into place while it is in cache (the header, checked when the block
+    was opened, skipped)."""
+
+    def __init__(self, compressed: bytes, skip: int) -> None:
+        self.dec = lz4.frame.LZ4FrameDecompressor()
+        self.src, self.at, self.skip = memoryview(compressed), 0, skip
+        self.out = memoryview(b"")
+
+    def _more(self) -> str | None:
+        if self.at >= self.src.nbytes:
+            return "lz4 frame ends early"
+        try:
+            out = memoryview(self.dec.decompress(self.src[self.at:self.at + LZ4_CHUNK]))
+        except RuntimeError as exc:
+            return f"lz4: {exc}"
+        self.at += LZ4_CHUNK
+        cut = min(self.skip, out.nbytes)
+        self.out, self.skip = out[cut:], self.skip - cut
         return None
 
-    def _read_lz4(self, pieces: list[memoryview]) -> str | None:
-        """Decompress the file LZ4_CHUNK compressed bytes at a time, each output scattered into
-        place while it is in cache (the header, checked when the block was opened, skipped)."""
-        dec = lz4.frame.LZ4FrameDecompressor()
-        src, skip = memoryview(self.compressed), self.data_start
-        views = iter(pieces)
-        view, pos = next(views, None), 0
-        for start in range(0, src.nbytes, LZ4_CHUNK):
-            try:
-                out = memoryview(dec.decompress(src[start:start + LZ4_CHUNK]))
-            except RuntimeError as exc:
-                return f"lz4: {exc}"
-            cut = min(skip, out.nbytes)
-            out, skip = out[cut:], skip - cut
-            while out.nbytes:
-                if view is None:
-                    return "lz4 frame holds bytes after the data section"
-                n = min(view.nbytes - pos, out.nbytes)
-                view[pos:pos + n] = out[:n]
-                out, pos = out[n:], pos + n
-                if pos == view.nbytes:
-                    view, pos = next(views, None), 0
-        self.compressed = None
-        if view is not None or skip:
-            return "lz4 frame ends early"
-        if not dec.eof or dec.unused_data:
+    def fill(self, pieces: list[memoryview]) -> str | None:
+        """The next bytes into ``pieces``, in order."""
+        for view in pieces:
+            pos = 0
+            while pos < view.nbytes:
+                if not self.out.nbytes:
+                    reason = self._more()
+                    if reason is not None:
+                        return reason
+                    continue
+                n = min(view.nbytes - pos, self.out.nbytes)
+                view[pos:pos + n] = self.out[:n]
+                self.out, pos = self.out[n:], pos + n
+        return None
+
+    def finish(self) -> str | None:
+        """Why the frame is not exactly the data section (bytes after it, not complete), or None."""
+        while self.at < self.src.nbytes and not self.out.nbytes:
+            reason = self._more()
+            if reason is not None:
+                return reason
+        if self.out.nbytes or self.skip:
+            return "lz4 frame holds bytes after the data section"
+        if not self.dec.eof or self.dec.unused_data:
             return "lz4 frame is not complete or has trailing bytes"
         return None
 
 
-def _tile(wanted: list[tuple[int, int, memoryview]], total: int) -> list[memoryview]:
-    """Views covering ``[0, total)`` of the data section in order: the asked-for destinations,
-    scratch for the gaps (every byte is read: the checksum covers them all)."""
+def _tile(wanted: list[tuple[int, int, memoryview]], start: int, end: int) -> list[memoryview]:
+    """Views covering ``[start, end)`` of the data section in order: the asked-for destinations
+    (sorted, none before ``start``), scratch for the gaps (every byte is read: the checksum
+    covers them all)."""
     out: list[memoryview] = []
-    pos = 0
+    pos = start
     for offset, n, view in wanted:
         if offset < pos:
             raise ValueError("overlapping reads asked of one block file")
         if offset > pos:
             out.append(memoryview(bytearray(offset - pos)))
-        out.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
+        out.append(_flat(view))
         pos = offset + n
-    if pos < total:
-        out.append(memoryview(bytearray(total - pos)))
+    if pos < end:
+        out.append(memoryview(bytearray(end - pos)))
     return out
+
+
+def advance_all(blocks: Sequence[Any]) -> None:
+    """``advance`` every ``StoredBlock`` among ``blocks`` with places asked for."""
+    for block in blocks:
+        if isinstance(block, StoredBlock) and block.wanted:
+            block.advance()
 
 
 def read_stored(blocks: Sequence[Any], threads: int) -> bool:
@@ -182,7 +269,7 @@ def read_stored(blocks: Sequence[Any], threads: int) -> bool:
     stored = []
     for block in blocks:
         if isinstance(block, StoredBlock):
-            if block.wanted:
+            if block.wanted or block.begun:
                 stored.append(block)
             else:
                 block.close()  # nothing of it was used

@@ -88,6 +88,12 @@ def array_name(layer: int, name: str) -> str:
     return f"l{layer}.{name}"
 
 
+def file_order(layers: int) -> list[int]:
+    """Layer indices in the order their arrays lie in a block file (``encode`` sorts names:
+    ``l0.``, ``l1.``, ``l10.``, ..., ``l2.``)."""
+    return sorted(range(layers), key=lambda i: array_name(i, ""))
+
+
 def layer_of(array: str) -> tuple[int, str] | None:
     """``(layer, name)`` of a block array name (``array_name``'s inverse), or None if not one."""
     head, sep, name = array.partition(".")

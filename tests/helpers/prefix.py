@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
+from paged_cache.layout import layer_arrays
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from helpers.managers import new_manager
 
@@ -84,7 +85,15 @@ def assert_exact(model: Any, prefix: BlockAwarePrefixCache, query: list[int],
         ref, got = model(tok, cache=cold), model(tok, cache=cache)
         diff = mx.abs(ref.astype(mx.float32) - got.astype(mx.float32)).max().item()
         assert diff == 0.0, f"decode step {step} logits differ by {diff} (n={n})"
+    # laid out as the cold cache: a GPU picks its kernels by shape and stride
+    assert buffer_layout(cache) == buffer_layout(cold), f"buffers differ from a cold cache's (n={n})"
     return n
+
+
+def buffer_layout(cache: list) -> list:
+    """Per layer: its type, offset and every array's (dtype, shape) (the buffers, not views)."""
+    return [(type(layer).__name__, getattr(layer, "offset", None),
+             [(a.dtype, tuple(a.shape)) for a in layer_arrays(layer)]) for layer in cache]
 
 
 def hot_prefix(model: Any, block: int, **kwargs: Any) -> BlockAwarePrefixCache:

@@ -1,0 +1,147 @@
+"""The row path: chosen once per process (forced by PAGED_CACHE_ROW_PATH), and the work a fetch or
+a store asks of MLX, counted: one evaluation per layer or fewer, never one per block, on both
+paths; on the device path no host views of a RAM hit and one upload per array per layer from SSD.
+On a GPU those counts are the cost; this is what CI sees of it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from paged_cache import Block, row_path
+from paged_cache.config import CacheConfig
+from paged_cache.manager import PagedSSDCacheManager
+from paged_cache.prefix_cache import BlockAwarePrefixCache
+from paged_cache.testing import tiny_model
+from paged_cache.tiers import format as fmt
+from paged_cache.tiers.direct import read_stored
+from paged_cache.tiers.ssd import SSDTier
+
+from helpers.prefix import assert_exact, prompt, store_prompt
+
+BLOCK, LAYERS = 16, 6
+MODEL = tiny_model("llama", num_hidden_layers=LAYERS)
+
+
+def _chosen(env: str | None) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k != row_path.ENV}
+    if env is not None:
+        environ[row_path.ENV] = env
+    return subprocess.run([sys.executable, "-c", "from paged_cache.row_path import row_path; "
+                           "print(row_path())"], env=environ, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_the_path_is_the_default_devices_unless_forced() -> None:
+    assert _chosen(None).stdout.strip() == ("host" if mx.default_device() == mx.cpu else "device")
+    assert _chosen("device").stdout.strip() == "device"
+    assert _chosen(" HOST ").stdout.strip() == "host"
+    bad = _chosen("gpu")
+    assert bad.returncode != 0
+    assert "PAGED_CACHE_ROW_PATH='gpu' (from the environment): expected one of host, device" in bad.stderr
+    with pytest.raises(ValueError, match="path: expected one of host, device, got 'cuda'"):
+        with row_path.forced("cuda"):
+            pass
+
+
+def _work(blocks: int, tmp_path: Path) -> dict[str, row_path.Counts]:
+    """The counts of a store, a RAM-tier fetch and (after a restart) an SSD fetch of a prompt of
+    ``blocks`` full blocks; each fetch checked exact against a cold run."""
+    tokens = prompt(blocks * BLOCK + 5)
+    config = CacheConfig(block_size=BLOCK, ssd_dir=tmp_path / str(blocks), hot_cache_max_bytes="64MB")
+    out = {}
+    with PagedSSDCacheManager(config) as manager:
+        prefix = BlockAwarePrefixCache(manager, MODEL)
+        cache = prefix.make_cache()
+        from helpers.prefix import prefill
+        prefill(MODEL, cache, tokens, 0, BLOCK)
+        before = row_path.counts()
+        prefix.store(tokens, cache)
+        out["store"] = row_path.counts() - before
+        before = row_path.counts()
+        got, n = prefix.fetch(tokens + [1])
+        out["ram"] = row_path.counts() - before
+        assert n == len(tokens) and prefix.last_fetch.tier == "hot"
+        del got
+        manager.flush()
+    with PagedSSDCacheManager(CacheConfig(block_size=BLOCK, ssd_dir=tmp_path / str(blocks),
+                                          hot_cache_max_bytes=0)) as manager:
+        prefix = BlockAwarePrefixCache(manager, MODEL)
+        before = row_path.counts()
+        got, n = prefix.fetch(tokens[:blocks * BLOCK] + [1])
+        out["ssd"] = row_path.counts() - before
+        assert n == blocks * BLOCK and prefix.last_fetch.tier == "ssd"
+        del got
+        assert assert_exact(MODEL, prefix, tokens[:blocks * BLOCK] + [1, 2]) == blocks * BLOCK
+    return out
+
+
+def test_work_per_fetch_and_store_grows_with_layers_not_blocks(tmp_path: Path,
+                                                               rows_moved_by: str) -> None:
+    short, long = _work(4, tmp_path), _work(12, tmp_path)
+    print(f"\n{rows_moved_by}: 4 blocks {short}\n{rows_moved_by}: 12 blocks {long}")
+    for what in ("store", "ram", "ssd"):
+        s, l = short[what], long[what]
+        assert (s.syncs, s.launches, s.to_device) == (l.syncs, l.launches, l.to_device), what
+        assert s.syncs <= LAYERS + 1 and s.launches <= 3 * LAYERS, (what, s)
+    # a store evaluates its cuts once, and moves nothing between host and device
+    assert short["store"] == row_path.Counts(syncs=1)
+    if rows_moved_by == "device":
+        # a RAM hit: one evaluation per layer and one for the cache, nothing through the host
+        assert short["ram"] == long["ram"] == row_path.Counts(syncs=LAYERS + 1)
+        # an SSD hit: each layer's keys and values staged and moved to the device once
+        assert short["ssd"] == long["ssd"] == row_path.Counts(syncs=LAYERS + 1,
+                                                               to_device=2 * LAYERS)
+    else:
+        # on the host: one evaluation per layer, nothing moved to the device
+        assert long["ram"].to_device == long["ssd"].to_device == 0
+
+
+def _block(i: int) -> Block:
+    keys = (mx.arange(2 * 3 * 8 * 4) + 100 * i).astype(mx.float16).reshape(1, 6, 8, 4)
+    values = (keys + 0.5).astype(mx.float16)
+    mx.eval(keys, values)
+    return Block(f"{i:064x}", {"l0.keys": keys, "l0.values": values, "l1.keys": keys + 1,
+                               "l1.values": values + 1}, {"tokens": "8"})
+
+
+@pytest.mark.parametrize("compression", ["none", "lz4"])
+def test_a_stored_block_is_read_in_steps_front_to_back(tmp_path: Path, compression: str) -> None:
+    """The device path reads each layer's rows of a file when it builds that layer (``advance``),
+    then ``read`` reads the rest and verifies the checksum over every byte; rows asked for behind
+    what was read are read again; a damaged byte anywhere still fails the read."""
+    block = _block(1)
+    with SSDTier(tmp_path, max_bytes=1 << 30, compression=compression) as tier:
+        assert tier.write_sync(block.key, fmt.raw_tensors(block), block.meta)
+        want = {n: np.asarray(a) for n, a in block.arrays.items()}
+        stored = tier.open_stored(block.key)
+        out = {n: np.zeros((1, 6, 8, 4), np.float16) for n in block.arrays}
+        rows = (slice(None), slice(None), slice(2, 7))
+        for name in ("l1.keys", "l1.values"):
+            stored.arrays[name].read_rows(rows, out[name][rows])
+        stored.advance()  # the second layer first: its rows are there now
+        assert all(np.array_equal(out[n][rows], want[n][rows]) for n in ("l1.keys", "l1.values"))
+        assert stored.begun and not out["l0.keys"].any()
+        stored.arrays["l0.keys"].read_rows(rows, out["l0.keys"][rows])  # behind: read again
+        assert read_stored([stored], threads=1) and stored.fd == -1
+        assert np.array_equal(out["l0.keys"][rows], want["l0.keys"][rows])
+        assert not out["l0.values"].any()
+        # damage past every asked-for row is still found: the checksum covers the whole file
+        path = next(p for p in (tmp_path / "blocks").rglob("*") if p.name.startswith(block.key))
+        import lz4.frame
+        plain = compression == "none"
+        data = bytearray(path.read_bytes() if plain else lz4.frame.decompress(path.read_bytes()))
+        data[-3] ^= 0x40
+        path.write_bytes(bytes(data) if plain else lz4.frame.compress(bytes(data)))
+        stored = tier.open_stored(block.key)
+        stored.arrays["l0.keys"].read_rows(rows, np.zeros((1, 6, 8, 4), np.float16)[rows])
+        stored.advance()
+        assert stored.damage is None  # nothing wrong in what was read so far
+        assert not read_stored([stored], threads=1)
+        assert tier.stats()["damaged"] == 1 and not tier.contains(block.key)
