@@ -23,7 +23,7 @@ from paged_cache.tiers import format as fmt
 from paged_cache.tiers.direct import read_stored
 from paged_cache.tiers.ssd import SSDTier
 
-from helpers.prefix import assert_exact, prompt, store_prompt
+from helpers.prefix import assert_exact, prefill, prompt
 
 BLOCK, LAYERS = 16, 6
 MODEL = tiny_model("llama", num_hidden_layers=LAYERS)
@@ -59,7 +59,6 @@ def _work(blocks: int, tmp_path: Path) -> dict[str, row_path.Counts]:
     with PagedSSDCacheManager(config) as manager:
         prefix = BlockAwarePrefixCache(manager, MODEL)
         cache = prefix.make_cache()
-        from helpers.prefix import prefill
         prefill(MODEL, cache, tokens, 0, BLOCK)
         before = row_path.counts()
         prefix.store(tokens, cache)
