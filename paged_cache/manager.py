@@ -435,8 +435,9 @@ class PagedSSDCacheManager:
         SSD: no file is looked at unless the manifest misses it) and, for the held part of the
         chain, the remote tier's listings (pipelined, cached briefly). Every listed node is checked
         against the request (``ChainNode.unfit``: fingerprint, start, key = hash of ``namespace``,
-        parent and token ids); one that fails is never returned and, unless it is a root child
-        (every namespace's chains start at the same root), counted in ``nodes_rejected``. Each
+        parent and token ids); one that fails is never returned and counted in
+        ``nodes_rejected``, unless it is a root child that may start another namespace's chain
+        (``ChainNode.another_namespaces``: every namespace's chains start at the same root). Each
         parent's children come in key order."""
         keys = _checked_keys(keys)
         parents = [ROOT_PARENT, *keys]
@@ -468,7 +469,8 @@ class PagedSSDCacheManager:
                                     keys[d] if d < len(keys) else None)
                 if reason is None:
                     nodes[node.key] = node
-                elif d:  # the root's children are every namespace's: another's is no damage
+                elif d or not node.another_namespaces(fingerprint, bs):
+                    # the root's children are every namespace's: another's is no damage
                     self._reject(row[0], tier.name, reason)
         known = dict(zip(keys[:held], tiers))  # the path: looked up once
         others = iter(self._walk([k for k in nodes if k not in known], chain=False, shared=False,
