@@ -113,7 +113,8 @@ class RemoteTier(RemoteReads, RemoteWriter, Tier):
         block = self.read_block(key, expect)
         return None if block is None else (block, self.name)
 
-    def write(self, block: Block, raw: fmt.RawTensors | None = None, *, now: bool = False) -> bool:
+    def write(self, block: Block, raw: fmt.RawTensors | None = None, *, now: bool = False,
+              persisted: bool = False) -> bool:
         """Queue the block for the server (``enqueue``); with ``now``, wait until it was sent."""
         queued = self.enqueue(block.key, raw if raw is not None else fmt.raw_tensors(block),
                               block.meta)
