@@ -29,14 +29,15 @@ class ChainNode:
     (about 5x cheaper to construct)."""
 
     __slots__ = ("key", "parent", "fingerprint", "start", "ids", "checkpoint", "restorable",
-                 "tier", "ntokens")
+                 "tier", "ntokens", "namespace")
 
     def __init__(self, key: str, parent: str, fingerprint: str, start: int, ids: np.ndarray | str,
                  checkpoint: bool = False, restorable: bool = True, tier: str | None = None,
-                 ntokens: int = -1) -> None:
+                 ntokens: int = -1, namespace: str | None = None) -> None:
         self.key, self.parent, self.fingerprint, self.start = key, parent, fingerprint, start
         self.ids, self.checkpoint, self.restorable, self.tier = ids, checkpoint, restorable, tier
         self.ntokens = len(self.token_ids) if ntokens < 0 else ntokens  # len(token_ids)
+        self.namespace = namespace  # the one its tier lists it with (None: the tier keeps none)
 
     def __repr__(self) -> str:
         return (f"ChainNode({self.key[:12]}.., parent={self.parent[:12]!r}, start={self.start}, "
@@ -74,14 +75,16 @@ class ChainNode:
     @classmethod
     def from_row(cls, row: NodeRow, tier: str | None = None) -> "ChainNode | None":
         """The node of a node row (as a tier lists it), or None when a field is missing or
-        malformed (ids stay in their text form until read; a NULL ``restorable`` reads as 1)."""
-        key, parent, fingerprint, start, ntokens, text, checkpoint, restorable = row
+        malformed (ids stay in their text form until read; a NULL ``restorable`` reads as 1;
+        the namespace is None when the row ends before it)."""
+        key, parent, fingerprint, start, ntokens, text, checkpoint, restorable = row[:8]
+        namespace = row[8] if len(row) > 8 else None
         if (type(start) is not int or type(ntokens) is not int or start < 0 or ntokens < 1
                 or not isinstance(parent, str) or not isinstance(fingerprint, str)
                 or not isinstance(text, str)):
             return None
         return cls(key, parent, fingerprint, start, text, bool(checkpoint), restorable != 0,
-                   tier, ntokens)
+                   tier, ntokens, namespace if isinstance(namespace, str) else None)
 
     def unfit(self, fingerprint: str, namespace: str, start: int, block_size: int,
               path_key: str | None) -> str | None:
@@ -107,6 +110,14 @@ class ChainNode:
             return "its key is not the hash of its parent, token ids and namespace"
         return None
 
+    def another_namespaces(self, fingerprint: str, block_size: int) -> bool:
+        """For a root child ``unfit`` refused: True when it may be the chain start of another
+        namespace (every namespace's chains start at the same root), so its refusal is no sign
+        of damage: it fits the namespace its tier lists it with, or its tier lists none (the
+        manifest). A node that fits no namespace was planted or damaged."""
+        return self.namespace is None or \
+            self.unfit(fingerprint, self.namespace, 0, block_size, None) is None
+
     def describes(self, meta: Mapping[str, str]) -> bool:
         """True when a block's meta (what its tier read) has this node's chain fields: a value
         stored under this node's key for another span is never used for this one."""
@@ -118,4 +129,4 @@ class ChainNode:
     def with_tier(self, tier: str | None) -> "ChainNode":
         """The same node, held in ``tier``."""
         return ChainNode(self.key, self.parent, self.fingerprint, self.start, self.ids,
-                         self.checkpoint, self.restorable, tier, self.ntokens)
+                         self.checkpoint, self.restorable, tier, self.ntokens, self.namespace)

@@ -8,6 +8,7 @@ each effective value came from (shown by ``paged-cache config``).
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 import os
 import re
@@ -56,6 +57,7 @@ REMOTE_SCHEMES = ("redis", "rediss", "valkey", "valkeys")  # "...s": TLS
 # Read by the remote tier at connect time, never stored in a CacheConfig (nor shown by `config`).
 REMOTE_PASSWORD_ENV = "PAGED_CACHE_REMOTE_PASSWORD"
 SECRET_MIN_CHARS = 16         # remote_secret: shorter ones are refused (a MAC key must not be guessable)
+LOOPBACK_NAMES = ("localhost",)  # host names taken as this machine without asking DNS
 TLS_SCHEMES = ("rediss", "valkeys")
 READ_THREADS_DEFAULT = 1      # block files read at once by a fetch (measured: docs/benchmarks.md)
 TRUE_WORDS = ("1", "true", "yes", "on")
@@ -208,6 +210,22 @@ def _secret(value: Any, name: str) -> Secret | None:
     return Secret(value)
 
 
+def is_loopback(host: str | None) -> bool:
+    """True when ``host`` (a URL's host name) is this machine: a loopback address (127.0.0.0/8,
+    ::1, an IPv4-mapped loopback) or ``localhost``. Other names are not resolved: a name could
+    point anywhere, so it counts as another machine."""
+    if not host:
+        return False
+    if host.lower().rstrip(".") in LOOPBACK_NAMES:
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
+
+
 def _optional_path(value: Any, name: str) -> Path | None:
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
@@ -288,8 +306,12 @@ _FIELD_SPECS: dict[str, tuple[Any, str]] = {
     "remote_queue_max_bytes": (parse_size, "byte bound of the remote write queue (default 64 MiB)"),
     "remote_secret": (_secret, "key of the MAC every remote value carries: values without a valid "
                                f"one are refused (at least {SECRET_MIN_CHARS} characters; never "
-                               "shown; default none: anyone who can write to the server can "
-                               "poison it)"),
+                               f"shown; give it by environment, {ENV_PREFIX}REMOTE_SECRET); "
+                               "required for a remote_url off loopback unless remote_insecure"),
+    "remote_insecure": (parse_bool, "allow a remote_url off loopback without remote_secret "
+                                    "(anyone who can write to the server can then change what "
+                                    "every host serves; a WARNING each time a manager starts; "
+                                    "default false)"),
     "remote_tls_ca": (_optional_path, "CA certificates (PEM) that verify a rediss:// server "
                                       "(default: the system's)"),
     "remote_tls_cert": (_optional_path, "client certificate (PEM) for a rediss:// server that "
@@ -318,6 +340,7 @@ _DEFAULTS: dict[str, Any] = {
     "remote_timeout": REMOTE_TIMEOUT_DEFAULT,
     "remote_queue_max_bytes": REMOTE_QUEUE_DEFAULT,
     "remote_secret": None,
+    "remote_insecure": False,
     "remote_tls_ca": None,
     "remote_tls_cert": None,
     "remote_tls_key": None,
@@ -357,6 +380,7 @@ class CacheConfig:
     remote_timeout: float = UNSET
     remote_queue_max_bytes: int = UNSET
     remote_secret: Secret | None = UNSET
+    remote_insecure: bool = UNSET
     remote_tls_ca: Path | None = UNSET
     remote_tls_cert: Path | None = UNSET
     remote_tls_key: Path | None = UNSET
@@ -404,11 +428,28 @@ class CacheConfig:
         if (self.remote_tls_cert is None) != (self.remote_tls_key is None):
             raise ValueError("remote_tls_cert and remote_tls_key: give both (a client certificate "
                              "and its private key) or neither")
+        self._check_remote_trust()
         if not self.hot_cache_only and self.ssd_max_bytes == 0:
             raise ValueError(
                 f"ssd_max_bytes: 0 (from {self.sources['ssd_max_bytes']}) leaves no SSD space with "
                 f"hot_cache_only=False (from {self.sources['hot_cache_only']}); give a size or "
                 "'auto', or set hot_cache_only=True")
+
+    def _check_remote_trust(self) -> None:
+        """A shared tier is closed unless opened: a remote_url off loopback needs remote_secret
+        (every value sealed) or the explicit opt-out remote_insecure."""
+        host = urllib.parse.urlsplit(self.remote_url or "").hostname
+        if not self.remote_url or self.remote_secret is not None or self.remote_insecure \
+                or is_loopback(host):
+            return
+        raise ValueError(
+            f"remote_url: {self.remote_url.redacted()!r} (from {self.sources['remote_url']}) is "
+            f"another machine ({host}) and no remote_secret is set: anyone who can write to that "
+            "server could change what this host serves. Give every host sharing it the same "
+            f"secret of at least {SECRET_MIN_CHARS} characters, by environment: "
+            f"{ENV_PREFIX}REMOTE_SECRET='...' (or remote_secret in a private TOML file); to run "
+            f"without one knowingly, set remote_insecure=true ({ENV_PREFIX}REMOTE_INSECURE=1, "
+            "--remote-insecure)")
 
     def beside_model(self, model_bytes: int, ram: int | None = None) -> "CacheConfig":
         """This configuration for a process that also holds a model of ``model_bytes`` weights,

@@ -48,8 +48,8 @@ DEFERRED, PROBATION = "deferred", "probation"  # why a block in RAM has no SSD w
 class PagedSSDCacheManager:
     """Tiered store of Blocks (hot RAM tier, and as configured SSD files and a remote server;
     the name is historical): `put`, `get` (take=), `tier_of`, `tiers_of`, `chain`, `contains`,
-    `demote`, `trim_hot`, `discard`, `flush`, `close`, `stats`. Thread-safe; a context manager
-    whose exit closes (and so flushes) it."""
+    `demote`, `trim_hot`, `discard`, `flush`, `close`, `stats`, `tier`. Thread-safe; a context
+    manager whose exit closes (and so flushes) it."""
 
     def __init__(self, config: CacheConfig | None = None) -> None:
         if config is not None and not isinstance(config, CacheConfig):
@@ -72,6 +72,7 @@ class PagedSSDCacheManager:
         tiers, self.ssd_error = open_tiers(self.config, lock=self._lock, on_evict=self._on_evict)
         if self.ssd_error is not None:
             self.config = self.config.without_ssd()  # callers see what the manager runs on
+        self._tiers = tuple(tiers)
         self._hot, self._lower = tiers[0], tiers[1:]  # RAM: live arrays, takes, evictions
         self._keeper = next((t for t in self._lower if t.keeps_evicted), None)
         log.debug("opened: %s", self.config)
@@ -97,8 +98,8 @@ class PagedSSDCacheManager:
     def _put(self, block: Block, raw: RawTensors, deferred: bool) -> bool:
         with self._lock:
             self._check_open()
-            if block.key in self._hot:
-                self._hot.get(block.key)
+            if self._hot.holds([block.key])[0] is not None:
+                self._hot.read(block.key)  # now most recently used
                 self.counters["puts_existing"] += 1
                 return False
             for tier in self._lower:
@@ -106,7 +107,7 @@ class PagedSSDCacheManager:
                     # the live arrays are right here: hold them in RAM too (no read needed later)
                     tier.touch(block.key)
                     self.counters["puts_existing"] += 1
-                    if self._hot.insert(block, persisted=True):
+                    if self._hot.write(block, persisted=True):
                         self.counters["promotions"] += 1
                     return False
             self.counters["puts"] += 1
@@ -120,7 +121,7 @@ class PagedSSDCacheManager:
                     persisted = persisted or (tier is self._keeper and written)
             if waits is not None:
                 self._waiting[block.key] = waits
-            if self._hot.insert(block, persisted=persisted):
+            if self._hot.write(block, persisted=persisted):
                 return True
             self._waiting.pop(block.key, None)  # not kept in RAM: written now if it can be
             if self._keeper is not None and (persisted or self._keeper.write(block, raw)):
@@ -219,13 +220,14 @@ class PagedSSDCacheManager:
             persisted = not faster or (fresh and all(t.write(block) for t in faster))
             if take:
                 self.counters["takes"] += 1
-            elif fresh and self._hot.insert(block, persisted=persisted):  # ... and RAM
+            elif fresh and self._hot.write(block, persisted=persisted):  # ... and RAM
                 self.counters["promotions"] += 1
         return block
 
     def _get_hot(self, key: str, take: bool) -> Block | None:
         if not take:
-            block = self._hot.get(key)
+            found = self._hot.read(key)
+            block = None if found is None else found[0]
             if block is not None and self._waiting.get(key) == PROBATION:
                 self._admit(block)
             return block
@@ -301,6 +303,15 @@ class PagedSSDCacheManager:
     def contains(self, key: str) -> bool:
         """True when some tier holds `key`."""
         return self.tier_of(key) is not None
+
+    def tier(self, name: str) -> Tier:
+        """The open tier called ``name`` ("hot", "ssd", "remote": its section in ``stats()``),
+        for inspection; ValueError naming the open ones otherwise."""
+        for tier in self._tiers:
+            if tier.name == name:
+                return tier
+        raise ValueError(f"tier: no open tier is called {name!r}; the open ones are "
+                         f"{', '.join(t.name for t in self._tiers)}")
 
     @property
     def hot_bytes(self) -> int:
@@ -435,15 +446,16 @@ class PagedSSDCacheManager:
         SSD: no file is looked at unless the manifest misses it) and, for the held part of the
         chain, the remote tier's listings (pipelined, cached briefly). Every listed node is checked
         against the request (``ChainNode.unfit``: fingerprint, start, key = hash of ``namespace``,
-        parent and token ids); one that fails is never returned and, unless it is a root child
-        (every namespace's chains start at the same root), counted in ``nodes_rejected``. Each
+        parent and token ids); one that fails is never returned and counted in
+        ``nodes_rejected``, unless it is a root child that may start another namespace's chain
+        (``ChainNode.another_namespaces``: every namespace's chains start at the same root). Each
         parent's children come in key order."""
         keys = _checked_keys(keys)
         parents = [ROOT_PARENT, *keys]
         with self._lock:
             self._check_open()
         rows: dict[Tier, list] = {}
-        for tier in (self._hot, *self._lower):
+        for tier in self._tiers:
             if not tier.shared:
                 rows[tier] = tier.children(parents, fingerprint)
         listed = {tier: {row[0] for row in found} for tier, found in rows.items()}
@@ -456,7 +468,7 @@ class PagedSSDCacheManager:
         depth = {parent: d for d, parent in enumerate(parents)}
         bs = self.config.block_size
         nodes: dict[str, ChainNode] = {}  # the fastest tier's node first
-        for tier in (self._hot, *self._lower):
+        for tier in self._tiers:
             for row in rows.get(tier, ()):
                 d = depth.get(row[1])
                 if d is None or row[0] in nodes:
@@ -468,7 +480,8 @@ class PagedSSDCacheManager:
                                     keys[d] if d < len(keys) else None)
                 if reason is None:
                     nodes[node.key] = node
-                elif d:  # the root's children are every namespace's: another's is no damage
+                elif d or not node.another_namespaces(fingerprint, bs):
+                    # the root's children are every namespace's: another's is no damage
                     self._reject(row[0], tier.name, reason)
         known = dict(zip(keys[:held], tiers))  # the path: looked up once
         others = iter(self._walk([k for k in nodes if k not in known], chain=False, shared=False,

@@ -37,6 +37,14 @@ def test_hot_hit_returns_the_live_arrays_without_copying():
         assert "ssd" not in stats and stats["hot_cache_only"] is True
 
 
+
+def test_the_open_tiers_are_found_by_name(tmp_path):
+    with new_manager(tmp_path / "c") as manager:
+        assert [manager.tier(n).name for n in ("hot", "ssd")] == ["hot", "ssd"]
+        assert manager.tier("ssd").stats().keys() == manager.stats()["ssd"].keys()
+    with new_manager() as manager, pytest.raises(ValueError, match="'ssd'.* are hot$"):
+        manager.tier("ssd")
+
 def test_hot_cache_only_drops_and_counts_evictions_and_oversized_blocks():
     with new_manager(hot_cache_max_bytes=4096) as manager:
         blocks = [make_block(i, 1024) for i in range(6)]

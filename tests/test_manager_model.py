@@ -93,7 +93,7 @@ class HotOnlyMachine(ManagerMachine):
 
     @invariant()
     def model_matches(self) -> None:
-        assert self.manager._hot.keys() == [key_of(i) for i in self.lru]
+        assert self.manager.tier("hot").keys() == [key_of(i) for i in self.lru]
         assert self.manager.stats()["hot"]["bytes"] == sum(self.sizes[i] for i in self.lru) * UNIT
 
 

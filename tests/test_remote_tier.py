@@ -237,7 +237,8 @@ def test_allkeys_lru_bounds_the_server_and_ttl_expires(tmp_path: Path) -> None:
 
 def test_remote_settings_parse_and_hide_the_password(monkeypatch: pytest.MonkeyPatch) -> None:
     config = CacheConfig.from_env({"PAGED_CACHE_REMOTE_URL": "redis://app:s3cret@h:6379/1",
-                                   REMOTE_PASSWORD_ENV: "ignored-here", "PAGED_CACHE_REMOTE_TTL": "60"})
+                                   REMOTE_PASSWORD_ENV: "ignored-here", "PAGED_CACHE_REMOTE_TTL": "60",
+                                   "PAGED_CACHE_REMOTE_SECRET": "a secret of 16+ chars"})
     assert config.remote_url == "redis://app:s3cret@h:6379/1" and config.remote_ttl == 60.0
     assert "s3cret" not in repr(config) and "s3cret" not in json.dumps(config.to_dict())
     assert CacheConfig().remote_url is None

@@ -20,7 +20,7 @@ _METAVARS = {"block_size": "TOKENS", "hot_cache_max_bytes": "SIZE", "ssd_dir": "
              "remote_url": "URL", "remote_ttl": "SECONDS", "remote_timeout": "SECONDS",
              "remote_queue_max_bytes": "SIZE", "ssd_read_threads": "N", "remote_secret": "SECRET",
              "remote_tls_ca": "FILE", "remote_tls_cert": "FILE", "remote_tls_key": "FILE"}
-BOOL_FIELDS = ("hot_cache_only", "remote_cluster", "cache_salt_from_user")
+BOOL_FIELDS = ("hot_cache_only", "remote_cluster", "remote_insecure", "cache_salt_from_user")
 
 
 def flag_of(name: str) -> str:

@@ -8,7 +8,8 @@ Three flags say how a tier takes part, so the manager never asks what a tier is:
 - ``writes_new``: every new block is written here when it is put (else only when the RAM tier
   evicts it, if ``keeps_evicted``);
 - ``keeps_evicted``: blocks leaving the RAM tier are written here (the first such tier); a RAM
-  block with a copy here is "persisted": evicting it writes nothing;
+  block with a copy here is "persisted": evicting it writes nothing (``write(persisted=)`` and
+  ``mark_persisted`` tell the RAM tier, the tiers that record nothing ignore them);
 - ``shared``: lookups cost a round trip (a server several hosts use): the tier is asked only by
   a chain walk, in batches, and for the children of the held part of the chain only.
 
@@ -58,11 +59,18 @@ class Tier:
         check."""
         raise NotImplementedError
 
-    def write(self, block: Block, raw: RawTensors | None = None, *, now: bool = False) -> bool:
+    def write(self, block: Block, raw: RawTensors | None = None, *, now: bool = False,
+              persisted: bool = False) -> bool:
         """Store ``block`` (``raw``: its raw buffers, made from the block when None); False when
         it is not stored (counted). Never waits on disk or network unless ``now``: written on
-        the calling thread before this returns."""
+        the calling thread before this returns. ``persisted``: the tier keeping evicted blocks
+        holds (or has queued) a copy already, so a tier evicting into it need not write it
+        there again."""
         raise NotImplementedError
+
+    def mark_persisted(self, key: str, persisted: bool = True) -> None:
+        """The tier keeping evicted blocks now holds a copy of ``key`` (False: the write counted
+        on failed). A tier evicting into it records it; the others have nothing to record."""
 
     def touch(self, key: str) -> None:
         """Mark ``key`` used now (a put found it held here)."""

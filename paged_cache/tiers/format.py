@@ -44,11 +44,12 @@ META_TOKEN_IDS = "token_ids"    # the block's own token ids (hashing.encode_toke
 META_CHECKPOINT = "checkpoint"  # "1": a checkpoint node (state at its end, no rows a block holds)
 META_RESTORABLE = "restorable"  # "1": every layer that cannot be cut by token is restorable at its end
 # A node row: the chain fields of one stored node, in this order, as every tier lists them (the
-# manifest's columns of the same names; tokens = the node's token count). chain_index builds the
-# typed node from a row.
+# manifest's columns of the same names; tokens = the node's token count), then, where the tier
+# keeps it (block meta: RAM, the SSD queue, remote listings), the node's namespace. chain_index
+# builds the typed node from a row.
 NODE_FIELDS = ("key", "parent", "fingerprint", "start", "tokens", "token_ids", "checkpoint",
                "restorable")
-NodeRow = tuple  # (str, str | None, str | None, int | None, int | None, str | None, int, int)
+NodeRow = tuple  # (str, str | None, str | None, int | None, int | None, str | None, int, int[, str])
 # Block meta keys read from the file only (set by the prefix cache).
 META_NAMESPACE = "namespace"    # the namespace hashed into the block's key (docs/file-format.md)
 META_MODEL_NAME = "model_name"  # the model as given at serve time (for people; not in the key)
@@ -74,13 +75,14 @@ def block_path(key: str, compression: str) -> str:
 
 
 def node_row(key: str, meta: dict[str, str]) -> NodeRow:
-    """The node row (``NODE_FIELDS``) of a block's meta: counts where the meta has digits and
-    None where a field is missing or malformed (the row is then no node: chain_index says)."""
+    """The node row (``NODE_FIELDS``, then the namespace: "" when the meta names none) of a
+    block's meta: counts where the meta has digits and None where a field is missing or
+    malformed (the row is then no node: chain_index says)."""
     start, tokens = meta.get(META_START, ""), meta.get(META_TOKENS, "")
     return (key, meta.get(META_PARENT), meta.get(META_FINGERPRINT),
             int(start) if start.isdigit() else None, int(tokens) if tokens.isdigit() else None,
             meta.get(META_TOKEN_IDS), int(meta.get(META_CHECKPOINT) == "1"),
-            int(meta.get(META_RESTORABLE, "1") == "1"))
+            int(meta.get(META_RESTORABLE, "1") == "1"), meta.get(META_NAMESPACE, ""))
 
 
 def array_name(layer: int, name: str) -> str:

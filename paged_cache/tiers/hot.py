@@ -316,9 +316,10 @@ class HotTier(Tier):
         block = self.get(key)
         return None if block is None else (block, self.name)
 
-    def write(self, block: Block, raw: RawTensors | None = None, *, now: bool = False) -> bool:
-        """``insert`` with no copy elsewhere (evicting it calls the eviction callback)."""
-        return self.insert(block, persisted=False)
+    def write(self, block: Block, raw: RawTensors | None = None, *, now: bool = False,
+              persisted: bool = False) -> bool:
+        """``insert``: evicting the block calls the eviction callback with ``persisted``."""
+        return self.insert(block, persisted=persisted)
 
     def close(self) -> None:
         """Drop every block (``clear``)."""

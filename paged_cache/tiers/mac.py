@@ -6,7 +6,8 @@ BLAKE2b's speed on the x86 test machine). The tag covers the server key the valu
 (header and payload), so a value forged or altered without the secret, or moved to another key,
 fails. The magic cannot begin a block file (a plain file starts with a header length below
 16 MiB, whose high bytes are zero; an lz4 file with the lz4 frame magic), so a host without a
-secret reads sealed values by skipping the seal (unverified, as it reads everything).
+secret knows a sealed value when it reads one: it cannot verify the tag, so it refuses the value
+(counted) rather than skip the seal.
 """
 
 from __future__ import annotations
@@ -59,8 +60,6 @@ class Sealer:
             else None
 
 
-def unsealed(value: Any) -> memoryview:
-    """The block file inside a value, its seal skipped when it has one (not verified: for a host
-    without a secret)."""
-    view = _bytes(value)
-    return view[SEAL_BYTES:] if view[:len(MAGIC)] == MAGIC else view
+def is_sealed(value: Any) -> bool:
+    """True when a value carries a seal (whether its tag is valid takes the secret)."""
+    return _bytes(value)[:len(MAGIC)] == MAGIC

@@ -3,9 +3,9 @@
 Values are block files (tiers/format.py: versioned, checksummed), sealed with a MAC under
 ``remote_secret`` (tiers/mac.py); a damaged, truncated or foreign value, or one that does not fit
 the reader's layout, is a counted miss, and with a secret a value without a valid tag is refused
-(``rejected``) before it is decoded. The server keys are named in tiers/remote_client.py; a block key hashes
-the model fingerprint and the prefix cache's namespace, so two models or namespaces never share a
-block entry.
+(``rejected``) before it is decoded; without one, a sealed value is (``sealed_refused``). The
+server keys are named in tiers/remote_client.py; a block key hashes the model fingerprint and the
+prefix cache's namespace, so two models or namespaces never share a block entry.
 
 Reads run on the caller thread in pipelines (one round trip for any number of keys;
 tiers/remote_reads.py: read-ahead and child listings); writes are queued (bounded in bytes) for
@@ -31,9 +31,9 @@ from paged_cache.tiers.remote_reads import RemoteReads
 from paged_cache.tiers.remote_writer import RemoteWriter
 from paged_cache.tiers.write_queue import Write
 
-_COUNTERS = ("hits", "misses", "damaged", "rejected", "errors", "skipped", "outages", "reads", "read_bytes",
-             "read_seconds", "writes", "write_bytes", "bytes_written", "writes_existing",
-             "write_drops", "write_errors", "discards")
+_COUNTERS = ("hits", "misses", "damaged", "rejected", "sealed_refused", "errors", "skipped",
+             "outages", "reads", "read_bytes", "read_seconds", "writes", "write_bytes",
+             "bytes_written", "writes_existing", "write_drops", "write_errors", "discards")
 
 
 class RemoteTier(RemoteReads, RemoteWriter, Tier):
@@ -113,7 +113,8 @@ class RemoteTier(RemoteReads, RemoteWriter, Tier):
         block = self.read_block(key, expect)
         return None if block is None else (block, self.name)
 
-    def write(self, block: Block, raw: fmt.RawTensors | None = None, *, now: bool = False) -> bool:
+    def write(self, block: Block, raw: fmt.RawTensors | None = None, *, now: bool = False,
+              persisted: bool = False) -> bool:
         """Queue the block for the server (``enqueue``); with ``now``, wait until it was sent."""
         queued = self.enqueue(block.key, raw if raw is not None else fmt.raw_tensors(block),
                               block.meta)

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from paged_cache.block import Block, check_key, is_key
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.mac import SEAL_BYTES, unsealed
+from paged_cache.tiers.mac import SEAL_BYTES, is_sealed
 from paged_cache.tiers.remote_client import block_name, children_name, parse_child_entry
 
 log = logging.getLogger("paged_cache.remote")
@@ -181,8 +181,9 @@ class RemoteReads:
 
     def _decode(self, key: str, value: Any, cap: int, expect: fmt.Expected | None) -> Block | None:
         """The block a value read (at most ``cap`` + 1 bytes of it) holds, or None: a miss (no
-        value), damage (counted) or, with a secret, a value without a valid tag (counted in
-        ``rejected``: never decoded)."""
+        value), damage (counted) or a value refused before it is decoded: with a secret, one
+        without a valid tag (``rejected``); without one, a sealed value, whose tag this host
+        cannot check (``sealed_refused``, the first logged at WARNING)."""
         if value is None:
             return None
         if isinstance(value, BaseException) or not isinstance(value, bytes):
@@ -191,11 +192,14 @@ class RemoteReads:
             reason = f"more than {cap} bytes, more than a block can take"
         else:
             self._count("read_bytes", len(value))
-            body = unsealed(value) if self._sealer is None else \
-                self._sealer.open(block_name(key), value)
+            if self._sealer is not None:
+                body = self._sealer.open(block_name(key), value)
+                refusal = "rejected"
+            else:
+                body = None if is_sealed(value) else memoryview(value)
+                refusal = "sealed_refused"
             if body is None:
-                self._count("rejected")
-                log.debug("remote block %s: value without a valid tag refused", key[:16])
+                self._refused(key, refusal)
                 return None
             try:
                 arrays, meta = fmt.decode(body, key, max_bytes=fmt.decoded_limit(body.nbytes),
@@ -206,6 +210,20 @@ class RemoteReads:
         self._count("damaged")
         log.debug("remote block %s: damaged value treated as a miss (%s)", key[:16], reason)
         return None
+
+    def _refused(self, key: str, counter: str) -> None:
+        """Count a value refused before decoding; the first sealed value a host without a secret
+        refuses is logged at WARNING (its hosts disagree on the secret)."""
+        with self._lock:
+            self._counts[counter] += 1
+            first = counter == "sealed_refused" and self._counts[counter] == 1
+        if first:
+            log.warning("remote block %s is sealed and this host has no remote_secret to check "
+                        "it: refused, as every sealed value will be (counted in "
+                        "remote.sealed_refused); give this host the secret the others use "
+                        "(PAGED_CACHE_REMOTE_SECRET)", key[:16])
+        else:
+            log.debug("remote block %s: value without a valid tag refused (%s)", key[:16], counter)
 
     def _remember_present(self, sizes: dict[str, int]) -> None:
         """Record keys seen on the server now, with their value sizes."""

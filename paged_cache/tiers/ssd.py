@@ -335,7 +335,8 @@ class SSDTier(WriteBehind, Tier):
         block = self.open_stored(key, expect) if in_place else self.read_file(key, expect)
         return None if block is None else (block, self.name)
 
-    def write(self, block: Block, raw: fmt.RawTensors | None = None, *, now: bool = False) -> bool:
+    def write(self, block: Block, raw: fmt.RawTensors | None = None, *, now: bool = False,
+              persisted: bool = False) -> bool:
         """Queue the block for the writer (a write the caller must do itself under
         "write-on-caller" is left for ``settle``), or write it now."""
         raw = raw if raw is not None else fmt.raw_tensors(block)

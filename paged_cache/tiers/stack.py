@@ -8,7 +8,7 @@ import logging
 import sqlite3
 from typing import Any
 
-from paged_cache.config import CacheConfig, filesystem_space, format_size
+from paged_cache.config import ENV_PREFIX, CacheConfig, filesystem_space, format_size
 from paged_cache.stats import nested_gauges
 from paged_cache.tiers.base import Tier
 from paged_cache.tiers.files import CacheDirError
@@ -39,6 +39,11 @@ def open_tiers(config: CacheConfig, *, lock: Any,
         tiers += [ssd] if ssd is not None else []
     if config.remote_url:
         log.info("remote tier at %r", config.remote_url)
+        if config.remote_secret is None and config.remote_insecure:  # at every start
+            log.warning("remote tier %s without remote_secret (remote_insecure from %s): anyone "
+                        "who can write to that server can change what this host serves; give "
+                        "every host the same secret (%sREMOTE_SECRET)", config.remote_url.redacted(),
+                        config.sources["remote_insecure"], ENV_PREFIX)
         tiers.append(RemoteTier(config.remote_url, timeout=config.remote_timeout,
                                 ttl=config.remote_ttl, queue_max_bytes=config.remote_queue_max_bytes,
                                 compression=config.compression, cluster=config.remote_cluster,

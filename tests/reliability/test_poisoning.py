@@ -26,6 +26,7 @@ from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
 from paged_cache.testing.server import client
 from paged_cache.tiers import format as fmt
+from paged_cache.tiers.mac import SEAL_BYTES
 from paged_cache.tiers.remote_client import KEY_PREFIX, block_name
 from helpers.prefix import DECODE_STEPS, prefill, prompt, store_prompt
 
@@ -128,7 +129,8 @@ def shifted(arrays: dict[str, mx.array]) -> None:
 def test_a_forged_value_is_rejected_with_a_secret(url: str, record: Callable[..., None]) -> None:
     """With remote_secret every value carries a keyed MAC: a value re-encoded with altered KV and
     fresh checksums (no tag, or a tag under another secret) is counted in remote.rejected and
-    never decoded; hosts with the secret share blocks exactly; a host without it still reads."""
+    never decoded; hosts with the secret share blocks exactly; a host without it refuses the
+    sealed values (remote.sealed_refused: it cannot check their tags)."""
     model = tiny_model("llama")
     config = remote_config(url, remote_secret=SECRET)
     with PagedSSDCacheManager(config) as manager:
@@ -138,15 +140,14 @@ def test_a_forged_value_is_rejected_with_a_secret(url: str, record: Callable[...
     keys = chain_keys(fp, "", VICTIM, BLOCK)
     db = client(url)
     real = {k: db.get(block_name(k)) for k in keys}
-    with PagedSSDCacheManager(remote_config(url)) as manager:   # no secret: reads tagged values
+    with PagedSSDCacheManager(remote_config(url)) as manager:   # no secret: refuses sealed values
         n, diff = logits_diff(model, BlockAwarePrefixCache(manager, model), VICTIM)
-        assert (n, diff) == (len(VICTIM) - 1, 0.0) and manager.stats()["remote"]["rejected"] == 0
+        remote = manager.stats()["remote"]
+        assert (n, diff) == (0, 0.0) and remote["sealed_refused"] >= 1 and remote["rejected"] == 0
     with PagedSSDCacheManager(remote_config(url, remote_secret="another secret, 16+ chars")) as m:
         n, diff = logits_diff(model, BlockAwarePrefixCache(m, model), VICTIM)
         assert (n, diff) == (0, 0.0) and m.stats()["remote"]["rejected"] >= 1
-    from paged_cache.tiers.mac import unsealed
-
-    untagged = forged(bytes(unsealed(real[keys[2]])), keys[2], shifted)
+    untagged = forged(real[keys[2]][SEAL_BYTES:], keys[2], shifted)
     db.set(block_name(keys[2]), untagged)
     with PagedSSDCacheManager(config) as manager:
         n, diff = logits_diff(model, BlockAwarePrefixCache(manager, model), VICTIM)

@@ -221,7 +221,9 @@ def serve_main(config: CacheConfig, server_argv: Sequence[str]) -> int:
                     raise ServeError(f"cannot open the SSD tier at {config.ssd_dir}: {error}") \
                         from error
                 logger.info("serving with paged-cache: %s", _describe(fitted))
-                if config.remote_url and not config.remote_secret:
+                if config.remote_url and not config.remote_secret and not config.remote_insecure:
+                    # loopback (another host is refused without a secret); the opt-out warns
+                    # at each manager start itself
                     logger.warning("remote tier %s has no remote_secret: anyone who can write to "
                                    "that server can change what this server answers (set one on "
                                    "every host: docs/scaling.md)", config.remote_url.redacted())
