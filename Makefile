@@ -11,10 +11,19 @@ DEMO_STAMP = $(VENV)/.installed-demo
 LOWEST  ?= .venv-lowest
 LOW_STAMP = $(LOWEST)/.installed
 PIP_INSTALL = pip install --progress-bar on --disable-pip-version-check
+# MLX's backend on Linux (the extra of the same name): the demo and the tests run on the CPU.
+BACKEND ?= cpu
+# `make test-gpu`: a Python that already has MLX with a GPU backend and paged-cache's test tools.
+GPU_PYTHON ?= $(PYTHON)
+GPU_RESULTS ?= benchmarks/results/gpu
+GPU_TESTS = tests/test_prefix_cache.py tests/test_restore_paths.py tests/test_row_path.py \
+	tests/test_loans.py tests/test_handlers.py tests/test_prefix_cache_tiers.py \
+	tests/test_window_order.py tests/test_reuse_checkpoints.py tests/test_scheduler.py \
+	tests/test_prefix_cache_memory.py
 
 ENGINES ?= vllm-mlx openai-server
 
-.PHONY: install server demo test test-long test-lowest test-engines bench clean
+.PHONY: install server demo test test-long test-lowest test-engines test-gpu bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,19 +32,19 @@ $(BIN)/python:
 # The demo needs the library and matplotlib (its plot) only: no test tools, no mlx-vlm.
 $(DEMO_STAMP): pyproject.toml | $(BIN)/python
 	@echo "make demo: installing paged-cache, mlx, mlx-lm and matplotlib into $(VENV)"
-	$(BIN)/$(PIP_INSTALL) -e ".[plot]"
+	$(BIN)/$(PIP_INSTALL) -e ".[plot,$(BACKEND)]"
 	touch $(DEMO_STAMP)
 
 # Everything the tests need: the test tools, the turboquant (mlx-vlm) and remote extras.
 $(STAMP): pyproject.toml | $(BIN)/python
 	@echo "make test: installing paged-cache with its test tools and every extra into $(VENV)"
-	$(BIN)/$(PIP_INSTALL) -e ".[dev,turboquant,remote]"
+	$(BIN)/$(PIP_INSTALL) -e ".[dev,turboquant,remote,$(BACKEND)]"
 	touch $(STAMP) $(DEMO_STAMP)
 
 $(LOW_STAMP): pyproject.toml .ci/lowest.txt
 	$(PYTHON) -m venv $(LOWEST)
 	$(LOWEST)/bin/pip install --quiet --upgrade pip
-	$(LOWEST)/bin/$(PIP_INSTALL) -c .ci/lowest.txt ".[dev,turboquant,remote]"
+	$(LOWEST)/bin/$(PIP_INSTALL) -c .ci/lowest.txt ".[dev,turboquant,remote,$(BACKEND)]"
 	touch $(LOW_STAMP)
 
 # An engine's environment: paged-cache (editable) with its test extras and the modules the
@@ -44,7 +53,7 @@ $(LOW_STAMP): pyproject.toml .ci/lowest.txt
 .venv-engine-%/.installed: pyproject.toml .ci/engines/%.txt .ci/engines/%.engine
 	$(PYTHON) -m venv .venv-engine-$*
 	.venv-engine-$*/bin/pip install --quiet --upgrade pip
-	.venv-engine-$*/bin/pip install --quiet -e ".[dev,remote]" -r .ci/engines/$*.txt
+	.venv-engine-$*/bin/pip install --quiet -e ".[dev,remote,$(BACKEND)]" -r .ci/engines/$*.txt
 	.venv-engine-$*/bin/pip install --quiet --no-deps -r .ci/engines/$*.engine
 	touch $@
 
@@ -88,6 +97,15 @@ test-engines: $(foreach e,$(ENGINES),.venv-engine-$(e)/.installed) server
 		echo "== engine $$e"; \
 		.venv-engine-$$e/bin/python -m pytest -q tests/engines --engine $$e $(PYTEST_ARGS) || exit 1; \
 	done
+
+# The GPU lane, on a machine whose MLX runs on a GPU (Metal; CUDA: mlx[cuda13]): the model-level
+# tests with the GPU as the default device (so the device row path), then the restore and scale
+# families, whose JSON (in $(GPU_RESULTS)) names the backend and the row path.
+test-gpu:
+	$(GPU_PYTHON) -c "import mlx.core as mx, sys; d = mx.default_device(); \
+		sys.exit(None if d.type == mx.DeviceType.gpu else f'make test-gpu: the default device is {d}, not a GPU: install MLX with a GPU backend (pip install \"mlx[cuda13]\" on Linux with an NVIDIA card; a Mac has Metal)')"
+	$(GPU_PYTHON) -m pytest -q -p no:cacheprovider $(GPU_TESTS) --junitxml=$(GPU_RESULTS)/tests.xml $(PYTEST_ARGS)
+	$(GPU_PYTHON) -m benchmarks.run --only restore --only scale --results $(GPU_RESULTS)
 
 bench: $(STAMP) server
 	$(BIN)/python -m benchmarks.run

@@ -131,10 +131,20 @@ def figure(family: str, name: str, *, measured: Timing | float, baseline: Timing
                   max(spreads) if spreads else 0.0, details, goal_on)
 
 
+def backend() -> str:
+    """The MLX backend of the default device: cpu, metal or cuda (every figure names it)."""
+    if mx.default_device().type == mx.DeviceType.cpu:
+        return "cpu"
+    return "metal" if mx.metal.is_available() else "cuda"
+
+
 def machine() -> dict[str, Any]:
     """Where the figures were measured."""
+    from paged_cache.row_path import row_path
+
     info = {"platform": platform.platform(), "python": platform.python_version(),
-            "cpus": os.cpu_count(), "mlx": mx.__version__}
+            "cpus": os.cpu_count(), "mlx": mx.__version__, "backend": backend(),
+            "device": str(mx.default_device()), "row_path": row_path()}
     try:
         import mlx_lm
         info["mlx_lm"] = mlx_lm.__version__

@@ -13,6 +13,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 from paged_cache.config import CacheConfig
 from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.testing import tiny_model
+from helpers.backends import needs_quantized_matmul
 from helpers.loans import BLOCK, changed_then_asked_again, lent, stored, trim_and_extend
 from helpers.prefix import assert_exact, prompt
 
@@ -48,7 +49,7 @@ def test_a_request_that_stores_settles_its_loan_without_a_copy() -> None:
     prefix.manager.close()
 
 
-@pytest.mark.parametrize("layout", ["kv", "quantized"])
+@pytest.mark.parametrize("layout", ["kv", pytest.param("quantized", marks=needs_quantized_matmul)])
 def test_a_trimmed_and_extended_cache_gives_back_only_the_rows_it_kept(layout: str) -> None:
     model = tiny_model("llama", hidden_size=128)   # head_dim 32: one quantization group
     make = None if layout == "kv" else \

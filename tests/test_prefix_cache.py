@@ -10,6 +10,7 @@ from mlx_lm.models.cache import QuantizedKVCache
 from paged_cache.caches import make_bounded_cache
 from paged_cache.testing import tiny_model
 
+from helpers.backends import needs_quantized_matmul
 from helpers.prefix import assert_exact, hot_prefix, prefill, prompt, store_prompt
 
 # every test on both row paths: numpy copies (the CPU's) and MLX ops (a GPU's)
@@ -70,6 +71,7 @@ def test_window_without_snapshots_limits_reuse_honestly() -> None:
     assert stats["walkbacks"] >= 1 and stats["walkback_tokens_lost"] >= 32
 
 
+@needs_quantized_matmul
 def test_quantized_kv_cache_list_stays_quantized() -> None:
     block = 16
     model = tiny_model("llama", hidden_size=128)
