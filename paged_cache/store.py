@@ -31,6 +31,9 @@ from paged_cache.tiers.format import (META_LAYERS, META_MODEL_NAME, META_NAMESPA
                                       array_name, layer_of)
 
 ON_DISK = ("ssd", "remote")  # tiers a block is read from with I/O (a store brings it to RAM)
+# not in RAM for the next fetch: on disk, or only in the SSD writer's queue (a block a hit took
+# from RAM while its write was queued goes to disk next, unless the store holds it again)
+OUT_OF_RAM = ("pending",) + ON_DISK
 
 
 @dataclass(frozen=True)
@@ -52,9 +55,10 @@ def store_chain(pc: Any, tokens: np.ndarray, cache: list, snaps: dict, consume: 
     parents = [keys[j - 1] if j else ROOT_PARENT for j in range(len(keys))]
     tiers, kids = manager.chain(keys, fp, pc.namespace)
     new = [j for j, tier in enumerate(tiers) if tier is None]
-    # Blocks held only on disk go to RAM too (the next turn is a RAM hit): cut again from the live
-    # cache when every layer's rows are all a block holds (the same content), else read back.
-    on_disk = [j for j, tier in enumerate(tiers) if tier in ON_DISK]
+    # Blocks held only on disk (or queued for it) go to RAM too (the next turn is a RAM hit): cut
+    # again from the live cache when every layer's rows are all a block holds (the same
+    # content), else read back.
+    on_disk = [j for j, tier in enumerate(tiers) if tier in OUT_OF_RAM]
     offered = sorted(new + on_disk) if layout.full_history else list(new)
     last = len(keys) - 1
     ckpts: list[tuple[int, int]] = []  # (position, block index)
