@@ -83,6 +83,7 @@ class StoredBlock:
     arrays: dict[str, Any] = field(default_factory=dict)
     wanted: list[tuple[int, int, memoryview]] = field(default_factory=list)
     damage: str | None = None  # why the payload cannot be used (reported by ``read``)
+    rereads: int = 0  # places asked for behind what was read already, read a second time
     _pos: int = 0  # data bytes read and hashed so far
     _digest: Any = field(default_factory=xxhash.xxh3_128)
     _lz4: "_Lz4Stream | None" = None
@@ -115,10 +116,12 @@ class StoredBlock:
         if self.damage is not None or not wanted:
             return
         ahead = [w for w in wanted if w[0] >= self._pos]
+        behind = [w for w in wanted if w[0] < self._pos]
         try:
             if ahead:
                 self._consume(_tile(ahead, self._pos, ahead[-1][0] + ahead[-1][1]))
-            for offset, _, view in (w for w in wanted if w[0] < self._pos):
+            for offset, _, view in behind:
+                self.rereads += 1
                 if self.damage is None:
                     self._read_again(offset, _flat(view))
         except OSError as exc:
