@@ -11,12 +11,12 @@ from typing import Callable, Iterator
 
 import pytest
 
-REPORT_ENV = "PAGED_CACHE_RELIABILITY_REPORT"
+REPORT_ENV = "RELIABILITY_REPORT"  # not PAGED_CACHE_*: that prefix is the configuration's
 
 
 @pytest.fixture
 def record() -> Callable[..., None]:
-    """record(test, **figures): print the figures and, if $PAGED_CACHE_RELIABILITY_REPORT names a
+    """record(test, **figures): print the figures and, if $RELIABILITY_REPORT names a
     file, append them there as one JSON line (docs/reliability.md quotes the last long run)."""
     def write(test: str, **figures: object) -> None:
         line = json.dumps({"test": test, **figures}, sort_keys=True)
