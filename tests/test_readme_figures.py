@@ -1,9 +1,10 @@
-"""Every figure the README quotes from a benchmark's JSON equals that JSON at the rounding shown.
+"""Every figure the README (and docs/benchmarks.md's goals) quote from a benchmark's JSON equals
+that JSON at the rounding shown.
 
-A quoted figure is marked in README.md by an HTML comment right after it, naming the family, the
-figure and its field: ``17 MiB<!-- bench peers "resident bytes, ..." measured -->``. The number
-before the comment (with its unit: x, ms, s, KiB, MiB, GiB or none) is compared with
-``benchmarks/results/<family>.json``; a marker that names no figure fails, as does a README
+A quoted figure is marked by an HTML comment right after it, naming the family, the figure and
+its field: ``17 MiB<!-- bench peers "resident bytes, ..." measured -->``. The number before the
+comment (with its unit: x, ms, s, KiB, MiB, GiB or none) is compared with
+``benchmarks/results/<family>.json``; a marker that names no figure fails, as does a document
 whose markers are gone.
 """
 
@@ -24,7 +25,8 @@ ANY_MARKER = re.compile(r"<!-- bench ")
 # README unit -> (the JSON unit it converts from, factor): the JSON keeps seconds and bytes.
 SCALES = {"ms": ("s", 1e3), "s": ("s", 1.0), "KiB": ("B", 2.0 ** -10),
           "MiB": ("B", 2.0 ** -20), "GiB": ("B", 2.0 ** -30)}
-FEWEST = 20  # the README quotes at least this many benchmark figures
+# document -> the fewest marked figures it holds (so a lost marker cannot pass unnoticed)
+QUOTING = {"README.md": 25, "docs/benchmarks.md": 15}
 
 
 def figures(family: str) -> dict[str, dict]:
@@ -44,15 +46,16 @@ def shown(value: float, number: str) -> bool:
 def marks(text: str) -> list[re.Match]:
     found = list(MARKED.finditer(text))
     assert len(found) == len(ANY_MARKER.findall(text)), (
-        "a `<!-- bench` marker in README.md is not of the form "
+        "a `<!-- bench` marker is not of the form "
         "NUMBER[unit]<!-- bench FAMILY \"FIGURE\" ratio|measured|baseline -->")
     return found
 
 
 @pytest.mark.unit
-def test_every_marked_readme_figure_matches_its_benchmark_json() -> None:
-    found = marks((ROOT / "README.md").read_text())
-    assert len(found) >= FEWEST, f"only {len(found)} marked figures in README.md"
+@pytest.mark.parametrize("document", sorted(QUOTING))
+def test_every_marked_figure_matches_its_benchmark_json(document: str) -> None:
+    found = marks((ROOT / document).read_text())
+    assert len(found) >= QUOTING[document], f"only {len(found)} marked figures in {document}"
     wrong = []
     for m in found:
         figure = figures(m["family"]).get(m["figure"])
@@ -64,7 +67,7 @@ def test_every_marked_readme_figure_matches_its_benchmark_json() -> None:
                 f"{m.group(0)}: quoted in {unit}, but the JSON's unit is {figure['unit']!r}")
             value *= factor
         if not shown(value, m["number"]):
-            wrong.append(f"{m['family']} {m['figure']!r} {m['field']}: README says "
+            wrong.append(f"{m['family']} {m['figure']!r} {m['field']}: {document} says "
                          f"{m['number']}{unit}, the JSON {value:.4g}{unit}")
     assert not wrong, "\n".join(wrong)
 
