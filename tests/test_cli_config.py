@@ -81,3 +81,25 @@ def test_config_subcommand_reads_the_environment(tmp_path):
                                     "active": True}
     assert shown["ssd_dir"] == {"value": str(tmp_path / "paged-cache"), "source": "default",
                                 "active": True}
+
+
+def test_the_remote_secret_is_no_flag(tmp_path):
+    """Other users can read a command line: --remote-secret is refused, naming the environment
+    variable and the TOML setting that take it; the environment gives it."""
+    secret = "sixteen chars ok, and more"
+    run = subprocess.run([sys.executable, "-m", "paged_cache.cli.main", "config",
+                          "--remote-secret", secret], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stdout == "" and secret not in run.stderr
+    assert run.stderr.strip().splitlines()[-1] == (
+        "paged-cache config: error: --remote-secret: not taken on the command line, where other "
+        "users can read it (ps); set PAGED_CACHE_REMOTE_SECRET or remote_secret in a private "
+        "--config TOML file")
+    assert "--remote-secret" not in subprocess.run(
+        [sys.executable, "-m", "paged_cache.cli.main", "serve", "--help"], capture_output=True,
+        text=True, timeout=120).stdout
+    env = dict(os.environ, PAGED_CACHE_REMOTE_SECRET=secret)
+    shown = json.loads(subprocess.run(
+        [sys.executable, "-m", "paged_cache.cli.main", "config", "--json"], env=env,
+        capture_output=True, text=True, check=True, timeout=120).stdout)
+    assert shown["remote_secret"] == {"value": "***", "source": "env:PAGED_CACHE_REMOTE_SECRET",
+                                      "active": True}
