@@ -77,6 +77,10 @@ def test_directory_tables_fit_80_columns(directory: Path, monkeypatch: pytest.Mo
     status, out, _ = run80(monkeypatch, "ls", d)
     for row in rows:
         assert row["key"][:12] in out and str(row["tokens"]) in out
+    # the named model once, above the table; then one line per block (title, name, header)
+    named = {row["fingerprint"] for row in rows if row["model_name"] == NAME}
+    assert f"model {named.pop()[:12]}: {os.path.basename(NAME)}\n" in out and not named
+    assert len(out.splitlines()) == 2 + 2 + len(rows), out
     key = next(r["key"] for r in rows if r["model_name"] == NAME)
     status, out, _ = run80(monkeypatch, "show", d, key)
     assert status == 0 and NAME[:40] in out.replace("\n", "")

@@ -187,9 +187,8 @@ def run_ls(args: argparse.Namespace, cache: CacheDir) -> int:
     # Each model named once, above the table; its rows give the fingerprint alone (a model's
     # name in every row would wrap each of them).
     for fingerprint in dict.fromkeys(r.fingerprint for r in rows):
-        label = render.model_label(fingerprint, models_seen)
-        if label != render.short(fingerprint):
-            out.print(f"model {render.short(fingerprint)}: {label}", markup=False)
+        if name := render.model_name(fingerprint, models_seen):
+            out.print(f"model {render.short(fingerprint)}: {name}", markup=False)
     out.print(render.table(
         None,
         ["key", "model", "tokens", "on disk", "raw", "compression", "cache types", "last access",

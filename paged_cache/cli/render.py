@@ -231,12 +231,18 @@ def stored_models(cache: CacheDir, rows: Iterable[Row]) -> dict[str, StoredModel
     return models
 
 
-def model_label(fingerprint: str | None, models: dict[str, StoredModel]) -> str:
-    """A model for a table: the last part of its stored name (a directory's name, a repo's model
-    name), its shard if any and its short fingerprint, e.g. "tiny rank 0/2 tensor 1a2b3c4d5e6f"."""
+def model_name(fingerprint: str | None, models: dict[str, StoredModel]) -> str:
+    """A model's name for people: the last part of its stored name (a directory's name, a repo's
+    model name) and its shard if any, e.g. "tiny rank 0/2 tensor" ("" when blocks carry none)."""
     model = models.get(fingerprint or "", StoredModel())
     name = os.path.basename(model.name.rstrip("/\\"))
-    return " ".join(p for p in (name, model.shard, short(fingerprint)) if p)
+    return " ".join(p for p in (name, model.shard) if p)
+
+
+def model_label(fingerprint: str | None, models: dict[str, StoredModel]) -> str:
+    """A model for a table: its name (model_name) and short fingerprint, e.g. "tiny rank 0/2
+    tensor 1a2b3c4d5e6f"."""
+    return " ".join(p for p in (model_name(fingerprint, models), short(fingerprint)) if p)
 
 
 def model_json(fingerprint: str | None, models: dict[str, StoredModel]) -> dict[str, str]:
