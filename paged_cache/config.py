@@ -389,10 +389,12 @@ class CacheConfig:
     origin: InitVar[Mapping[str, str] | None] = None
     explicit: frozenset = field(init=False, repr=False, compare=False)
     sources: dict = field(init=False, repr=False, compare=False)
+    given: dict = field(init=False, repr=False, compare=False)  # sizes as written: {name: "40GB"}
 
     def __post_init__(self, origin: Mapping[str, str] | None) -> None:
         explicit = set()
         sources = {}
+        given = {}
         for name, (parse, _) in _FIELD_SPECS.items():
             value = getattr(self, name)
             if value is UNSET:
@@ -402,19 +404,30 @@ class CacheConfig:
             else:
                 explicit.add(name)
                 sources[name] = (origin or {}).get(name, "constructor")
+                if parse in (parse_size, _size_or_auto) and isinstance(value, str):
+                    given[name] = value.strip()
             try:
                 object.__setattr__(self, name, parse(value, name))
             except ValueError as exc:
                 raise ValueError(f"{exc} (from {sources[name]})") from None
         object.__setattr__(self, "explicit", frozenset(explicit))
         object.__setattr__(self, "sources", sources)
+        object.__setattr__(self, "given", given)
         self._check_consistency()
+
+    def _size_as_given(self, name: str) -> str:
+        """A size setting for a message, as it was written and in binary units ("40GB = 37.25
+        GiB"; binary units alone for a default or a size given as an int)."""
+        size = format_size(getattr(self, name))
+        written = self.given.get(name, size)
+        same = written.replace(" ", "") == size.replace(" ", "")
+        return size if same else f"{written} = {size}"
 
     def _check_consistency(self) -> None:
         ram = physical_memory_bytes()
         if ram and self.hot_cache_max_bytes > ram:
             raise ValueError(
-                f"hot_cache_max_bytes: {format_size(self.hot_cache_max_bytes)} (from "
+                f"hot_cache_max_bytes: {self._size_as_given('hot_cache_max_bytes')} (from "
                 f"{self.sources['hot_cache_max_bytes']}) exceeds this machine's RAM "
                 f"({format_size(ram)}): the hot tier could never stay in memory; give a size "
                 f"below RAM (the default is {format_size(default_hot_cache_max_bytes())})")
@@ -464,14 +477,15 @@ class CacheConfig:
         source = self.sources["hot_cache_max_bytes"]
         if "hot_cache_max_bytes" in self.explicit:
             raise ValueError(
-                f"hot_cache_max_bytes: {format_size(hot)} (from {source}) plus the model's "
-                f"weights ({format_size(model_bytes)}) exceed this machine's RAM "
-                f"({format_size(ram)}); give at most {format_size(room)}")
+                f"hot_cache_max_bytes: {self._size_as_given('hot_cache_max_bytes')} (from "
+                f"{source}) plus the model's weights ({format_size(model_bytes)}) exceed this "
+                f"machine's RAM ({format_size(ram)}); give at most {format_size(room)}")
         log.warning("hot_cache_max_bytes: the default %s plus the model's weights (%s) exceed "
                     "RAM (%s); capping the hot tier at %s", format_size(hot),
                     format_size(model_bytes), format_size(ram), format_size(room))
         capped = dataclasses.replace(self, hot_cache_max_bytes=room)
         object.__setattr__(capped, "explicit", self.explicit)
+        object.__setattr__(capped, "given", self.given)
         object.__setattr__(capped, "sources",
                            dict(self.sources, hot_cache_max_bytes=f"{source}, capped beside the "
                                                                   "model's weights"))

@@ -56,16 +56,20 @@ def test_a_hot_budget_above_ram_is_refused_naming_ram_and_the_source(tmp_path):
                                          r"this machine's RAM \(.+\)"):
         CacheConfig(hot_cache_max_bytes=ram + 1)
     assert CacheConfig(hot_cache_max_bytes=ram).hot_cache_max_bytes == ram
-    # the typo of the report: a 100x size on the command line, and the same from the environment
+    # the typo of the report: a 100x size on the command line, and the same from the environment;
+    # the message repeats the size as it was typed, then in binary units
+    typed = f"{ram * 100 // 10**9}GB"
     env = dict(os.environ, PAGED_CACHE_HOT_CACHE_MAX_BYTES=str(ram * 2))
-    for argv, environ, source in (
-            (["--hot-cache-max-bytes", f"{ram * 100}"], os.environ, "flag:--hot-cache-max-bytes"),
-            ([], env, "env:PAGED_CACHE_HOT_CACHE_MAX_BYTES")):
+    for argv, environ, source, shown in (
+            (["--hot-cache-max-bytes", typed], os.environ, "flag:--hot-cache-max-bytes",
+             f"{typed} = {format_size(ram * 100 // 10**9 * 10**9)}"),
+            ([], env, "env:PAGED_CACHE_HOT_CACHE_MAX_BYTES", f"{ram * 2} = {format_size(ram * 2)}")):
         run = subprocess.run([sys.executable, "-m", "paged_cache.cli.main", "config", *argv],
-                             env=environ, capture_output=True, text=True)
+                             env=environ, capture_output=True, text=True, timeout=120)
         assert run.returncode == 2 and run.stdout == ""
-        assert run.stderr.startswith("paged-cache config: error: hot_cache_max_bytes: ")
-        assert f"(from {source}) exceeds this machine's RAM ({format_size(ram)})" in run.stderr
+        assert run.stderr.startswith(f"paged-cache config: error: hot_cache_max_bytes: {shown} "
+                                     f"(from {source}) exceeds this machine's RAM "
+                                     f"({format_size(ram)})"), run.stderr
 
 
 def test_config_subcommand_reads_the_environment(tmp_path):
@@ -77,3 +81,25 @@ def test_config_subcommand_reads_the_environment(tmp_path):
                                     "active": True}
     assert shown["ssd_dir"] == {"value": str(tmp_path / "paged-cache"), "source": "default",
                                 "active": True}
+
+
+def test_the_remote_secret_is_no_flag(tmp_path):
+    """Other users can read a command line: --remote-secret is refused, naming the environment
+    variable and the TOML setting that take it; the environment gives it."""
+    secret = "sixteen chars ok, and more"
+    run = subprocess.run([sys.executable, "-m", "paged_cache.cli.main", "config",
+                          "--remote-secret", secret], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stdout == "" and secret not in run.stderr
+    assert run.stderr.strip().splitlines()[-1] == (
+        "paged-cache config: error: --remote-secret: not taken on the command line, where other "
+        "users can read it (ps); set PAGED_CACHE_REMOTE_SECRET or remote_secret in a private "
+        "--config TOML file")
+    assert "--remote-secret" not in subprocess.run(
+        [sys.executable, "-m", "paged_cache.cli.main", "serve", "--help"], capture_output=True,
+        text=True, timeout=120).stdout
+    env = dict(os.environ, PAGED_CACHE_REMOTE_SECRET=secret)
+    shown = json.loads(subprocess.run(
+        [sys.executable, "-m", "paged_cache.cli.main", "config", "--json"], env=env,
+        capture_output=True, text=True, check=True, timeout=120).stdout)
+    assert shown["remote_secret"] == {"value": "***", "source": "env:PAGED_CACHE_REMOTE_SECRET",
+                                      "active": True}

@@ -186,8 +186,10 @@ def test_not_a_cache_directory(tmp_path, kind):
             continue
         assert status == 2, (command, out, err)
         assert f"paged-cache {command[0]}: error:" in err and str(target) in err
-        if kind in ("empty", "other", "missing"):
+        if kind in ("empty", "other"):
             assert "not a" in err
+        if kind == "missing":   # not there yet: start a server on it first
+            assert "does not exist yet" in err and f"paged-cache serve --ssd-dir {target}" in err
         if kind == "bad-manifest":
             assert "unreadable manifest" in err
     after = sorted(os.listdir(target)) if target.is_dir() else None
@@ -360,8 +362,10 @@ def test_stats_of_a_running_server(tmp_path):
             assert "tokens_matched" in every and "hot_max_bytes" in every
             restore = next(line for line in every.splitlines() if "restore_seconds" in line)
             assert restore.split()[-1] in ("ms", "us", "s"), restore
-            # The OpenAI base URL a client already has works as well as the server's root.
-            for given in (url + "/", url + "/v1", url + "/v1/"):
+            # The OpenAI base URL a client already has works as well as the server's root, and
+            # HOST:PORT is taken as http://HOST:PORT.
+            host_port = url.removeprefix("http://")
+            for given in (url + "/", url + "/v1", url + "/v1/", host_port, host_port + "/v1"):
                 assert cli_json("stats", "--url", given)["prefix"] == doc["prefix"]
             status, _, err = run_cli("stats", "--url", url + "/nothing-here")
             assert status == 1 and "HTTP 404" in err
@@ -384,5 +388,8 @@ def test_stats_of_a_running_server(tmp_path):
             server.server_close()
     status, _, err = run_cli("stats", "--url", url, "--timeout", "2")
     assert status == 1 and "no server answering" in err
-    status, _, err = run_cli("stats", "--url", "localhost:8080")
-    assert status == 2 and "--url" in err
+    status, _, err = run_cli("stats", "--url", url.removeprefix("http://"), "--timeout", "2")
+    assert status == 1 and f"no server answering at {url.removeprefix('http://')} " in err
+    status, _, err = run_cli("stats", "--url", "ftp://localhost:8080")
+    assert status == 2 and "--url: expected http://HOST:PORT (or HOST:PORT), got " \
+                           "'ftp://localhost:8080'" in err

@@ -1,5 +1,6 @@
 """Every CLI table at 80 columns: numbers whole (no "…" anywhere), no line past the width, models
-named beside their fingerprints; each command's --help lists only the flags it reads."""
+named beside their fingerprints; each command's --help lists only the flags it reads; every
+subcommand's --help and default output, run as a real process at COLUMNS=80, fit."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import mlx.core as mx
 import pytest
 
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
-from paged_cache.cli.main import main
+from paged_cache.cli.main import build_parser, main
 from paged_cache.testing import tiny_model
 from helpers.cli import FP_B, chain, serve_stats, store
 
@@ -76,6 +77,10 @@ def test_directory_tables_fit_80_columns(directory: Path, monkeypatch: pytest.Mo
     status, out, _ = run80(monkeypatch, "ls", d)
     for row in rows:
         assert row["key"][:12] in out and str(row["tokens"]) in out
+    # the named model once, above the table; then one line per block (title, name, header)
+    named = {row["fingerprint"] for row in rows if row["model_name"] == NAME}
+    assert f"model {named.pop()[:12]}: {os.path.basename(NAME)}\n" in out and not named
+    assert len(out.splitlines()) == 2 + 2 + len(rows), out
     key = next(r["key"] for r in rows if r["model_name"] == NAME)
     status, out, _ = run80(monkeypatch, "show", d, key)
     assert status == 0 and NAME[:40] in out.replace("\n", "")
@@ -116,7 +121,13 @@ def test_stats_table_fits(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> No
             server.server_close()
     assert status == 0, err
     check_fits(out)
-    assert "max_bytes" in out and "KiB" in out   # byte counters in the one size unit
+    # every count of bytes (bytes_written too) in binary size units, as `inspect` shows them
+    sizes = {name.strip(): value.strip() for name, _, value in
+             (line.partition("│") for line in out.splitlines())
+             if "bytes" in name.strip().split("_")}
+    assert {"ssd_bytes_written", "ssd_bytes", "hot_max_bytes"} <= set(sizes), out
+    for name, value in sizes.items():
+        assert re.fullmatch(r"\d+(\.\d+)? (B|KiB|MiB|GiB|TiB)", value), (name, value)
 
 
 def test_demo_table_fits_80_columns(tmp_path: Path) -> None:
@@ -145,3 +156,56 @@ def test_help_lists_only_the_flags_a_command_reads(command: str, flags: set[str]
     text = capsys.readouterr().out
     every = {"--" + n.replace("_", "-") for n in CacheConfig.field_names()} | {"--config"}
     assert {f for f in every if re.search(rf"(?<![\w-]){f}(?![\w-])", text)} == flags
+
+
+# The commands whose output is a server's log (or the engine's), not a table: --help only.
+SERVERS = {"serve", "vllm-mlx", "openai-server"}
+
+
+def cli80(*argv: str) -> subprocess.CompletedProcess:
+    """`paged-cache ARGV` as a real process with COLUMNS=80 (stdout a pipe, as in a script)."""
+    env = dict(os.environ, COLUMNS=str(WIDTH), HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "paged_cache.cli.main", *argv],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def subcommands() -> list[str]:
+    return list(build_parser()._subparsers._group_actions[0].choices)
+
+
+@pytest.mark.parametrize("argv", [["--help"]] + [[c, "--help"] for c in subcommands()],
+                         ids=lambda argv: " ".join(argv))
+def test_help_fits_80_columns(argv: list[str]) -> None:
+    run = cli80(*argv)
+    assert run.returncode == 0, run.stderr
+    assert max(map(len, run.stdout.splitlines())) <= WIDTH, run.stdout
+    assert "usage: paged-cache" in run.stdout
+
+
+def test_every_subcommands_output_fits_80_columns(directory: Path, tmp_path: Path) -> None:
+    """Each subcommand that prints a report, run on a real cache directory (and stats on a real
+    HTTP server): no stdout line past 80 columns, no number cut."""
+    d = str(directory)
+    key = json.loads(cli80("ls", d, "--json").stdout)[0]["key"]
+    config = CacheConfig(ssd_dir=tmp_path / "live", hot_cache_max_bytes="16KB", block_size=16)
+    with PagedSSDCacheManager(config) as manager:
+        server, url = serve_stats(lambda: {"manager": manager.stats()})
+        try:
+            outputs = {
+                "make-model": ["make-model", str(tmp_path / "m")], "demo": None,  # demo: above
+                "config": ["config", "--ssd-dir", d], "inspect": ["inspect", d], "ls": ["ls", d],
+                "show": ["show", d, key], "chains": ["chains", d], "verify": ["verify", d],
+                "prune": ["prune", d, "--max-bytes", "1", "--dry-run"],
+                "purge": ["purge", d, "--dry-run"], "stats": ["stats", "--url", url]}
+            # a new subcommand gets a width check here, or is a server
+            assert set(outputs) | SERVERS == set(subcommands())
+            for name, argv in outputs.items():
+                if argv is None:
+                    continue
+                run = cli80(*argv)
+                assert run.returncode == 0, (argv, run.stderr)
+                assert run.stdout.strip(), argv
+                check_fits(run.stdout)
+        finally:
+            server.shutdown()
+            server.server_close()

@@ -222,7 +222,7 @@ def test_cli_flags_for_every_field(tmp_path):
                         "--queue-full-policy", "write-on-caller", "--remote-url",
                         "rediss://u:pw@cache.lan:6380/2", "--remote-ttl", "3600",
                         "--remote-timeout", "0.2", "--remote-queue-max-bytes", "16MiB",
-                        "--remote-secret", "sixteen chars ok", "--remote-insecure",
+                        "--remote-insecure",
                         "--remote-tls-ca", "/ca.pem",
                         "--remote-tls-cert", "/c.pem", "--remote-tls-key", "/k.pem",
                         "--cache-salt-from-user", "--ssd-read-threads", "4"])
@@ -232,12 +232,11 @@ def test_cli_flags_for_every_field(tmp_path):
         write_policy="write-back", ssd_admission="reused", write_queue_max_bytes=8 * 10**6,
         queue_full_policy="write-on-caller", remote_url="rediss://u:***@cache.lan:6380/2",
         remote_cluster=False, remote_ttl=3600.0, remote_timeout=0.2,
-        remote_queue_max_bytes=16 * 2**20, remote_secret="***", remote_insecure=True,
+        remote_queue_max_bytes=16 * 2**20, remote_secret=None, remote_insecure=True,
         remote_tls_ca="/ca.pem",
         remote_tls_cert="/c.pem", remote_tls_key="/k.pem", cache_salt_from_user=True,
         ssd_read_threads=4)
     assert config.remote_url == "rediss://u:pw@cache.lan:6380/2"
-    assert config.remote_secret == "sixteen chars ok"
     assert config.sources["ssd_dir"] == "flag:--ssd-dir"
     assert parse_cli(["--hot-cache-only"]).hot_cache_only is True
 

@@ -10,6 +10,8 @@ from paged_cache.caches import PreallocatedRotatingKVCache, make_bounded_cache
 from scheduler import Scheduler, SnapshotStore
 from scheduler.chunks import next_chunk_end
 
+from helpers.backends import batch_equals_alone
+
 ARCHS = ["llama", "gemma3_text", "qwen3_next", "baichuan_m1"]
 
 
@@ -38,7 +40,7 @@ def test_generate_equals_mlx_generate_step(models, arch, batch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("batch", [False, None])
+@pytest.mark.parametrize("batch", [False, pytest.param(None, marks=batch_equals_alone)])
 def test_four_together_equal_one_by_one(models, arch, batch):
     model = models[arch]
     prompts = [_prompt(40 + 23 * k, salt=k) for k in range(4)]

@@ -97,7 +97,7 @@ def test_serve_matches_plain_server_and_reuses_across_restart(model_dir, tmp_pat
     assert [t for _, _, t, _ in lines][0] == "miss" and "miss" not in [t for _, _, t, _ in lines][1:]
     assert all(re.fullmatch(r"store [\d.]+ ms \(\d+ inserts\)", st) for *_, st in lines), lines
     info = [ln for ln in re.findall(r"paged_cache\S* INFO (.*)", text)
-            if not ln.startswith(("serving with", "SSD tier at"))]   # once, at startup
+            if not ln.startswith(("serving with", "SSD tier at", "stopped ("))]   # start, stop
     assert len(info) == len(MODES), info
     assert block_files(ssd)
     # The blocks carry the model as serve was given it; the CLI shows it beside the fingerprint.

@@ -154,8 +154,8 @@ def test_startup_failures_exit_fast_and_create_nothing(model_dir, tmp_path):
             "hot budget beside the weights": (
                 ["--model", str(model_dir), "--port", str(free_port()), "--hot-cache-max-bytes",
                  str(ram - 1000)],
-                f"hot_cache_max_bytes: {format_size(ram - 1000)} (from flag:--hot-cache-max-bytes) "
-                "plus the model's weights ("),
+                f"hot_cache_max_bytes: {ram - 1000} = {format_size(ram - 1000)} (from "
+                "flag:--hot-cache-max-bytes) plus the model's weights ("),   # as typed, and sized
         }
         for i, (name, (argv, message)) in enumerate(cases.items()):
             tier = ["--ssd-dir", str(ssd)] if i % 2 else []   # the default: under XDG_CACHE_HOME

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import textwrap
 from typing import Any
 
+from paged_cache.cli import render
 from paged_cache.cli.options import add_config_arguments
 from paged_cache.cli.render import config_command
 from paged_cache.config import CacheConfig, format_size
@@ -46,6 +49,8 @@ def run(args: argparse.Namespace, config: CacheConfig) -> int:
         print(json.dumps(described, indent=2))
         return 0
     width = max(map(len, described))
+    # a terminal's width (or $COLUMNS); piped, one line per setting (for grep)
+    columns = render.console().width if render.sized_output() else sys.maxsize
     for name, entry in described.items():
         value = entry["value"]
         if "human" in entry:
@@ -53,5 +58,8 @@ def run(args: argparse.Namespace, config: CacheConfig) -> int:
         if "effective_human" in entry:
             value = f"{value} (now {entry['effective_human']})"
         inactive = "" if entry["active"] else "  (inactive: hot_cache_only)"
-        print(f"{name:<{width}}  {value}  [{entry['source']}]{inactive}")
+        # one line per setting; past the width its words go on indented lines
+        print(textwrap.fill(f"{value}  [{entry['source']}]{inactive}", columns,
+                            initial_indent=f"{name:<{width}}  ", subsequent_indent=" " * (width + 2),
+                            break_on_hyphens=False))
     return 0

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from paged_cache.config import CacheConfig, format_size
+from paged_cache.install import install_command
 from paged_cache.integrations.mlx_lm import model_id_for
 from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache
@@ -379,5 +380,6 @@ def run_demo(config: CacheConfig, *, output: Path, model_dir: Path | None = None
     for line in summary_lines(result):
         console.print(line, highlight=False)
     if result.plot is None:
-        console.print("matplotlib is not installed: no plot (pip install 'paged-cache[plot]')")
+        console.print(f"matplotlib is not installed: no plot ({install_command('plot')})",
+                      markup=False)
     return result

@@ -30,10 +30,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for name, (usage, _, help_text) in ENGINES.items():
         parser = subparsers.add_parser(
             name, help=help_text,
-            description=f"{help_text}. Everything that is not a cache option below is the "
-                        f"engine's own command line, as in `{usage}`.")
+            description=f"{help_text}. Everything that is not an option below is the "
+                        f"engine's own command line, as in `{usage}` (--log-level here is "
+                        "paged-cache's: the level of its loggers).")
         add_config_arguments(parser)
-        parser.set_defaults(func=_runner(name), accepts_extra_args=True)
+        parser.set_defaults(func=_runner(name), accepts_extra_args=True, log_level="INFO")
 
 
 def _interrupt(_signum: int, _frame: object) -> None:
@@ -46,8 +47,6 @@ def _runner(name: str) -> Callable[[argparse.Namespace], int]:
             config = config_from_args(args)
         except ValueError as error:
             return fail(name, str(error))
-        logging.getLogger("paged_cache").setLevel(min(logging.INFO,
-                                                      logging.getLogger("paged_cache").level))
         from paged_cache.compat import IncompatibleVersion
 
         try:

@@ -182,11 +182,18 @@ def run_ls(args: argparse.Namespace, cache: CacheDir) -> int:
                                                  render.model_json(r.fingerprint, models_seen).items()})
                            for r in rows])
         return render.EXIT_OK
-    render.console().print(render.table(
-        f"{len(rows)} block(s) in {cache.path}",
+    out = render.console()
+    out.print(f"{len(rows)} block(s) in {cache.path}", markup=False)
+    # Each model named once, above the table; its rows give the fingerprint alone (a model's
+    # name in every row would wrap each of them).
+    for fingerprint in dict.fromkeys(r.fingerprint for r in rows):
+        if name := render.model_name(fingerprint, models_seen):
+            out.print(f"model {render.short(fingerprint)}: {name}", markup=False)
+    out.print(render.table(
+        None,
         ["key", "model", "tokens", "on disk", "raw", "compression", "cache types", "last access",
          "state"],
-        [[render.short(r.key), render.model_label(r.fingerprint, models_seen), r.tokens,
+        [[render.short(r.key), render.short(r.fingerprint), r.tokens,
           render.size(r.file_bytes), render.size(r.raw_bytes), r.compression,
           _types(layer_counts(r)), render.ago(r.last_access), _state(r)] for r in rows],
         right=("tokens", "on disk", "raw"), optional=("raw", "compression", "state", "cache types")))
@@ -248,9 +255,10 @@ def run_show(args: argparse.Namespace, cache: CacheDir) -> int:
     ]
     out.print(render.table(None, ["", ""], facts, header=False))
     for layer in data["layers"]:
+        # the descriptor on a line of its own: a table's title would wrap at the table's width
+        out.print(f"layer {layer['index']}: {json.dumps(layer['descriptor'])}", markup=False)
         out.print(render.table(
-            f"layer {layer['index']}: {json.dumps(layer['descriptor'])}",
-            ["tensor", "dtype", "shape", "bytes"],
+            None, ["tensor", "dtype", "shape", "bytes"],
             [[t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "()", render.size(t["bytes"])]
              for t in layer["tensors"]], right=("bytes",)))
     return render.EXIT_OK

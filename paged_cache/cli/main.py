@@ -11,9 +11,13 @@ import importlib
 import logging
 import os
 import sys
+from importlib import metadata
 from typing import Sequence
 
 EXIT_BROKEN_PIPE = 128 + 13   # what a shell reports for a process SIGPIPE ended
+DIST = "paged-cache"          # the distribution whose metadata gives --version
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_LEVEL_DEFAULT = "WARNING"  # a subcommand may set its own (serving commands: INFO)
 
 COMMAND_MODULES: list[str] = [
     # appended by the modules that add subcommands, e.g. "paged_cache.cli.config_cmd"
@@ -29,19 +33,52 @@ COMMAND_MODULES: list[str] = [
 ]
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's help with a usage that fits the width: where argparse's wrapped usage runs
+    past it (a group of flags it cannot break), ``prog [options] POSITIONALS`` instead (the
+    options are listed below it)."""
+
+    def _format_usage(self, usage, actions, groups, prefix):  # type: ignore[no-untyped-def]
+        text = super()._format_usage(usage, actions, groups, prefix)
+        if usage is not None or max(map(len, text.splitlines())) <= self._width:
+            return text
+        positionals = self._format_actions_usage([a for a in actions if not a.option_strings], [])
+        return super()._format_usage(f"%(prog)s [options] {positionals}".rstrip(), actions,
+                                     groups, prefix)
+
+
+def version() -> str:
+    """paged-cache's version, from the installed package's metadata."""
+    try:
+        return metadata.version(DIST)
+    except metadata.PackageNotFoundError:
+        return "unknown (the package is not installed: run `pip install -e .` in its clone)"
+
+
+def _add_log_level(command: argparse.ArgumentParser) -> None:
+    """The one --log-level flag, on every subcommand: the level of the paged_cache loggers (and,
+    for serve, of mlx_lm.server's). A subcommand's own default comes from its set_defaults."""
+    default = command.get_default("log_level") or LOG_LEVEL_DEFAULT
+    command.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=default,
+                         metavar="LEVEL", help=f"log level: {', '.join(LOG_LEVELS)} (default "
+                                               f"{default})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every registered subcommand."""
-    parser = argparse.ArgumentParser(prog="paged-cache",
-                                     description="Tiered KV cache for MLX serving engines.")
-    parser.add_argument("--log-level", default="WARNING",
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                        help="level of the paged_cache logger (default WARNING)")
+    parser = argparse.ArgumentParser(prog="paged-cache", formatter_class=HelpFormatter,
+                                     description="Tiered KV cache for MLX serving engines.",
+                                     epilog="`paged-cache COMMAND --help` lists a command's "
+                                            "options (--log-level included).")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
     for command in subparsers.choices.values():
         # A subcommand's own parser: its usage (and flags) is what a typo in its options shows.
         command.set_defaults(command_parser=command)
+        command.formatter_class = HelpFormatter
+        _add_log_level(command)
     return parser
 
 

@@ -18,7 +18,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     f"tokenizer ({TOKENIZER_VOCAB_SIZE} tokens, ChatML chat template) to DIR; "
                     "mlx_lm.load(DIR) loads it with no network. Generated text is meaningless.")
     parser.add_argument("dir", help="output directory (created if missing)")
-    parser.add_argument("--arch", default="llama", choices=ARCHS, help="architecture (default llama)")
+    parser.add_argument("--arch", default="llama", choices=ARCHS, metavar="ARCH",
+                        help=f"architecture: {', '.join(ARCHS)} (default llama)")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES),
                         help="weight dtype (default float32)")
     parser.add_argument("--seed", type=int, default=0, help="random weight seed (default 0)")

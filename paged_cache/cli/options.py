@@ -10,7 +10,8 @@ import argparse
 import os
 from typing import Mapping
 
-from paged_cache.config import QUEUE_FULL_POLICIES, SSD_ADMISSIONS, WRITE_POLICIES, CacheConfig
+from paged_cache.config import (ENV_PREFIX, QUEUE_FULL_POLICIES, SSD_ADMISSIONS, WRITE_POLICIES,
+                                CacheConfig)
 from paged_cache.tiers.format import COMPRESSIONS
 
 _CHOICES = {"compression": COMPRESSIONS, "write_policy": WRITE_POLICIES,
@@ -18,9 +19,12 @@ _CHOICES = {"compression": COMPRESSIONS, "write_policy": WRITE_POLICIES,
 _METAVARS = {"block_size": "TOKENS", "hot_cache_max_bytes": "SIZE", "ssd_dir": "DIR",
              "ssd_max_bytes": "SIZE|auto", "write_queue_max_bytes": "SIZE",
              "remote_url": "URL", "remote_ttl": "SECONDS", "remote_timeout": "SECONDS",
-             "remote_queue_max_bytes": "SIZE", "ssd_read_threads": "N", "remote_secret": "SECRET",
+             "remote_queue_max_bytes": "SIZE", "ssd_read_threads": "N",
              "remote_tls_ca": "FILE", "remote_tls_cert": "FILE", "remote_tls_key": "FILE"}
 BOOL_FIELDS = ("hot_cache_only", "remote_cluster", "remote_insecure", "cache_salt_from_user")
+# Fields no flag sets: other users can read a process's command line (ps, /proc), so a secret
+# comes from the environment or a private TOML file; the flag is refused, saying so.
+NO_FLAG_FIELDS = ("remote_secret",)
 
 
 def flag_of(name: str) -> str:
@@ -28,17 +32,31 @@ def flag_of(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+class _Refused(argparse.Action):
+    """A flag of a NO_FLAG_FIELDS field: a usage error naming where the value goes instead."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        parser.error(f"{option_string}: not taken on the command line, where other users can read "
+                     f"it (ps); set {ENV_PREFIX}{self.dest.upper()} or {self.dest} in a private "
+                     "--config TOML file")
+
+
 def add_config_arguments(parser: argparse.ArgumentParser,
                          fields: tuple[str, ...] | None = None) -> None:
     """Add --config FILE and a flag per CacheConfig field in ``fields`` (default: every field; a
-    command lists only the fields it uses). Every flag defaults to "not given"."""
+    command lists only the fields it uses). Every flag defaults to "not given"; the flag of a
+    NO_FLAG_FIELDS field is hidden and refused."""
     group = parser.add_argument_group("cache configuration",
                                       "precedence: default < --config TOML < PAGED_CACHE_* env < flags")
     group.add_argument("--config", dest="config_file", metavar="FILE", default=None,
                        help="TOML file with a [paged_cache] table (or settings at top level)")
     for name in fields or CacheConfig.field_names():
         help_text = CacheConfig.field_help(name)
-        if name in BOOL_FIELDS:
+        if name in NO_FLAG_FIELDS:
+            group.add_argument(flag_of(name), dest=name, action=_Refused, default=None,
+                               help=argparse.SUPPRESS)
+        elif name in BOOL_FIELDS:
             group.add_argument(flag_of(name), dest=name, default=None,
                                action=argparse.BooleanOptionalAction, help=help_text)
         else:

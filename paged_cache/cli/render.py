@@ -42,12 +42,17 @@ class _Console(Console):
         raise BrokenPipeError
 
 
+def sized_output() -> bool:
+    """Whether stdout has a width to fit: a terminal, or $COLUMNS set."""
+    tty = getattr(sys.stdout, "isatty", lambda: False)()
+    return tty or os.environ.get("COLUMNS", "").isdigit()
+
+
 def console() -> Console:
     """A console on the current sys.stdout (so redirection and capture work); the terminal's (or
     $COLUMNS) width, PIPE_WIDTH when piped without COLUMNS."""
-    tty = getattr(sys.stdout, "isatty", lambda: False)()
     return _Console(file=sys.stdout, highlight=False, soft_wrap=False,
-                    width=None if tty or os.environ.get("COLUMNS", "").isdigit() else PIPE_WIDTH)
+                    width=None if sized_output() else PIPE_WIDTH)
 
 
 DIR_HELP = "cache directory (default: the effective ssd_dir, see `paged-cache config`)"
@@ -89,7 +94,16 @@ def dir_command(command: str, handler: Handler) -> Callable[[argparse.Namespace]
     """Wrap a handler: resolve and open DIR, turning a non-cache path or bad value into exit 2."""
     def run(args: argparse.Namespace) -> int:
         try:
-            path = Path(args.dir) if args.dir else config_from_args(args).ssd_dir
+            if args.dir:
+                path, origin = Path(args.dir), "DIR"
+            else:
+                config = config_from_args(args)
+                path, origin = config.ssd_dir, f"ssd_dir, from {config.sources['ssd_dir']}"
+            if not os.path.lexists(path):
+                return fail(command, f"{path} ({origin}) does not exist yet: a server creates its "
+                                     "cache directory when it starts; start one on it first "
+                                     f"(`paged-cache serve --ssd-dir {path} --model MODEL`), or "
+                                     "give the DIR of an existing cache")
             cache = CacheDir(path)
         except (NotACacheError, ManifestError, ValueError) as exc:
             return fail(command, str(exc))
@@ -217,12 +231,18 @@ def stored_models(cache: CacheDir, rows: Iterable[Row]) -> dict[str, StoredModel
     return models
 
 
-def model_label(fingerprint: str | None, models: dict[str, StoredModel]) -> str:
-    """A model for a table: the last part of its stored name (a directory's name, a repo's model
-    name), its shard if any and its short fingerprint, e.g. "tiny rank 0/2 tensor 1a2b3c4d5e6f"."""
+def model_name(fingerprint: str | None, models: dict[str, StoredModel]) -> str:
+    """A model's name for people: the last part of its stored name (a directory's name, a repo's
+    model name) and its shard if any, e.g. "tiny rank 0/2 tensor" ("" when blocks carry none)."""
     model = models.get(fingerprint or "", StoredModel())
     name = os.path.basename(model.name.rstrip("/\\"))
-    return " ".join(p for p in (name, model.shard, short(fingerprint)) if p)
+    return " ".join(p for p in (name, model.shard) if p)
+
+
+def model_label(fingerprint: str | None, models: dict[str, StoredModel]) -> str:
+    """A model for a table: its name (model_name) and short fingerprint, e.g. "tiny rank 0/2
+    tensor 1a2b3c4d5e6f"."""
+    return " ".join(p for p in (model_name(fingerprint, models), short(fingerprint)) if p)
 
 
 def model_json(fingerprint: str | None, models: dict[str, StoredModel]) -> dict[str, str]:

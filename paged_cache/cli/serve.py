@@ -1,7 +1,7 @@
 """Start mlx_lm.server (OpenAI-compatible HTTP API) with paged-cache's tiered block cache in
 place of its in-memory LRUPromptCache. Options not listed here (--host, --port, --max-tokens,
---prompt-cache-bytes, --log-level, ...) are passed to mlx_lm.server unchanged; see
-`mlx_lm.server --help`."""
+--prompt-cache-bytes, ...) are passed to mlx_lm.server unchanged; see `mlx_lm.server --help`.
+--log-level is both paged-cache's and mlx_lm.server's."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", required=True,
                         help="mlx-lm model directory or Hugging Face repo (as mlx_lm.server)")
     add_config_arguments(parser)
-    parser.set_defaults(func=config_command("serve", run), accepts_extra_args=True)
+    parser.set_defaults(func=config_command("serve", run), accepts_extra_args=True,
+                        log_level=SERVER_LOG_DEFAULT)
 
 
 def check_server_options(serve: argparse.ArgumentParser, server_argv: list[str]) -> None:
@@ -46,13 +47,6 @@ def check_server_options(serve: argparse.ArgumentParser, server_argv: list[str])
     port = getattr(known, "port", None)
     if isinstance(port, int) and not 1 <= port <= MAX_PORT:
         serve.error(f"--port: expected a TCP port in 1-{MAX_PORT}, got {port}")
-
-
-def _server_log_level(server_argv: list[str]) -> str:
-    """The --log-level mlx_lm.server will use (its default INFO unless passed through)."""
-    probe = argparse.ArgumentParser(add_help=False)
-    probe.add_argument("--log-level", default=SERVER_LOG_DEFAULT, type=str.upper)
-    return probe.parse_known_args(server_argv)[0].log_level
 
 
 def _model_error(model: str) -> str | None:
@@ -75,16 +69,11 @@ def run(args: argparse.Namespace, config: CacheConfig) -> int:
     if (problem := _model_error(args.model)) is not None:
         return fail("serve", problem)
     model = os.path.expanduser(args.model) if args.model.startswith("~") else args.model
-    server_argv = ["--model", model, *args.extra_args]
+    server_argv = ["--model", model, "--log-level", args.log_level, *args.extra_args]
     check_server_options(args.command_parser, server_argv)
-    # mlx_lm.server's logging.basicConfig is a no-op once ours ran: apply its level here, and let
-    # the per-request cache lines (INFO, paged_cache) show at that level.
-    level = logging.getLevelName(_server_log_level(args.extra_args))
-    if not isinstance(level, int):
-        return fail("serve", "--log-level: expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
-    logging.getLogger().setLevel(level)
-    ours = logging.getLogger("paged_cache")
-    ours.setLevel(min(level, ours.getEffectiveLevel()))
+    # mlx_lm.server's logging.basicConfig is a no-op once ours ran: apply its level here (the
+    # paged_cache loggers have it already, cli.main).
+    logging.getLogger().setLevel(args.log_level)
     from paged_cache.integrations.mlx_lm import ServeError, serve_main
 
     try:

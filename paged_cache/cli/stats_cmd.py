@@ -25,8 +25,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "running `paged-cache serve` and print a short summary (hits, tokens and "
                     "time to first token saved, what each tier holds); --all adds every counter.")
     p.add_argument("--url", default=DEFAULT_URL,
-                   help=f"server base URL, with or without the OpenAI /v1 suffix (default "
-                        f"{DEFAULT_URL})")
+                   help=f"server base URL or HOST:PORT (taken as http://), with or without the "
+                        f"OpenAI /v1 suffix (default {DEFAULT_URL})")
     p.add_argument("--timeout", type=float, default=5.0, metavar="S", help="seconds (default 5)")
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--all", action="store_true",
@@ -37,9 +37,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def server_root(url: str) -> str:
-    """The server's root URL from what a user has: ``http://h:8080``, ``http://h:8080/`` or the
-    OpenAI base URL ``http://h:8080/v1`` all give ``http://h:8080``."""
+    """The server's root URL from what a user has: ``http://h:8080``, ``http://h:8080/``, ``h:8080``
+    or the OpenAI base URL ``http://h:8080/v1`` all give ``http://h:8080``."""
     url = url.rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
     return url[:-len(OPENAI_SUFFIX)] if url.endswith(OPENAI_SUFFIX) else url
 
 
@@ -52,10 +54,11 @@ def fetch(url: str, path: str, timeout: float) -> bytes:
 def run(args: argparse.Namespace) -> int:
     if args.timeout <= 0:
         return render.fail("stats", f"--timeout: expected seconds > 0, got {args.timeout}")
-    if not args.url.startswith(("http://", "https://")):
-        return render.fail("stats", f"--url: expected http://HOST:PORT, got {args.url!r}")
     path = METRICS_PATH if args.prometheus else STATS_PATH
     url = server_root(args.url)
+    if not url.startswith(("http://", "https://")):
+        return render.fail("stats", f"--url: expected http://HOST:PORT (or HOST:PORT), got "
+                                    f"{args.url!r}")
     try:
         body = fetch(url, path, args.timeout)
     except urllib.error.HTTPError as exc:
@@ -184,9 +187,12 @@ def _print(doc: dict[str, Any], url: str, *, every: bool) -> None:
 
 
 def _number(name: str, value: float) -> str:
-    """A counter's value in human units: bytes as sizes (format_size), seconds as durations."""
-    if name.endswith("bytes") and float(value).is_integer():
+    """A counter's value in human units: a count of bytes (a name with the word ``bytes``:
+    ``ssd.bytes``, ``ssd.bytes_written``, ``hot.max_bytes``) as a size (format_size), seconds
+    as a duration."""
+    words = name.rsplit(".", 1)[-1].split("_")
+    if "bytes" in words and float(value).is_integer():
         return render.size(int(value))
-    if name.endswith("seconds") or name.endswith("seconds_max"):
+    if "seconds" in words:
         return render.duration(value)
     return str(int(value)) if float(value).is_integer() else f"{value:.6g}"

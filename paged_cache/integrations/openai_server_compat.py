@@ -18,10 +18,11 @@ from importlib import metadata
 from typing import Any, Callable
 
 from paged_cache.compat import IncompatibleVersion
+from paged_cache.install import install_command
 
 DIST = "mlx-openai-server"
 RANGE = (">=1.8.0", "<1.9")   # kept equal to the openai-server extra in pyproject.toml
-EXTRA = "paged-cache[openai-server]"
+EXTRA = "openai-server"   # paged-cache's extra that installs it
 
 
 def _version() -> tuple[int, ...]:
@@ -37,7 +38,7 @@ def _check() -> tuple[Any, Any, Any]:
     try:
         metadata.version(DIST)
     except metadata.PackageNotFoundError:
-        raise IncompatibleVersion(f"{DIST} is not installed: pip install '{EXTRA}'") from None
+        raise IncompatibleVersion(f"{DIST} is not installed: {install_command(EXTRA)}") from None
     from app import cli, server
     from app.core import handler_process
     from app.handler import mlx_lm
@@ -62,7 +63,7 @@ def _check() -> tuple[Any, Any, Any]:
         raise IncompatibleVersion(
             f"paged-cache's mlx-openai-server adapter supports {DIST}{','.join(RANGE)}; the "
             f"installed {DIST} {metadata.version(DIST)} {what}. Install a supported one: "
-            f"pip install '{EXTRA}'")
+            f"{install_command(EXTRA)}")
     return handler_process, mlx_lm, cli
 
 

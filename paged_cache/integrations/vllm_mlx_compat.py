@@ -16,10 +16,11 @@ from importlib import metadata
 from typing import Any
 
 from paged_cache.compat import IncompatibleVersion
+from paged_cache.install import install_command
 
 DIST = "vllm-mlx"
 RANGE = (">=0.6.0", "<0.7")   # kept equal to the vllm-mlx extra in pyproject.toml
-EXTRA = "paged-cache[vllm-mlx]"
+EXTRA = "vllm-mlx"   # paged-cache's extra that installs it
 
 # vllm_mlx.scheduler names the adapter replaces (see install) or reads.
 CACHE_NAME = "MemoryAwarePrefixCache"     # the class Scheduler.__init__ builds its cache from
@@ -39,7 +40,7 @@ def _fail(missing: list[str]) -> IncompatibleVersion:
     what = f"lacks {', '.join(missing)}" if missing else "is outside it"
     return IncompatibleVersion(
         f"paged-cache's vllm-mlx adapter supports {DIST}{','.join(RANGE)}; the installed {DIST} "
-        f"{metadata.version(DIST)} {what}. Install a supported one: pip install '{EXTRA}'")
+        f"{metadata.version(DIST)} {what}. Install a supported one: {install_command(EXTRA)}")
 
 
 def _check() -> Any:
@@ -47,7 +48,7 @@ def _check() -> Any:
     try:
         metadata.version(DIST)
     except metadata.PackageNotFoundError:
-        raise IncompatibleVersion(f"{DIST} is not installed: pip install '{EXTRA}'") from None
+        raise IncompatibleVersion(f"{DIST} is not installed: {install_command(EXTRA)}") from None
     from vllm_mlx import cli, scheduler
 
     missing = []

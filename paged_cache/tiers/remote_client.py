@@ -17,6 +17,7 @@ from typing import Any
 
 from paged_cache.block import check_key, is_key
 from paged_cache.config import REMOTE_PASSWORD_ENV, TLS_SCHEMES, RemoteURL
+from paged_cache.install import install_command
 from paged_cache.tiers import format as fmt
 
 KEY_PREFIX = f"paged-cache:{fmt.FORMAT_VERSION}"
@@ -67,7 +68,7 @@ def client_module() -> Any:
         import valkey
     except ImportError as exc:
         raise ImportError("remote_url: the remote tier needs the valkey client; install it with "
-                          "pip install 'paged-cache[remote]'") from exc
+                          f"{install_command('remote')}") from exc
     return valkey
 
 

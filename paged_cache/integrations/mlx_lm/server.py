@@ -21,6 +21,7 @@ from paged_cache.config import CacheConfig, format_size
 from paged_cache.distributed import WORLD, resolve_group
 from paged_cache.integrations.mlx_lm.adapter import PagedPromptCache
 from paged_cache.integrations.mlx_lm.binding import provider_resolver
+from paged_cache.integrations.shutdown import close_logged
 from paged_cache.integrations.tenants import (SaltError, attach_salt, error_body, request_salt,
                                               salt_of_args)
 from paged_cache.manager import PagedSSDCacheManager
@@ -192,13 +193,17 @@ def serve_main(config: CacheConfig, server_argv: Sequence[str]) -> int:
     model is loaded, and only then is the manager (and its SSD directory) opened; each failure
     raises ServeError. Under ``mlx.launch`` (a model sharded over several ranks) every rank runs
     this: rank 0 checks the address and serves HTTP, the others log warnings and errors only.
-    SIGTERM stops the server like Ctrl-C (so the manager is flushed and closed on the way out).
+    SIGTERM stops the server like Ctrl-C: the manager is flushed and closed on the way out, and
+    the flush logged (INFO: blocks and bytes written per tier, see integrations.shutdown).
     mlx_lm.server's own argument errors exit (SystemExit 2) with its usage under the name
     ``paged-cache serve``.
     """
     from mlx_lm import server
 
+    stopped: dict[str, str] = {}   # what stopped the server, for the line its flush logs
+
     def stop(_signum: int, _frame: Any) -> None:
+        stopped["by"] = "SIGTERM"
         raise KeyboardInterrupt
 
     group = resolve_group(WORLD)  # under mlx.launch: every rank runs this, rank 0 serves HTTP
@@ -216,10 +221,12 @@ def serve_main(config: CacheConfig, server_argv: Sequence[str]) -> int:
                 except ValueError as error:  # an explicit hot budget that cannot fit
                     raise ServeError(str(error)) from error
                 try:
-                    manager = stack.enter_context(PagedSSDCacheManager(fitted))
+                    manager = PagedSSDCacheManager(fitted)
                 except (OSError, ValueError) as error:  # ValueError: a bad ssd_dir, named
                     raise ServeError(f"cannot open the SSD tier at {config.ssd_dir}: {error}") \
                         from error
+                stack.callback(lambda: close_logged(manager, stopped.get("by", "server stopped"),
+                                                    logger))
                 logger.info("serving with paged-cache: %s", _describe(fitted))
                 if config.remote_url and not config.remote_secret and not config.remote_insecure:
                     # loopback (another host is refused without a secret); the opt-out warns
@@ -234,7 +241,7 @@ def serve_main(config: CacheConfig, server_argv: Sequence[str]) -> int:
             try:
                 server.main()
             except KeyboardInterrupt:
-                pass
+                stopped.setdefault("by", "Ctrl-C")
     finally:
         sys.argv = argv
         signal.signal(signal.SIGTERM, previous)
