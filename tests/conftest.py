@@ -10,8 +10,10 @@ from typing import Any, Iterator
 
 import pytest
 
-from paged_cache.testing import tiny_model
-from paged_cache.testing.server import ValkeyServer, client
+pytest.register_assert_rewrite("helpers")   # their checks' failures show the values compared
+
+from paged_cache.testing import tiny_model  # noqa: E402
+from paged_cache.testing.server import ValkeyServer, client  # noqa: E402
 
 ENGINE_TESTS = Path(__file__).parent / "engines"
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from paged_cache.testing.engines import ENGINES, EngineServer, chat
+from paged_cache.testing.engines import ENGINES, EngineServer, chat, openai_client
+from helpers.tenants import chat_ask, check_salts, check_user_salts
 from reuse import ARCHS, Reference, check_reuse, references, drop_a_stream, first_turns_together
 
 pytestmark = pytest.mark.timeout(900)
@@ -86,6 +87,23 @@ def test_batching_cancel_and_restart_from_ssd(models, reference, tmp_path):
     assert third[0].cached_tokens > cold[1].prompt_tokens
     assert f"{third[0].cached_tokens}/{third[0].prompt_tokens} prompt tokens cached (ssd)" in log \
         or f"{third[0].cached_tokens}/{third[0].prompt_tokens} prompt tokens cached (mixed)" in log
+
+
+@pytest.mark.parametrize("mode, flags, check", [
+    ((), (), check_salts),
+    (("--disable-batching",), (), check_salts),
+    ((), ("--cache-salt-from-user",), check_user_salts),
+], ids=["salts-batched", "salts-single", "users-batched"])
+def test_tenants_reuse_only_their_own_prefixes(models, tmp_path, mode, flags, check):
+    """As with `paged-cache serve` (tests/helpers/tenants.py), on the batch scheduler and the
+    single-request path (the salt reaches the fetch on either): a second tenant (another salt,
+    no salt; with --cache-salt-from-user another user) reuses 0 tokens of the first's private
+    text, the same tenant all of it; bad salts get HTTP 400."""
+    model = models["llama"]
+    with ENGINE.paged(sys.executable, model, tmp_path, "--block-size", "16", "--ssd-dir",
+                      str(tmp_path / "ssd"), *flags, extra=mode) as ours:
+        check(chat_ask(openai_client(ours.url), str(model)))
+    assert "prompt cache is paged-cache" in ours.tail(200_000)
 
 
 def test_command_line_paged_cache_cannot_serve_fails_clearly(tmp_path):
