@@ -38,7 +38,7 @@ class Engine:
 
 def call(body: bytes, *, headers: dict[str, str] | None = None, method: str = "POST",
          content_type: str | None = "application/json", from_user: bool = False,
-         chunk: int = 0) -> tuple[Engine, list[dict]]:
+         chunk: int = 0, refusal: str | None = None) -> tuple[Engine, list[dict]]:
     """One request through SaltMiddleware(Engine()); the body in messages of ``chunk`` bytes
     (0: one message). Returns the engine and the messages sent back."""
     engine, sent = Engine(), []
@@ -57,7 +57,8 @@ def call(body: bytes, *, headers: dict[str, str] | None = None, method: str = "P
     async def send(message: dict) -> None:
         sent.append(message)
 
-    asyncio.run(SaltMiddleware(engine, from_user=from_user)(scope, receive, send))
+    middleware = SaltMiddleware(engine, from_user=from_user, refusal=lambda: refusal)
+    asyncio.run(middleware(scope, receive, send))
     return engine, sent
 
 
@@ -111,6 +112,17 @@ def test_a_bad_salt_is_answered_400_and_never_reaches_the_engine(fields: dict,
     assert sent[0]["status"] == 400
     error = json.loads(sent[1]["body"])["error"]
     assert error["param"] == SALT_FIELD and SALT_FIELD in error["message"]
+
+
+def test_an_engine_that_cannot_honour_salts_refuses_salted_requests() -> None:
+    """While ``refusal`` names a reason, a request naming a salt gets 400 with it; an unsalted
+    one is served."""
+    reason = "this server's model runs on a path whose cache knows no cache salt"
+    engine, sent = call(request(cache_salt="tenant-a"), refusal=reason)
+    assert engine.seen == [] and sent[0]["status"] == 400
+    assert json.loads(sent[1]["body"])["error"]["message"] == f"{SALT_FIELD}: {reason}"
+    engine, sent = call(request(user="alice"), refusal=reason)
+    assert engine.seen == [(None, request(user="alice"))] and sent[0]["status"] == 200
 
 
 def test_other_methods_and_scopes_pass_through() -> None:

@@ -1,7 +1,8 @@
 """Tenants of an ASGI (FastAPI) engine: ``SaltMiddleware`` reads each POST request's cache salt
 (``tenants.request_salt``: the ``cache_salt`` body field, the ``X-Cache-Salt`` header, with
-``from_user`` the OpenAI ``user`` field), answers HTTP 400 to a salt that is not valid, and runs
-the engine's handling of the request with ``tenants.CURRENT_SALT`` set to it.
+``from_user`` the OpenAI ``user`` field), answers HTTP 400 to a salt that is not valid (or to any
+salt, while ``refusal`` says the engine cannot honour one), and runs the engine's handling of the
+request with ``tenants.CURRENT_SALT`` set to it.
 
 Plain ASGI (no framework import): the engines paged-cache plugs into (vllm-mlx,
 mlx-openai-server) are FastAPI applications, and a context variable set here is seen by the
@@ -12,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Awaitable, Callable
 
-from paged_cache.integrations.tenants import (CURRENT_SALT, SALT_HEADER, SaltError, error_body,
-                                              request_salt)
+from paged_cache.integrations.tenants import (CURRENT_SALT, SALT_FIELD, SALT_HEADER, SaltError,
+                                              error_body, request_salt)
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -31,9 +32,11 @@ class SaltMiddleware:
     any other body (uploads, forms) is streamed through and only the header names a salt.
     Requests of other methods and other scopes (lifespan) pass through untouched."""
 
-    def __init__(self, app: ASGIApp, *, from_user: bool = False) -> None:
+    def __init__(self, app: ASGIApp, *, from_user: bool = False,
+                 refusal: Callable[[], str | None] = lambda: None) -> None:
         self.app = app
         self.from_user = from_user
+        self.refusal = refusal   # why salts cannot be honoured (asked per request), or None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope.get("type") != "http" or scope.get("method") != "POST":
@@ -45,6 +48,9 @@ class SaltMiddleware:
         try:
             salt = request_salt(body, {} if header is None else {SALT_HEADER: header},
                                 from_user=self.from_user)
+            reason = self.refusal() if salt is not None else None
+            if reason is not None:
+                raise SaltError(f"{SALT_FIELD}: {reason}")
         except SaltError as error:
             await _answer_400(send, error_body(error))
             return

@@ -55,12 +55,32 @@ def install(manager: PagedSSDCacheManager, *, max_kv_size: int | None = None) ->
         raise ValueError(f"max_kv_size: expected an int >= 0 or None, got {max_kv_size!r}")
     _installed.update(manager=manager, max_kv_size=max_kv_size or None)
     compat.install(PagedPrefixCache, REFRESH_TOKENS)
-    compat.carry_salts(SaltMiddleware, from_user=manager.config.cache_salt_from_user)
+    compat.carry_salts(SaltMiddleware, _on_vision_path,
+                       from_user=manager.config.cache_salt_from_user,
+                       refusal=lambda: _installed.get("vision"))
+
+
+def _on_vision_path() -> None:
+    """vllm-mlx serves its model on the vision path, whose cache knows no salt: with
+    ``cache_salt_from_user`` the start is refused (ServeError), else salted requests are (400)."""
+    config = _installed["manager"].config
+    if config.cache_salt_from_user:
+        raise ServeError(vision_refusal(config))
+    _installed["vision"] = ("this server's model runs on vllm-mlx's vision path, whose prefix "
+                            "cache knows no cache salt; send none")
+
+
+def vision_refusal(config: CacheConfig) -> str:
+    """Why ``--cache-salt-from-user`` cannot be served on vllm-mlx's vision path."""
+    return (f"--cache-salt-from-user (from {config.sources['cache_salt_from_user']}): the model "
+            f"runs on vllm-mlx's vision path ({VISION_FLAG}, or a vision model), which keeps a "
+            "prefix cache of its own that knows no cache salt, so its tenants would share "
+            f"prefixes; serve a text model without {VISION_FLAG}, or drop the flag")
 
 
 def uninstall() -> None:
     """Give vllm-mlx its own prefix cache back (for Schedulers built from now on), and its
-    requests without salts."""
+    requests and path choice without salts."""
     _installed.clear()
     compat.uninstall()
 
@@ -240,10 +260,7 @@ def engine_argv(config: CacheConfig, argv: Sequence[str]) -> tuple[CacheConfig, 
         if flag in argv:
             raise ServeError(f"{flag} selects another prefix cache than paged-cache; remove it")
     if config.cache_salt_from_user and VISION_FLAG in argv:
-        raise ServeError(f"--cache-salt-from-user (from {config.sources['cache_salt_from_user']}):"
-                         f" vllm-mlx's {VISION_FLAG} path keeps a prefix cache of its own, which "
-                         "knows no cache salt, so its tenants would share prefixes; remove "
-                         f"{VISION_FLAG} or the flag")
+        raise ServeError(vision_refusal(config))
     overrides: dict[str, Any] = {}
     for flag, field, convert in (("--ssd-cache-dir", "ssd_dir", str),
                                  ("--ssd-cache-max-gb", "ssd_max_bytes",

@@ -6,7 +6,8 @@ no option to pick another class, so paged-cache's adapter goes in by replacing n
 ``vllm_mlx.scheduler`` at run time (``install``). Tenants' cache salts reach the cache through
 three more (``carry_salts``): a middleware on ``vllm_mlx.server.app``, the ``Request`` class
 ``EngineCore.add_request`` builds (made in the HTTP request's task, so it can take the salt
-along) and ``Scheduler.add_request`` (which fetches the cache on the engine's worker thread).
+along) and ``Scheduler.add_request`` (which fetches the cache on the engine's worker thread);
+``api.utils.resolve_mllm_route``, by which ``vllm-mlx serve`` picks the vision path, is watched.
 This module is the only one that touches them: at import it checks that the installed vllm-mlx
 is in the supported range and still has each name (and that the code still reaches them:
 ``Scheduler.__init__`` constructs the cache through the first, ``EngineCore.add_request``
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import inspect
 from importlib import metadata
-from typing import Any
+from typing import Any, Callable
 
 from paged_cache.compat import IncompatibleVersion
 from paged_cache.integrations.tenants import CURRENT_SALT, attach_salt, salt_of_args
@@ -34,6 +35,7 @@ BOUND_NAME = "_bound_cache_layers"        # Scheduler: its --max-kv-size rule fo
 ADD_NAME = "add_request"                  # Scheduler: admits a request, fetching its cache
 FETCH_CALL = "memory_aware_cache.fetch("  # ... as it does in add_request
 REQUEST_NAME = "Request"                  # vllm_mlx.engine_core: what EngineCore builds
+ROUTE_NAME = "resolve_mllm_route"         # vllm_mlx.api.utils: text or vision path, at serve
 
 
 def _version() -> tuple[int, ...]:
@@ -51,14 +53,15 @@ def _fail(missing: list[str]) -> IncompatibleVersion:
         f"{metadata.version(DIST)} {what}. Install a supported one: pip install '{EXTRA}'")
 
 
-def _check() -> tuple[Any, Any, Any]:
-    """The vllm_mlx.scheduler, engine_core and server modules, after checking version and
-    names."""
+def _check() -> tuple[Any, Any, Any, Any]:
+    """The vllm_mlx.scheduler, engine_core, server and api.utils modules, after checking version
+    and names."""
     try:
         metadata.version(DIST)
     except metadata.PackageNotFoundError:
         raise IncompatibleVersion(f"{DIST} is not installed: pip install '{EXTRA}'") from None
     from vllm_mlx import cli, engine_core, scheduler, server
+    from vllm_mlx.api import utils
 
     missing = []
     original = getattr(scheduler, CACHE_NAME, None)
@@ -88,17 +91,21 @@ def _check() -> tuple[Any, Any, Any]:
         missing.append("vllm_mlx.server.app (a FastAPI application)")
     if not callable(getattr(cli, "main", None)):
         missing.append("vllm_mlx.cli.main")
+    if not callable(getattr(utils, ROUTE_NAME, None)) \
+            or f"{ROUTE_NAME}(" not in inspect.getsource(cli):
+        missing.append(f"vllm_mlx.cli choosing its path with api.utils.{ROUTE_NAME}(...)")
     low, high = (_bound(b) for b in RANGE)
     if missing or not low <= _version() < high:
         raise _fail(missing)
-    return scheduler, engine_core, server
+    return scheduler, engine_core, server, utils
 
 
-_scheduler, _engine_core, _server = _check()
+_scheduler, _engine_core, _server, _utils = _check()
 ORIGINAL_CACHE = getattr(_scheduler, CACHE_NAME)
 ORIGINAL_REFRESH = getattr(_scheduler.Scheduler, REFRESH_NAME)
 ORIGINAL_ADD = getattr(_scheduler.Scheduler, ADD_NAME)
 ORIGINAL_REQUEST: type = getattr(_engine_core, REQUEST_NAME)
+ORIGINAL_ROUTE: Callable[..., Any] = getattr(_utils, ROUTE_NAME)
 
 
 class SaltedRequest(ORIGINAL_REQUEST):  # type: ignore[misc, valid-type]
@@ -127,15 +134,25 @@ def install(cache_class: type, refresh_tokens: int) -> None:
     setattr(_scheduler.Scheduler, REFRESH_NAME, refresh_tokens)
 
 
-def carry_salts(middleware: type, **options: Any) -> None:
+def carry_salts(middleware: type, on_vision: Callable[[], None], **options: Any) -> None:
     """Make each HTTP request's cache salt reach the cache fetch it causes: ``middleware`` (with
     ``options``; it sets ``CURRENT_SALT``) wraps vllm-mlx's application, requests built from now
-    on carry the salt (``SaltedRequest``) and the Scheduler fetches under it."""
+    on carry the salt (``SaltedRequest``) and the Scheduler fetches under it. ``on_vision()`` is
+    called when ``vllm-mlx serve`` routes its model to the vision path (whose own scheduler and
+    cache this does not reach), before the model loads; it may raise to stop the start."""
     _drop_middleware()
     _server.app.add_middleware(middleware, **options)
     _added.append(middleware)
     setattr(_engine_core, REQUEST_NAME, SaltedRequest)
     setattr(_scheduler.Scheduler, ADD_NAME, _add_request)
+
+    def route(*args: Any, **kwargs: Any) -> Any:
+        chosen = ORIGINAL_ROUTE(*args, **kwargs)
+        if chosen.is_mllm:
+            on_vision()
+        return chosen
+
+    setattr(_utils, ROUTE_NAME, route)
 
 
 _added: list[type] = []   # the middleware carry_salts put on vllm-mlx's application
@@ -154,6 +171,7 @@ def uninstall() -> None:
     install(ORIGINAL_CACHE, ORIGINAL_REFRESH)
     setattr(_engine_core, REQUEST_NAME, ORIGINAL_REQUEST)
     setattr(_scheduler.Scheduler, ADD_NAME, ORIGINAL_ADD)
+    setattr(_utils, ROUTE_NAME, ORIGINAL_ROUTE)
     _drop_middleware()
 
 

@@ -6,6 +6,9 @@ Run inside the engine's environment: `make test-engines` (pytest --engine vllm-m
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -139,13 +142,31 @@ def test_tenants_reuse_only_their_own_prefixes(models, tmp_path, from_user):
     assert stats["requests"]["cache_errors"] == stats["requests"]["store_errors"] == 0
 
 
+def test_the_user_flag_is_refused_for_a_model_on_the_vision_path(models, tmp_path):
+    """vllm-mlx routes a model whose config has a vision part to its vision path, whose cache
+    knows no salt: with --cache-salt-from-user the start fails with one line, before the model
+    loads."""
+    vision = tmp_path / "vision"
+    shutil.copytree(models["llama"], vision)
+    config = json.loads((vision / "config.json").read_text())
+    (vision / "config.json").write_text(json.dumps({**config, "vision_config": {}}))
+    done = subprocess.run([sys.executable, "-m", "paged_cache.cli.main", "vllm-mlx",
+                           "--cache-salt-from-user", "--ssd-dir", str(tmp_path / "ssd"), "serve",
+                           str(vision), "--continuous-batching"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env=dict(os.environ, HOME=str(tmp_path), HF_HUB_OFFLINE="1"))
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "paged-cache vllm-mlx: error: --cache-salt-from-user (from flag:" in done.stderr
+    assert "vllm-mlx's vision path" in done.stderr
+
+
 @pytest.mark.parametrize("argv, message", [
     (["serve", "M"], "add --continuous-batching"),
     (["serve", "M", "--continuous-batching", "--use-paged-cache"], "selects another prefix cache"),
     (["--ssd-dir", "/tmp/x", "serve", "M", "--continuous-batching", "--ssd-cache-dir", "/tmp/y"],
      "both set the SSD tier"),
     (["--cache-salt-from-user", "serve", "M", "--continuous-batching", "--mllm"],
-     "--mllm path keeps a prefix cache of its own, which knows no cache salt"),
+     "vision path (--mllm, or a vision model), which keeps a prefix cache of its own"),
 ])
 def test_command_lines_paged_cache_cannot_serve_fail_clearly(argv, message, tmp_path):
     done = subprocess.run([sys.executable, "-m", "paged_cache.cli.main", "vllm-mlx", *argv],
