@@ -317,9 +317,9 @@ _FIELD_SPECS: dict[str, tuple[Any, str]] = {
     "remote_tls_cert": (_optional_path, "client certificate (PEM) for a rediss:// server that "
                                         "asks for one (with remote_tls_key)"),
     "remote_tls_key": (_optional_path, "private key (PEM) of remote_tls_cert"),
-    "cache_salt_from_user": (parse_bool, "serve: a request's OpenAI `user` field is its cache salt "
-                                         "when it names none (tenants never share a prefix; "
-                                         "default false)"),
+    "cache_salt_from_user": (parse_bool, "serve, vllm-mlx, openai-server: a request's OpenAI "
+                                         "`user` field is its cache salt when it names none "
+                                         "(tenants never share a prefix; default false)"),
     "ssd_read_threads": (_read_threads, "block files a fetch reads from SSD at once (default 1)"),
 }
 

@@ -10,9 +10,11 @@ from typing import Any, Iterator
 
 import pytest
 
-from paged_cache import row_path
-from paged_cache.testing import tiny_model
-from paged_cache.testing.server import ValkeyServer, client
+pytest.register_assert_rewrite("helpers")   # their checks' failures show the values compared
+
+from paged_cache import row_path  # noqa: E402
+from paged_cache.testing import tiny_model  # noqa: E402
+from paged_cache.testing.server import ValkeyServer, client  # noqa: E402
 
 ENGINE_TESTS = Path(__file__).parent / "engines"
 

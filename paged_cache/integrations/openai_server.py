@@ -7,7 +7,10 @@ mlx-openai-server runs every model handler in a spawned process. ``serve_main`` 
 start with ``handler_worker`` (carrying the cache configuration), which opens the manager there
 and makes language-model handlers ``PagedMLXLMHandler``: the same handler, whose prompt cache is
 an ``OpenAIServerPromptCache`` bound to its model. Its batch scheduler, non-batched path,
-streaming, cancellation and sampling are unchanged.
+streaming, cancellation and sampling are unchanged. Tenants' cache salts (``tenants``) keep
+their prefixes apart, as in ``paged-cache serve``: the server process reads each request's salt
+(``SaltMiddleware``) and sends it with the request; the handler makes it current for the
+request's task and its batch scheduler carries it to the fetch (``openai_server_compat``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from typing import Any, Callable, Sequence
 from paged_cache.config import CacheConfig, format_size
 from paged_cache.integrations import openai_server_compat as compat
 from paged_cache.integrations.mlx_lm import ModelWithDraft, PagedPromptCache, model_id_for
+from paged_cache.integrations.tenants import CURRENT_SALT, salt_of_args
+from paged_cache.integrations.tenants_asgi import SaltMiddleware
 from paged_cache.manager import PagedSSDCacheManager
 
 logger = logging.getLogger("paged_cache.integrations.openai_server")
@@ -57,8 +62,10 @@ class OpenAIServerPromptCache:
     def fetch_nearest_cache(self, tokens_ids: Sequence[int], *,
                             allowed_sources: set[str] | None = None) -> tuple[list | None, list[int]]:
         """``(cache, rest)``: a fresh cache list covering ``tokens_ids[:len(tokens_ids) -
-        len(rest)]`` (never all of it), or ``(None, tokens_ids)``."""
-        cache, rest = self._cache.fetch_nearest_cache(MODEL_KEY, tokens_ids)
+        len(rest)]`` (never all of it), or ``(None, tokens_ids)``; from the space of the
+        request's salt (``CURRENT_SALT``: the request's task, or the batch scheduler's thread
+        while it admits the request)."""
+        cache, rest = self._cache.fetch_as(MODEL_KEY, tokens_ids, CURRENT_SALT.get())
         return cache, list(rest)
 
     def insert_cache(self, tokens_ids: Sequence[int], prompt_cache: list, *,
@@ -118,6 +125,16 @@ def paged_handler_class(base: type, manager: PagedSSDCacheManager) -> type:
             own.close()
             logger.info("%s: prompt cache is paged-cache", path)
 
+        # The salt is set in the task mlx-openai-server runs for this one request, never reset:
+        # the tasks streaming the reply copy that task's context, and it ends with the request.
+        def generate_text_stream(self, request: Any) -> Any:
+            CURRENT_SALT.set(salt_of_args(request))
+            return super().generate_text_stream(request)
+
+        def generate_text_response(self, request: Any) -> Any:
+            CURRENT_SALT.set(salt_of_args(request))
+            return super().generate_text_response(request)
+
     return PagedMLXLMHandler
 
 
@@ -136,6 +153,7 @@ def handler_worker(config: CacheConfig, *args: Any) -> None:
     try:
         with PagedSSDCacheManager(config) as manager:
             compat.set_handler_class(paged_handler_class(compat.ORIGINAL_HANDLER, manager))
+            compat.salted_batches()
             compat.ORIGINAL_WORKER(*args)
         status = 0
     finally:
@@ -166,6 +184,7 @@ def serve_main(config: CacheConfig, argv: Sequence[str],
     logger.info("mlx-openai-server with paged-cache: block size %d, hot tier %s, %s",
                 config.block_size, format_size(config.hot_cache_max_bytes), where)
     compat.set_worker(functools.partial(handler_worker, config))
+    compat.carry_salts(SaltMiddleware, from_user=config.cache_salt_from_user)
     try:
         return run(argv)
     finally:

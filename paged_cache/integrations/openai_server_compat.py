@@ -9,20 +9,34 @@ mlx-openai-server is in the supported range, that each name exists and that the 
 reaches them (the proxy starts its process with ``target=_handler_worker``; handlers are made by
 ``create_handler_from_config`` through ``MLXLMHandler(...)``), and raises
 ``paged_cache.compat.IncompatibleVersion`` naming the range and what is missing otherwise.
+
+Tenants' cache salts cross the same boundaries: in the server process a middleware goes on the
+application ``app.main.setup_server`` builds, and ``HandlerProcessProxy.generate_text_stream`` /
+``generate_text_response`` put the request's salt on the request object they send to the
+handler process (``carry_salts``); there, each request runs in a task of its own
+(``_handler_worker`` starts one per request), and the ``BatchScheduler`` the handler builds
+takes the salt from submission to the fetch on its own thread (``salted_batches``: its admission
+queue is ``_admission_queue``, filled by ``submit_stream`` and drained by ``_admit_pending``
+right before it fetches).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+import queue
 from importlib import metadata
 from typing import Any, Callable
 
 from paged_cache.compat import IncompatibleVersion
 from paged_cache.install import install_command
+from paged_cache.integrations.tenants import CURRENT_SALT, attach_salt, salt_of_args
 
 DIST = "mlx-openai-server"
 RANGE = (">=1.8.0", "<1.9")   # kept equal to the openai-server extra in pyproject.toml
 EXTRA = "openai-server"   # paged-cache's extra that installs it
+TEXT_METHODS = ("generate_text_stream", "generate_text_response")  # a language model's requests
+QUEUE_NAME = "_admission_queue"   # BatchScheduler: requests submitted, not yet admitted
 
 
 def _version() -> tuple[int, ...]:
@@ -33,28 +47,52 @@ def _bound(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in text.lstrip("<>=").split("."))
 
 
-def _check() -> tuple[Any, Any, Any]:
-    """The handler_process, handler.mlx_lm and cli modules, after checking version and names."""
+def _source(owner: Any, name: str) -> str:
+    """The source of ``owner.name`` ('' when it is missing)."""
+    member = getattr(owner, name, None)
+    return inspect.getsource(member) if member is not None else ""
+
+
+def _check() -> tuple[Any, Any, Any, Any, Any]:
+    """The handler_process, handler.mlx_lm, batch_scheduler, main and cli modules, after checking
+    version and names."""
     try:
         metadata.version(DIST)
     except metadata.PackageNotFoundError:
         raise IncompatibleVersion(f"{DIST} is not installed: {install_command(EXTRA)}") from None
-    from app import cli, server
-    from app.core import handler_process
+    from app import cli, main, server
+    from app.core import batch_scheduler, handler_process
     from app.handler import mlx_lm
 
     missing = []
     if not callable(getattr(handler_process, "_handler_worker", None)):
         missing.append("app.core.handler_process._handler_worker")
+    elif "create_task(_handle_request(" not in _source(handler_process, "_handler_worker"):
+        missing.append("_handler_worker running each request in a task of its own")
     proxy = getattr(handler_process, "HandlerProcessProxy", None)
     if proxy is None or "target=_handler_worker" not in inspect.getsource(proxy):
         missing.append("HandlerProcessProxy starting its process with target=_handler_worker")
     handler = getattr(mlx_lm, "MLXLMHandler", None)
     if handler is None or "prompt_cache" not in inspect.getsource(handler.__init__):
         missing.append("app.handler.mlx_lm.MLXLMHandler building self.prompt_cache")
+    for owner in (proxy, handler):
+        missing += [f"{getattr(owner, '__name__', owner)}.{m}" for m in TEXT_METHODS
+                    if not callable(getattr(owner, m, None))]
+    if "BatchScheduler(" not in _source(handler, "_get_or_start_scheduler"):
+        missing.append("MLXLMHandler._get_or_start_scheduler making BatchScheduler(...)")
+    batcher = getattr(batch_scheduler, "BatchScheduler", None)
+    if getattr(mlx_lm, "BatchScheduler", None) is not batcher or batcher is None \
+            or f"self.{QUEUE_NAME}" not in _source(batcher, "__init__") \
+            or f"self.{QUEUE_NAME}.put" not in _source(batcher, "submit_stream") \
+            or f"self.{QUEUE_NAME}.get(" not in _source(batcher, "_admit_pending") \
+            or "fetch_nearest_cache(" not in _source(batcher, "_admit_pending"):
+        missing.append(f"BatchScheduler submitting through {QUEUE_NAME} and fetching on admission")
     factory = getattr(server, "create_handler_from_config", None)
     if factory is None or "MLXLMHandler(" not in inspect.getsource(factory):
         missing.append("app.server.create_handler_from_config making MLXLMHandler(...)")
+    if not callable(getattr(main, "setup_server", None)) \
+            or "setup_server(" not in _source(main, "start_multi"):
+        missing.append("app.main.start_multi calling setup_server(...)")
     if not callable(getattr(cli, "cli", None)):
         missing.append("app.cli.cli")
     low, high = (_bound(b) for b in RANGE)
@@ -64,12 +102,15 @@ def _check() -> tuple[Any, Any, Any]:
             f"paged-cache's mlx-openai-server adapter supports {DIST}{','.join(RANGE)}; the "
             f"installed {DIST} {metadata.version(DIST)} {what}. Install a supported one: "
             f"{install_command(EXTRA)}")
-    return handler_process, mlx_lm, cli
+    return handler_process, mlx_lm, batch_scheduler, main, cli
 
 
-_process, _handlers, _cli = _check()
+_process, _handlers, _batching, _main, _cli = _check()
 ORIGINAL_WORKER: Callable[..., None] = _process._handler_worker
 ORIGINAL_HANDLER: type = _handlers.MLXLMHandler
+ORIGINAL_SETUP: Callable[[Any], Any] = _main.setup_server
+ORIGINAL_PROXY_METHODS = {m: getattr(_process.HandlerProcessProxy, m) for m in TEXT_METHODS}
+ORIGINAL_BATCHER: type = _batching.BatchScheduler
 
 
 def set_worker(worker: Callable[..., None]) -> None:
@@ -84,9 +125,70 @@ def set_handler_class(handler: type) -> None:
 
 
 def restore() -> None:
-    """mlx-openai-server's own worker and handler class again (in this process)."""
+    """mlx-openai-server's own worker, handler class, server setup, proxy methods and batch
+    scheduler again (in this process)."""
     set_worker(ORIGINAL_WORKER)
     set_handler_class(ORIGINAL_HANDLER)
+    _main.setup_server = ORIGINAL_SETUP
+    for name, method in ORIGINAL_PROXY_METHODS.items():
+        setattr(_process.HandlerProcessProxy, name, method)
+    _handlers.BatchScheduler = ORIGINAL_BATCHER
+
+
+def carry_salts(middleware: type, **options: Any) -> None:
+    """In the server process: the application gets ``middleware`` (with ``options``; it sets
+    ``CURRENT_SALT`` for each HTTP request), and each language-model request sent to a handler
+    process carries that salt (``attach_salt``; any value the client put there is replaced)."""
+
+    @functools.wraps(ORIGINAL_SETUP)
+    def setup_server(config: Any) -> Any:
+        uvicorn_config = ORIGINAL_SETUP(config)
+        uvicorn_config.app = middleware(uvicorn_config.app, **options)
+        return uvicorn_config
+
+    _main.setup_server = setup_server
+    for name, method in ORIGINAL_PROXY_METHODS.items():
+        setattr(_process.HandlerProcessProxy, name, _sending_salt(method))
+
+
+def _sending_salt(method: Callable[..., Any]) -> Callable[..., Any]:
+    """The proxy's ``method`` (returning a coroutine or an async generator), putting the current
+    salt on the request before it is sent."""
+
+    @functools.wraps(method)
+    def send(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        attach_salt(request, CURRENT_SALT.get())
+        return method(self, request, *args, **kwargs)
+
+    return send
+
+
+class _SaltedQueue(queue.Queue):
+    """A BatchScheduler's admission queue that carries each request's salt: taken from the
+    submitting task at ``put``, made current on the scheduler's thread at ``get`` (right before
+    the scheduler fetches that request's cache; the next ``get`` replaces it)."""
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        attach_salt(item, CURRENT_SALT.get())
+        super().put(item, block, timeout)
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        item = super().get(block, timeout)
+        CURRENT_SALT.set(salt_of_args(item))
+        return item
+
+
+class SaltedBatchScheduler(ORIGINAL_BATCHER):  # type: ignore[misc, valid-type]
+    """mlx-openai-server's BatchScheduler whose admission queue carries salts."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        setattr(self, QUEUE_NAME, _SaltedQueue(getattr(self, QUEUE_NAME).maxsize))
+
+
+def salted_batches() -> None:
+    """Make batch schedulers built from now on (in this process) ``SaltedBatchScheduler``."""
+    _handlers.BatchScheduler = SaltedBatchScheduler
 
 
 def handler_model(handler: Any) -> tuple[Any, Any, Callable[[], list], str]:

@@ -4,13 +4,16 @@ request's blocks, so tenants never share a prefix (docs/integration.md, "Tenants
 The salt is the request's ``cache_salt`` body field (the name vLLM uses), or its ``X-Cache-Salt``
 header for clients that cannot add body fields, or, when the server maps it
 (``cache_salt_from_user``), its OpenAI ``user`` field. Its namespace holds a digest of it, never
-the salt itself (block files and listings carry their namespace).
+the salt itself (block files and listings carry their namespace). Engines that serve a request
+across threads or processes carry it in ``CURRENT_SALT`` (set where the request is handled and
+where its cache is fetched) and on their own request objects (``attach_salt``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from contextvars import ContextVar
 from typing import Any, Mapping
 
 SALT_FIELD = "cache_salt"
@@ -19,6 +22,11 @@ USER_FIELD = "user"
 MAX_SALT_CHARS = 1024
 _ARGS_ATTRIBUTE = "paged_cache_salt"  # on a request's generation arguments
 _DOMAIN = b"paged-cache/cache-salt/v1\0"
+
+CURRENT_SALT: ContextVar[str | None] = ContextVar("paged_cache_salt", default=None)
+"""The salt of the request being handled (asyncio task or thread): None outside a request and
+for an unsalted one. An engine adapter sets it where it knows the request and reads it where
+the request's cache is fetched."""
 
 
 class SaltError(ValueError):
@@ -67,12 +75,13 @@ def error_body(error: SaltError) -> bytes:
 
 
 def salt_of_args(args: Any) -> str | None:
-    """The salt a server attached to a request's generation arguments (``attach_salt``)."""
+    """The salt a server attached to a request's generation arguments or request object
+    (``attach_salt``)."""
     return getattr(args, _ARGS_ATTRIBUTE, None)
 
 
 def attach_salt(args: Any, salt: str | None) -> None:
-    """Carry ``salt`` on a request's generation arguments (a dataclass the server hands to its
-    generation thread, pickled to every rank when distributed)."""
+    """Carry ``salt`` on a request's generation arguments or request object (which the server
+    hands to its generation thread, or pickles to another process or rank)."""
     setattr(args, _ARGS_ATTRIBUTE, salt)
 

@@ -5,7 +5,8 @@ tiered block cache; ``serve_main`` runs ``vllm-mlx serve`` with it (see docs/int
 The Scheduler keeps everything it does (BatchGenerator batching, sampling, streaming, aborts,
 its own store points); the cache behind those calls becomes block-shared, exact for every layout
 paged-cache supports, written to SSD (surviving restarts), optionally shared through
-the remote tier, and bounded by ``--cache-memory-mb`` in RAM.
+the remote tier, and bounded by ``--cache-memory-mb`` in RAM. Tenants' cache salts
+(``tenants``) keep their prefixes apart, as in ``paged-cache serve``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any, Callable, Sequence
 from paged_cache.config import CacheConfig, format_size
 from paged_cache.integrations import vllm_mlx_compat as compat
 from paged_cache.integrations.mlx_lm import PagedPromptCache
+from paged_cache.integrations.tenants import CURRENT_SALT
+from paged_cache.integrations.tenants_asgi import SaltMiddleware
 from paged_cache.manager import PagedSSDCacheManager
 
 logger = logging.getLogger("paged_cache.integrations.vllm_mlx")
@@ -28,6 +31,8 @@ BYTES_PER_MB = 1024 * 1024
 REFRESH_TOKENS = 0
 # vllm-mlx options that select another prefix cache (or none) and would leave paged-cache unused.
 OTHER_CACHE_FLAGS = ("--use-paged-cache", "--no-memory-aware-cache", "--disable-prefix-cache")
+# vllm-mlx's vision path: its own scheduler and cache, which know no cache salt.
+VISION_FLAG = "--mllm"
 
 
 class ServeError(RuntimeError):
@@ -40,7 +45,9 @@ _installed: dict[str, Any] = {}
 def install(manager: PagedSSDCacheManager, *, max_kv_size: int | None = None) -> None:
     """THE patch point: every vllm-mlx Scheduler built from now on gets a ``PagedPrefixCache``
     over ``manager`` (``max_kv_size``: the ``--max-kv-size`` the Scheduler bounds its caches
-    with, so the stored layout is the one it builds)."""
+    with, so the stored layout is the one it builds), and each request's cache salt (its
+    ``cache_salt`` field, its ``X-Cache-Salt`` header, with ``cache_salt_from_user`` in the
+    manager's config its ``user`` field) reaches the fetch of its cache."""
     if not isinstance(manager, PagedSSDCacheManager):
         raise TypeError(f"manager: expected a PagedSSDCacheManager, got {type(manager).__name__}")
     if max_kv_size is not None and (isinstance(max_kv_size, bool) or not isinstance(max_kv_size, int)
@@ -48,10 +55,32 @@ def install(manager: PagedSSDCacheManager, *, max_kv_size: int | None = None) ->
         raise ValueError(f"max_kv_size: expected an int >= 0 or None, got {max_kv_size!r}")
     _installed.update(manager=manager, max_kv_size=max_kv_size or None)
     compat.install(PagedPrefixCache, REFRESH_TOKENS)
+    compat.carry_salts(SaltMiddleware, _on_vision_path,
+                       from_user=manager.config.cache_salt_from_user,
+                       refusal=lambda: _installed.get("vision"))
+
+
+def _on_vision_path() -> None:
+    """vllm-mlx serves its model on the vision path, whose cache knows no salt: with
+    ``cache_salt_from_user`` the start is refused (ServeError), else salted requests are (400)."""
+    config = _installed["manager"].config
+    if config.cache_salt_from_user:
+        raise ServeError(vision_refusal(config))
+    _installed["vision"] = ("this server's model runs on vllm-mlx's vision path, whose prefix "
+                            "cache knows no cache salt; send none")
+
+
+def vision_refusal(config: CacheConfig) -> str:
+    """Why ``--cache-salt-from-user`` cannot be served on vllm-mlx's vision path."""
+    return (f"--cache-salt-from-user (from {config.sources['cache_salt_from_user']}): the model "
+            f"runs on vllm-mlx's vision path ({VISION_FLAG}, or a vision model), which keeps a "
+            "prefix cache of its own that knows no cache salt, so its tenants would share "
+            f"prefixes; serve a text model without {VISION_FLAG}, or drop the flag")
 
 
 def uninstall() -> None:
-    """Give vllm-mlx its own prefix cache back (for Schedulers built from now on)."""
+    """Give vllm-mlx its own prefix cache back (for Schedulers built from now on), and its
+    requests and path choice without salts."""
     _installed.clear()
     compat.uninstall()
 
@@ -91,8 +120,9 @@ class PagedPrefixCache:
 
     def fetch(self, tokens: Sequence[int]) -> tuple[list | None, list[int]]:
         """``(cache, remaining)``: a fresh cache list covering ``tokens[:len(tokens) -
-        len(remaining)]`` with ``remaining`` never empty, or ``(None, tokens)``."""
-        cache, rest = self._cache.fetch_nearest_cache(MODEL_KEY, tokens)
+        len(remaining)]`` with ``remaining`` never empty, or ``(None, tokens)``; from the space
+        of the request's salt (``CURRENT_SALT``, which the Scheduler's admission sets)."""
+        cache, rest = self._cache.fetch_as(MODEL_KEY, tokens, CURRENT_SALT.get())
         rest = list(rest)
         if cache is None:
             self._last_match_type, self._last_matched_key = "miss", None
@@ -229,6 +259,8 @@ def engine_argv(config: CacheConfig, argv: Sequence[str]) -> tuple[CacheConfig, 
     for flag in OTHER_CACHE_FLAGS:
         if flag in argv:
             raise ServeError(f"{flag} selects another prefix cache than paged-cache; remove it")
+    if config.cache_salt_from_user and VISION_FLAG in argv:
+        raise ServeError(vision_refusal(config))
     overrides: dict[str, Any] = {}
     for flag, field, convert in (("--ssd-cache-dir", "ssd_dir", str),
                                  ("--ssd-cache-max-gb", "ssd_max_bytes",

@@ -3,9 +3,15 @@
 vllm-mlx's continuous-batching ``Scheduler`` builds its prefix cache itself
 (``MemoryAwarePrefixCache(model=..., config=...)``, a name it looks up in its own module) and has
 no option to pick another class, so paged-cache's adapter goes in by replacing names of
-``vllm_mlx.scheduler`` at run time (``install``). This module is the only one that touches them:
-at import it checks that the installed vllm-mlx is in the supported range and still has each
-name (and that ``Scheduler.__init__`` still constructs the cache through it), and raises
+``vllm_mlx.scheduler`` at run time (``install``). Tenants' cache salts reach the cache through
+three more (``carry_salts``): a middleware on ``vllm_mlx.server.app``, the ``Request`` class
+``EngineCore.add_request`` builds (made in the HTTP request's task, so it can take the salt
+along) and ``Scheduler.add_request`` (which fetches the cache on the engine's worker thread);
+``api.utils.resolve_mllm_route``, by which ``vllm-mlx serve`` picks the vision path, is watched.
+This module is the only one that touches them: at import it checks that the installed vllm-mlx
+is in the supported range and still has each name (and that the code still reaches them:
+``Scheduler.__init__`` constructs the cache through the first, ``EngineCore.add_request``
+builds a ``Request(...)``, ``Scheduler.add_request`` fetches the cache), and raises
 ``paged_cache.compat.IncompatibleVersion`` naming the range and what is missing otherwise.
 """
 
@@ -13,10 +19,11 @@ from __future__ import annotations
 
 import inspect
 from importlib import metadata
-from typing import Any
+from typing import Any, Callable
 
 from paged_cache.compat import IncompatibleVersion
 from paged_cache.install import install_command
+from paged_cache.integrations.tenants import CURRENT_SALT, attach_salt, salt_of_args
 
 DIST = "vllm-mlx"
 RANGE = (">=0.6.0", "<0.7")   # kept equal to the vllm-mlx extra in pyproject.toml
@@ -26,6 +33,10 @@ EXTRA = "vllm-mlx"   # paged-cache's extra that installs it
 CACHE_NAME = "MemoryAwarePrefixCache"     # the class Scheduler.__init__ builds its cache from
 REFRESH_NAME = "SNAPSHOT_REFRESH_TOKENS"  # Scheduler: prompt growth before a snapshot is re-taken
 BOUND_NAME = "_bound_cache_layers"        # Scheduler: its --max-kv-size rule for a cache list
+ADD_NAME = "add_request"                  # Scheduler: admits a request, fetching its cache
+FETCH_CALL = "memory_aware_cache.fetch("  # ... as it does in add_request
+REQUEST_NAME = "Request"                  # vllm_mlx.engine_core: what EngineCore builds
+ROUTE_NAME = "resolve_mllm_route"         # vllm_mlx.api.utils: text or vision path, at serve
 
 
 def _version() -> tuple[int, ...]:
@@ -43,13 +54,15 @@ def _fail(missing: list[str]) -> IncompatibleVersion:
         f"{metadata.version(DIST)} {what}. Install a supported one: {install_command(EXTRA)}")
 
 
-def _check() -> Any:
-    """The vllm_mlx.scheduler module, after checking version and names."""
+def _check() -> tuple[Any, Any, Any, Any]:
+    """The vllm_mlx.scheduler, engine_core, server and api.utils modules, after checking version
+    and names."""
     try:
         metadata.version(DIST)
     except metadata.PackageNotFoundError:
         raise IncompatibleVersion(f"{DIST} is not installed: {install_command(EXTRA)}") from None
-    from vllm_mlx import cli, scheduler
+    from vllm_mlx import cli, engine_core, scheduler, server
+    from vllm_mlx.api import utils
 
     missing = []
     original = getattr(scheduler, CACHE_NAME, None)
@@ -67,17 +80,52 @@ def _check() -> Any:
             missing.append(f"Scheduler.{BOUND_NAME}")
         if f"{CACHE_NAME}(" not in inspect.getsource(sched.__init__):
             missing.append(f"Scheduler.__init__ building its cache with {CACHE_NAME}(...)")
+        add = getattr(sched, ADD_NAME, None)
+        if add is None or FETCH_CALL not in inspect.getsource(add):
+            missing.append(f"Scheduler.{ADD_NAME} fetching the cache ({FETCH_CALL}...)")
+    core = getattr(engine_core, "EngineCore", None)
+    if not isinstance(getattr(engine_core, REQUEST_NAME, None), type) or core is None \
+            or f"{REQUEST_NAME}(" not in inspect.getsource(core.add_request):
+        missing.append(f"vllm_mlx.engine_core.EngineCore.add_request building "
+                       f"{REQUEST_NAME}(...)")
+    if not callable(getattr(getattr(server, "app", None), "add_middleware", None)):
+        missing.append("vllm_mlx.server.app (a FastAPI application)")
     if not callable(getattr(cli, "main", None)):
         missing.append("vllm_mlx.cli.main")
+    if not callable(getattr(utils, ROUTE_NAME, None)) \
+            or f"{ROUTE_NAME}(" not in inspect.getsource(cli):
+        missing.append(f"vllm_mlx.cli choosing its path with api.utils.{ROUTE_NAME}(...)")
     low, high = (_bound(b) for b in RANGE)
     if missing or not low <= _version() < high:
         raise _fail(missing)
-    return scheduler
+    return scheduler, engine_core, server, utils
 
 
-_scheduler = _check()
+_scheduler, _engine_core, _server, _utils = _check()
 ORIGINAL_CACHE = getattr(_scheduler, CACHE_NAME)
 ORIGINAL_REFRESH = getattr(_scheduler.Scheduler, REFRESH_NAME)
+ORIGINAL_ADD = getattr(_scheduler.Scheduler, ADD_NAME)
+ORIGINAL_REQUEST: type = getattr(_engine_core, REQUEST_NAME)
+ORIGINAL_ROUTE: Callable[..., Any] = getattr(_utils, ROUTE_NAME)
+
+
+class SaltedRequest(ORIGINAL_REQUEST):  # type: ignore[misc, valid-type]
+    """vllm-mlx's ``Request``, carrying the cache salt of the HTTP request it is made for
+    (``CURRENT_SALT`` where ``EngineCore.add_request`` builds it, in that request's task)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        attach_salt(self, CURRENT_SALT.get())
+
+
+def _add_request(scheduler: Any, request: Any) -> Any:
+    """``Scheduler.add_request`` with the request's salt current while it fetches the request's
+    cache (on the engine's worker thread, which the HTTP request's context does not reach)."""
+    token = CURRENT_SALT.set(salt_of_args(request))
+    try:
+        return ORIGINAL_ADD(scheduler, request)
+    finally:
+        CURRENT_SALT.reset(token)
 
 
 def install(cache_class: type, refresh_tokens: int) -> None:
@@ -87,9 +135,45 @@ def install(cache_class: type, refresh_tokens: int) -> None:
     setattr(_scheduler.Scheduler, REFRESH_NAME, refresh_tokens)
 
 
+def carry_salts(middleware: type, on_vision: Callable[[], None], **options: Any) -> None:
+    """Make each HTTP request's cache salt reach the cache fetch it causes: ``middleware`` (with
+    ``options``; it sets ``CURRENT_SALT``) wraps vllm-mlx's application, requests built from now
+    on carry the salt (``SaltedRequest``) and the Scheduler fetches under it. ``on_vision()`` is
+    called when ``vllm-mlx serve`` routes its model to the vision path (whose own scheduler and
+    cache this does not reach), before the model loads; it may raise to stop the start."""
+    _drop_middleware()
+    _server.app.add_middleware(middleware, **options)
+    _added.append(middleware)
+    setattr(_engine_core, REQUEST_NAME, SaltedRequest)
+    setattr(_scheduler.Scheduler, ADD_NAME, _add_request)
+
+    def route(*args: Any, **kwargs: Any) -> Any:
+        chosen = ORIGINAL_ROUTE(*args, **kwargs)
+        if chosen.is_mllm:
+            on_vision()
+        return chosen
+
+    setattr(_utils, ROUTE_NAME, route)
+
+
+_added: list[type] = []   # the middleware carry_salts put on vllm-mlx's application
+
+
+def _drop_middleware() -> None:
+    """Take the middleware carry_salts added off vllm-mlx's application (before it serves)."""
+    app = _server.app
+    app.user_middleware[:] = [m for m in app.user_middleware if m.cls not in _added]
+    _added.clear()
+
+
 def uninstall() -> None:
-    """Put vllm-mlx's own cache class and snapshot interval back."""
+    """Put vllm-mlx's own cache class, snapshot interval, Request class and admission back, and
+    its application without the salt middleware."""
     install(ORIGINAL_CACHE, ORIGINAL_REFRESH)
+    setattr(_engine_core, REQUEST_NAME, ORIGINAL_REQUEST)
+    setattr(_scheduler.Scheduler, ADD_NAME, ORIGINAL_ADD)
+    setattr(_utils, ROUTE_NAME, ORIGINAL_ROUTE)
+    _drop_middleware()
 
 
 def layout(model: Any, max_kv_size: int | None) -> list:

@@ -174,6 +174,14 @@ def usage_cached(usage: Any) -> int | None:
     return getattr(details, "cached_tokens", None) if details is not None else None
 
 
+def openai_client(url: str) -> Any:
+    """The official openai client of the server at ``url`` (each request under
+    REQUEST_SECONDS, never retried)."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=REQUEST_SECONDS, max_retries=0)
+
+
 def chat(url: str, model: str, *, conversations: int = 2, turns: int = 3, max_tokens: int = 12,
          cached: Callable[[Any], int | None] = usage_cached, system: str = SYSTEM,
          history: dict[int, list[dict]] | None = None, first_turn: int = 0,
@@ -182,9 +190,7 @@ def chat(url: str, model: str, *, conversations: int = 2, turns: int = 3, max_to
     conversation by conversation, sharing ``system``; each turn's history holds the engine's
     previous replies. ``history`` (updated in place, keyed by conversation) continues earlier
     turns (``first_turn``: the index of the first turn played now)."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=REQUEST_SECONDS, max_retries=0)
+    client = openai_client(url)
     history = {} if history is None else history
     out = []
     for c in range(first_conversation, first_conversation + conversations):
@@ -203,9 +209,7 @@ def agentic(url: str, model: str = "default_model", *, turns: int = 20, tool_lin
     """Play one agentic conversation: each turn a tool's output (``tool_lines`` lines, ~45 tokens
     each with the byte tokenizer: 20 turns of 22 lines are ~20k tokens) and a greedy reply kept in
     the history; returns the messages (the last reply included)."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=REQUEST_SECONDS, max_retries=0)
+    client = openai_client(url)
     messages = [{"role": "system", "content": "You are a coding agent. " * 20}]
     for t in range(turns):
         tool = "".join(f"line {t}.{i}: def f{i}(x): return x * {i} + {t}\n"

@@ -9,7 +9,8 @@ from typing import Any, Callable
 
 import pytest
 
-from paged_cache.testing.engines import REQUEST_SECONDS, EngineServer, Turn, chat, start_all
+from paged_cache.testing.engines import (REQUEST_SECONDS, EngineServer, Turn, chat, openai_client,
+                                         start_all)
 
 # A KV model, a hybrid (recurrent + attention) and a sliding-window one.
 ARCHS = ("llama", "qwen3_next", "gemma3_text")
@@ -67,11 +68,7 @@ def drop_a_stream(url: str, model: str) -> None:
     """Start a long stream and go away after its first chunk (the engine must cancel it).
     Greedy, as the requests around it: vllm-mlx applies another sampler only once its running
     batch drains, so a request right after a sampled one may be sampled like it."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=REQUEST_SECONDS,
-                    max_retries=0)
-    stream = client.chat.completions.create(
+    stream = openai_client(url).chat.completions.create(
         model=model, messages=[{"role": "user", "content": "A long answer. " * 30}],
         max_tokens=4000, temperature=0.0, stream=True)
     next(iter(stream))

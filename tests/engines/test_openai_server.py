@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from paged_cache.testing.engines import ENGINES, EngineServer, chat
+from paged_cache.testing.engines import ENGINES, EngineServer, chat, openai_client
+from helpers.tenants import PRIVATE, chat_ask, check_salts, check_user_salts
 from reuse import ARCHS, Reference, check_reuse, references, drop_a_stream, first_turns_together
 
 pytestmark = pytest.mark.timeout(900)
@@ -86,6 +87,41 @@ def test_batching_cancel_and_restart_from_ssd(models, reference, tmp_path):
     assert third[0].cached_tokens > cold[1].prompt_tokens
     assert f"{third[0].cached_tokens}/{third[0].prompt_tokens} prompt tokens cached (ssd)" in log \
         or f"{third[0].cached_tokens}/{third[0].prompt_tokens} prompt tokens cached (mixed)" in log
+
+
+@pytest.mark.parametrize("mode, flags, check", [
+    ((), (), check_salts),
+    (("--disable-batching",), (), check_salts),
+    ((), ("--cache-salt-from-user",), check_user_salts),
+], ids=["salts-batched", "salts-single", "users-batched"])
+def test_tenants_reuse_only_their_own_prefixes(models, tmp_path, mode, flags, check):
+    """As with `paged-cache serve` (tests/helpers/tenants.py), on the batch scheduler and the
+    single-request path (the salt reaches the fetch on either): a second tenant (another salt,
+    no salt; with --cache-salt-from-user another user) reuses 0 tokens of the first's private
+    text, the same tenant all of it; bad salts get HTTP 400."""
+    model = models["llama"]
+    with ENGINE.paged(sys.executable, model, tmp_path, "--block-size", "16", "--ssd-dir",
+                      str(tmp_path / "ssd"), *flags, extra=mode) as ours:
+        check(chat_ask(openai_client(ours.url), str(model)))
+    assert "prompt cache is paged-cache" in ours.tail(200_000)
+
+
+def test_the_responses_route_carries_the_salt_too(models, tmp_path):
+    """/v1/responses hands the handler a request of its own making: the salt still reaches the
+    fetch. The private text sent there with salt a is reused by a chat completion with salt a
+    (the same prompt), by none with salt b or without a salt."""
+    model = models["llama"]
+    with ENGINE.paged(sys.executable, model, tmp_path, "--block-size", "16", "--ssd-dir",
+                      str(tmp_path / "ssd")) as ours:
+        client = openai_client(ours.url)
+        client.responses.create(model=str(model), input=PRIVATE + " Summarize.",
+                                max_output_tokens=4, temperature=0.0,
+                                extra_body={"cache_salt": "tenant-a"})
+        ask = chat_ask(client, str(model))
+        assert ask(salt="tenant-b")[0] == 0
+        assert ask()[0] == 0
+        reused, prompt_tokens = ask(salt="tenant-a")
+        assert reused >= prompt_tokens - 16
 
 
 def test_command_line_paged_cache_cannot_serve_fails_clearly(tmp_path):

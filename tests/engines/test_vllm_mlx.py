@@ -6,14 +6,18 @@ Run inside the engine's environment: `make test-engines` (pytest --engine vllm-m
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from paged_cache.testing.engines import ENGINES, EngineServer, Turn, chat
+from paged_cache.testing.engines import ENGINES, EngineServer, Turn, chat, openai_client
 from paged_cache.testing.server import ValkeyServer
+from helpers.tenants import chat_ask, check_salts, check_user_salts
 from reuse import ARCHS, Reference, check_reuse, references, drop_a_stream, first_turns_together
 
 pytestmark = pytest.mark.timeout(900)
@@ -21,6 +25,8 @@ pytestmark = pytest.mark.timeout(900)
 # Caches the Scheduler cannot trim after the first token (recurrent state, a full sliding window):
 # it snapshots them after prefill, once per 4096 tokens of growth; paged-cache on every request.
 SNAPSHOT_ARCHS = ("qwen3_next", "gemma3_text")
+# Requests that name a salt and are served: 5 of check_salts, 4 of check_user_salts.
+SALTED_REQUESTS = {False: 5, True: 4}
 
 
 ENGINE = ENGINES["vllm-mlx"]
@@ -120,11 +126,47 @@ def test_hot_cache_only_hosts_share_through_the_remote_tier(models, reference, t
         assert not list((tmp_path / host).rglob("*.safetensors"))
 
 
+@pytest.mark.parametrize("from_user", [False, True], ids=["salts", "users"])
+def test_tenants_reuse_only_their_own_prefixes(models, tmp_path, from_user):
+    """As with `paged-cache serve` (tests/helpers/tenants.py): a second tenant (another salt, no
+    salt; with --cache-salt-from-user another user) reuses 0 tokens of the first's private
+    text, the same tenant all of it; bad salts get HTTP 400. Every salted request reached the
+    cache's fetch under its salt."""
+    model = models["llama"]
+    flags = ("--cache-salt-from-user",) if from_user else ()
+    with paged(model, tmp_path, "--ssd-dir", str(tmp_path / "ssd"), *flags) as server:
+        ask = chat_ask(openai_client(server.url), str(model), ENGINE.cached(server))
+        (check_user_salts if from_user else check_salts)(ask)
+        stats = paged_stats(server)
+    assert stats["requests"]["requests_salted"] == SALTED_REQUESTS[from_user]
+    assert stats["requests"]["cache_errors"] == stats["requests"]["store_errors"] == 0
+
+
+def test_the_user_flag_is_refused_for_a_model_on_the_vision_path(models, tmp_path):
+    """vllm-mlx routes a model whose config has a vision part to its vision path, whose cache
+    knows no salt: with --cache-salt-from-user the start fails with one line, before the model
+    loads."""
+    vision = tmp_path / "vision"
+    shutil.copytree(models["llama"], vision)
+    config = json.loads((vision / "config.json").read_text())
+    (vision / "config.json").write_text(json.dumps({**config, "vision_config": {}}))
+    done = subprocess.run([sys.executable, "-m", "paged_cache.cli.main", "vllm-mlx",
+                           "--cache-salt-from-user", "--ssd-dir", str(tmp_path / "ssd"), "serve",
+                           str(vision), "--continuous-batching"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env=dict(os.environ, HOME=str(tmp_path), HF_HUB_OFFLINE="1"))
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "paged-cache vllm-mlx: error: --cache-salt-from-user (from flag:" in done.stderr
+    assert "vllm-mlx's vision path" in done.stderr
+
+
 @pytest.mark.parametrize("argv, message", [
     (["serve", "M"], "add --continuous-batching"),
     (["serve", "M", "--continuous-batching", "--use-paged-cache"], "selects another prefix cache"),
     (["--ssd-dir", "/tmp/x", "serve", "M", "--continuous-batching", "--ssd-cache-dir", "/tmp/y"],
      "both set the SSD tier"),
+    (["--cache-salt-from-user", "serve", "M", "--continuous-batching", "--mllm"],
+     "vision path (--mllm, or a vision model), which keeps a prefix cache of its own"),
 ])
 def test_command_lines_paged_cache_cannot_serve_fail_clearly(argv, message, tmp_path):
     done = subprocess.run([sys.executable, "-m", "paged_cache.cli.main", "vllm-mlx", *argv],

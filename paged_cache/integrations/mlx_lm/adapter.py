@@ -198,9 +198,16 @@ class PagedPromptCache:
     @_serialized
     def fetch_nearest_cache(self, model: Hashable, tokens: Sequence[int]) -> tuple[list | None, list[int]]:
         """``(cache, rest)``: a fresh cache list covering ``tokens[:len(tokens) - len(rest)]``, or
-        ``(None, tokens)`` on a miss."""
-        tokens = as_tokens(tokens)
+        ``(None, tokens)`` on a miss; for the tenant ``next_salt`` named."""
         salt, self._salt = self._salt, None
+        return self.fetch_as(model, tokens, salt)
+
+    @_serialized
+    def fetch_as(self, model: Hashable, tokens: Sequence[int],
+                 salt: str | None) -> tuple[list | None, list[int]]:
+        """``fetch_nearest_cache`` for the tenant of ``salt`` (None: the unsalted space), for
+        engines whose fetch runs where the request's salt is known."""
+        tokens = as_tokens(tokens)
         t0 = time.perf_counter()
         cache, n, tier = None, 0, "miss"
         try:
