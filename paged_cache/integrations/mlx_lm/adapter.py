@@ -19,7 +19,7 @@ from typing import Any, Callable, Hashable, Iterable, Iterator, Sequence
 
 from paged_cache.config import format_size
 from paged_cache.distributed import WORLD, resolve_group
-from paged_cache.hashing import chain_keys
+from paged_cache.hashing import ROOT_PARENT, block_key, chain_keys
 from paged_cache.integrations.tenants import salted_namespace
 from paged_cache.integrations.mlx_lm.binding import (ModelBinding, Resolver, plain_layout,
                                                      quantized_layout)
@@ -53,6 +53,7 @@ def _serialized(method: Callable) -> Callable:
 class _Sequence:
     cache_type: str
     keys: list[str] = field(default_factory=list)
+    ntokens: int = 0
 
 
 @dataclass(eq=False)   # compared by identity: two requests may carry equal fields
@@ -269,8 +270,10 @@ class PagedPromptCache:
             if prefix.fingerprint is None:  # this model's layout is not supported: nothing stored
                 return
             keys = chain_keys(prefix.fingerprint, prefix.namespace, tokens, prefix.block_size)
+            if prefix.layout.full_history:
+                self._forget_prefixes(prefix, tokens, keys)
             self._sequences.pop(keys[-1], None)
-            self._sequences[keys[-1]] = _Sequence(cache_type, keys)
+            self._sequences[keys[-1]] = _Sequence(cache_type, keys, len(tokens))
             self.trim_to(n_sequences=self.max_size, n_bytes=self.max_bytes)
         except Exception as error:  # noqa: BLE001
             # The server's generation thread dies on an exception: a cache that cannot be
@@ -291,6 +294,23 @@ class PagedPromptCache:
                 request.store_seconds += seconds
         logger.debug("insert: %s, %d tokens; hot tier %d bytes, %d sequences",
                      cache_type, len(tokens), self.nbytes, len(self._sequences))
+
+    def _forget_prefixes(self, prefix: BlockAwarePrefixCache, tokens: list[int],
+                         keys: list[str]) -> None:
+        """Stop tracking the sequences whose tokens are a proper prefix of ``tokens`` (just stored
+        as ``keys``), as LRUPromptCache drops the prefixes of a cache it can trim: they no longer
+        count against ``max_size``. Their blocks are the new sequence's, but for a partial tail it
+        supersedes; counted, they would push other conversations out of RAM (whose partial tails,
+        never written to SSD, would be lost)."""
+        bs = prefix.block_size
+        for head, seq in list(self._sequences.items()):
+            n, held = seq.ntokens, len(seq.keys)
+            if not 0 < n < len(tokens) or seq.keys[:-1] != keys[:held - 1]:
+                continue
+            parent = seq.keys[-2] if held > 1 else ROOT_PARENT
+            if block_key(prefix.fingerprint, prefix.namespace, parent,
+                         tokens[(held - 1) * bs:n]) == head:
+                del self._sequences[head]
 
     def _layout_of(self, model: Hashable, prompt_cache: list,
                    salt: str | None) -> BlockAwarePrefixCache | None:
