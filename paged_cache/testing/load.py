@@ -6,17 +6,40 @@ benchmark family and the concurrent reuse tests send to plain ``mlx_lm.server`` 
 
 from __future__ import annotations
 
+import shutil
 import statistics
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from paged_cache.testing.engines import REQUEST_SECONDS, Turn, ask, questions, usage_cached
+from paged_cache.testing.engines import (REQUEST_SECONDS, EngineServer, Turn, ask, questions,
+                                         usage_cached)
 
 # ~2.4k tokens with the byte tokenizer of ``paged-cache make-model`` (one token per byte)
 LOAD_SYSTEM = ("You are the assistant of a concurrent cache test. Answer in one short line, "
                "and keep every reply plain. " * 24).strip()
+
+
+SIDES = ("plain", "paged-cache")
+
+
+def load_server(side: str, model: Path, work: Path, *extra: str) -> EngineServer:
+    """Plain ``mlx_lm.server`` (``side`` "plain") or ``paged-cache serve`` with an empty SSD tier
+    under ``work`` ("paged-cache") on ``model``, with mlx_lm.server's options ``extra``; started
+    as a context manager."""
+    if side not in SIDES:
+        raise ValueError(f"side: expected one of {', '.join(SIDES)}, got {side!r}")
+    if side == "plain":
+        argv = ["-m", "mlx_lm", "server", "--model", str(model), *extra]
+    else:
+        shutil.rmtree(work / "ssd", ignore_errors=True)
+        argv = ["-m", "paged_cache.cli.main", "serve", "--model", str(model), "--ssd-dir",
+                str(work / "ssd"), *extra]
+    work.mkdir(parents=True, exist_ok=True)
+    return EngineServer(sys.executable, argv, work, name=side)
 
 
 @dataclass

@@ -467,11 +467,15 @@ class PagedPromptCache:
 
     def _evict(self, head: str) -> None:
         """Demote a sequence's hot blocks out of RAM (to SSD when there is an SSD tier),
-        keeping blocks that another tracked sequence also holds."""
+        keeping blocks that another tracked sequence also holds, and its partial tail: the store
+        put that unwritten (``deferred``), so a demotion would drop it and the conversation's next
+        turn would recompute its tokens; it stays until the hot tier's budget evicts it."""
         seq = self._sequences.pop(head)
-        shared = {k for s in self._sequences.values() for k in s.keys}
+        keep = {k for s in self._sequences.values() for k in s.keys}
+        if seq.ntokens % self.manager.config.block_size:
+            keep.add(seq.keys[-1])
         self.counters["demote_evictions"] += self.manager.demote(
-            k for k in seq.keys if k not in shared)
+            k for k in seq.keys if k not in keep)
 
 
 
