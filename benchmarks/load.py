@@ -76,11 +76,18 @@ def arch_figures(arch: str, s: dict[str, Any], goal_p50: float) -> list:
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    archs = ctx.pick(("llama", "qwen3_next"), tuple(ARCHS))
     clients, turns, rounds = ctx.pick((4, 2, 1), (8, 3, 2))
+    return play(ctx, ctx.pick(("llama", "qwen3_next"), tuple(ARCHS)), clients=clients,
+                turns=turns, rounds=rounds)
+
+
+def play(ctx: Context, archs: tuple[str, ...], *, clients: int, turns: int, rounds: int,
+         system: str = LOAD_SYSTEM) -> dict[str, Any]:
+    """The family's result for ``archs``: figures, notes, the workload and every round."""
     results, figures, notes = {}, [], []
     for arch in archs:
-        results[arch] = summary(measure(ctx, arch, clients=clients, turns=turns, rounds=rounds))
+        results[arch] = summary(measure(ctx, arch, clients=clients, turns=turns, rounds=rounds,
+                                        system=system))
         s = results[arch]
         figures += arch_figures(arch, s, ARCHS[arch])
         if not s["same_replies"]:
@@ -89,7 +96,7 @@ def run(ctx: Context) -> dict[str, Any]:
               f"{s['paged-cache']['ttft_p50'] * 1e3:.0f} ms; wall {s['plain']['wall']:.1f} / "
               f"{s['paged-cache']['wall']:.1f} s; cached {s['plain']['cached']:.0f} / "
               f"{s['paged-cache']['cached']:.0f} tokens", flush=True)
-    workload = dict(clients=clients, turns=turns, rounds=rounds, system_chars=len(LOAD_SYSTEM),
+    workload = dict(clients=clients, turns=turns, rounds=rounds, system_chars=len(system),
                     archs=list(archs))
     return {"figures": figures, "notes": notes, "workload": workload, "archs": results}
 

@@ -431,14 +431,14 @@ class PagedPromptCache:
         Blocks are shared between sequences: each hot block counts for the most recently inserted
         sequence that holds it, and the hot bytes are split by those block counts.
         """
-        self._prune()
+        hot = self._prune()
         owned = dict.fromkeys(CACHE_TYPES, 0)
         counts = dict.fromkeys(CACHE_TYPES, 0)
         seen: set[str] = set()
         for seq in reversed(self._sequences.values()):
             counts[seq.cache_type] += 1
             for key in seq.keys:
-                if key not in seen and self.manager.tier_of(key) == "hot":
+                if key not in seen and key in hot:
                     seen.add(key)
                     owned[seq.cache_type] += 1
         total, blocks = self.nbytes, max(1, sum(owned.values()))
@@ -447,11 +447,16 @@ class PagedPromptCache:
 
     # ------------------------------------------------------------------ eviction
 
-    def _prune(self) -> None:
-        """Forget sequences none of whose blocks is in the hot tier any more."""
-        for head in [h for h, s in self._sequences.items()
-                     if not any(self.manager.tier_of(k) == "hot" for k in s.keys)]:
+    def _prune(self) -> set[str]:
+        """Forget sequences none of whose blocks is in the hot tier any more; returns the keys of
+        the tracked sequences that are. One batched lookup (``tiers_of``) for every key: the
+        server calls this before each fetch (``len``, ``stats_by_type``), on its generation
+        thread, and the sequences share most of their blocks."""
+        keys = list({k: None for s in self._sequences.values() for k in s.keys})
+        hot = {k for k, tier in zip(keys, self.manager.tiers_of(keys)) if tier == "hot"}
+        for head in [h for h, s in self._sequences.items() if hot.isdisjoint(s.keys)]:
             del self._sequences[head]
+        return hot
 
     def _victim(self) -> str:
         """The sequence to leave RAM next, chosen as LRUPromptCache does: walking the types in
