@@ -32,7 +32,7 @@ ARCHS = {"llama": 1.0, "qwen3_next": 0.5, "gemma3_text": 1.0, "mamba": 0.5}
 def measure(ctx: Context, arch: str, *, clients: int, turns: int, rounds: int,
             system: str = LOAD_SYSTEM) -> dict[str, list[LoadRun]]:
     """``rounds`` runs of the load on each side, alternating which side goes first."""
-    model = write_model_dir(ctx.scratch / f"load-{arch}", arch, printable_replies=True)
+    model = write_model_dir(ctx.scratch / f"load-{arch}", arch)
     runs: dict[str, list[LoadRun]] = {side: [] for side in SIDES}
     for r in range(rounds):
         for side in SIDES if r % 2 == 0 else SIDES[::-1]:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from paged_cache.testing.engines import (REQUEST_SECONDS, EngineServer, Turn, ask, questions,
-                                         usage_cached)
+from paged_cache.testing.engines import (REQUEST_SECONDS, EngineServer, Turn, converse,
+                                         questions, usage_cached)
 
 # ~2.4k tokens with the byte tokenizer of ``paged-cache make-model`` (one token per byte)
 LOAD_SYSTEM = ("You are the assistant of a concurrent cache test. Answer in one short line, "
@@ -89,15 +89,8 @@ def concurrent_chats(url: str, model: str = "default_model", *, clients: int = 8
 
     def one(c: int) -> list[Turn]:
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=timeout, max_retries=0)
-        messages: list[dict] = [{"role": "system", "content": system}]
-        out = []
-        for t, question in enumerate(questions(c, turns)):
-            messages.append({"role": "user", "content": question})
-            reply, prompt, hit, ttft = ask(client, model, messages, max_tokens=max_tokens,
-                                           cached=usage_cached)
-            messages.append({"role": "assistant", "content": reply})
-            out.append(Turn(c, t, prompt, hit, reply, ttft))
-        return out
+        return converse(client, model, c, [{"role": "system", "content": system}],
+                        questions(c, turns), 0, max_tokens=max_tokens, cached=usage_cached)
 
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=clients) as pool:
