@@ -6,9 +6,12 @@ Per architecture the two servers run one after the other, round by round (the or
 between rounds, so a machine getting busier does not favour one side); each round plays the whole
 load against a fresh server (paged-cache with an empty SSD directory). Figures per architecture,
 paged-cache over plain (medians over the rounds): TTFT p50 and p95 of every request, the wall
-time of the whole load, and the cached prompt tokens the servers reported. Goals: TTFT p50 <= 1.0x
-(<= 0.5x on models mlx_lm's cache cannot trim, hybrid or recurrent: it shares no prefix across
-conversations), wall <= 1.0x, cached >= 1.0x. Replies are compared (greedy: they must agree).
+time of the whole load, and the cached prompt tokens the servers reported over the turns after
+each conversation's first (whether a first turn finds the system prompt another conversation
+stored depends on which requests a server took into one batch: a race on both sides; the JSON
+keeps every turn's). Goals: TTFT p50 <= 1.0x (<= 0.5x on models mlx_lm's cache cannot trim,
+hybrid or recurrent: it shares no prefix across conversations), wall <= 1.0x, cached >= 1.0x.
+Replies are compared (greedy: they must agree).
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ def summary(runs: dict[str, list[LoadRun]]) -> dict[str, Any]:
     for side, played in runs.items():
         rounds = [run.to_dict() for run in played]
         out[side] = {k: statistics.median(r[k] for r in rounds)
-                     for k in ("wall", "cached", "prompt", "ttft_p50", "ttft_p95")}
+                     for k in ("wall", "cached", "later_cached", "prompt", "ttft_p50",
+                               "ttft_p95")}
         out[side]["rounds"] = rounds
     plain = [run.replies() for run in runs["plain"]]
     out["same_replies"] = all(run.replies() == plain[0] for side in SIDES for run in runs[side])
@@ -68,9 +72,11 @@ def arch_figures(arch: str, s: dict[str, Any], goal_p50: float) -> list:
                           goal=goal, goal_op="<=" if goal is not None else None,
                           measured_runs=rounds("paged-cache", key),
                           baseline_runs=rounds("plain", key)))
-    out.append(figure(FAMILY, f"{arch}: cached prompt tokens", measured=ours["cached"],
-                      baseline=plain["cached"], unit="tokens", goal=1.0, goal_op=">=",
-                      meaning="paged-cache cached prompt tokens / plain mlx_lm.server's",
+    out.append(figure(FAMILY, f"{arch}: cached prompt tokens", measured=ours["later_cached"],
+                      baseline=plain["later_cached"], unit="tokens", goal=1.0, goal_op=">=",
+                      meaning="paged-cache cached prompt tokens / plain mlx_lm.server's (turns "
+                              "after each conversation's first)",
+                      all_turns=ours["cached"], baseline_all_turns=plain["cached"],
                       prompt_tokens=ours["prompt"], same_replies=s["same_replies"]))
     return out
 
@@ -112,5 +118,5 @@ def plots(data: dict, results: Path) -> list[str]:
                      {"TTFT p50": [ratio(a, "ttft_p50") for a in archs],
                       "TTFT p95": [ratio(a, "ttft_p95") for a in archs],
                       "wall time": [ratio(a, "wall") for a in archs],
-                      "cached tokens": [ratio(a, "cached") for a in archs]},
+                      "cached tokens": [ratio(a, "later_cached") for a in archs]},
                      "ratio (paged-cache / plain)", goal=1.0).name]

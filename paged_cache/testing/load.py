@@ -55,6 +55,13 @@ class LoadRun:
         return sum(t.cached_tokens or 0 for t in self.turns)
 
     @property
+    def later_cached(self) -> int:
+        """Cached prompt tokens over the turns after each conversation's first: what a server
+        reuses of its conversations. (Whether a first turn finds the system prompt another
+        conversation stored depends on which requests the server took into one batch: a race.)"""
+        return sum(t.cached_tokens or 0 for t in self.turns if t.turn)
+
+    @property
     def prompt(self) -> int:
         """Prompt tokens over every request."""
         return sum(t.prompt_tokens for t in self.turns)
@@ -71,7 +78,8 @@ class LoadRun:
         return {(t.conversation, t.turn): t.reply for t in self.turns}
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(wall=self.wall, cached=self.cached, prompt=self.prompt,
+        return dict(wall=self.wall, cached=self.cached, later_cached=self.later_cached,
+                    prompt=self.prompt,
                     ttft_p50=self.ttft(0.5), ttft_p95=self.ttft(0.95),
                     turns=[t.to_dict() for t in self.turns])
 
