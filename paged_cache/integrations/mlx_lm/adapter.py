@@ -474,10 +474,12 @@ class PagedPromptCache:
         """Demote a sequence's hot blocks out of RAM (to SSD when there is an SSD tier),
         keeping blocks that another tracked sequence also holds, and its partial tail: the store
         put that unwritten (``deferred``), so a demotion would drop it and the conversation's next
-        turn would recompute its tokens; it stays until the hot tier's budget evicts it."""
+        turn would recompute its tokens; it stays until the hot tier's budget evicts it (with
+        ``hot_cache_only``, only while every block before it stays too: else it is unreachable)."""
         seq = self._sequences.pop(head)
         keep = {k for s in self._sequences.values() for k in s.keys}
-        if seq.ntokens % self.manager.config.block_size:
+        if seq.ntokens % self.manager.config.block_size and (
+                not self.manager.config.hot_cache_only or keep.issuperset(seq.keys[:-1])):
             keep.add(seq.keys[-1])
         self.counters["demote_evictions"] += self.manager.demote(
             k for k in seq.keys if k not in keep)
