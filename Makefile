@@ -13,6 +13,10 @@ LOW_STAMP = $(LOWEST)/.installed
 PIP_INSTALL = pip install --progress-bar on --disable-pip-version-check
 # MLX's backend on Linux (the extra of the same name): the demo and the tests run on the CPU.
 BACKEND ?= cpu
+# The suite runs on every core (pytest-xdist), each test file on one worker (its module-scoped
+# servers and models are built once); TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= auto
+XDIST = -n $(TEST_WORKERS) --dist loadfile
 # `make test-gpu`: a Python that already has MLX with a GPU backend and paged-cache's test tools.
 GPU_PYTHON ?= $(PYTHON)
 GPU_RESULTS ?= benchmarks/results/gpu
@@ -84,13 +88,13 @@ server:
 
 test: $(STAMP) server
 	@echo "make test: running the suite (pytest prints a dot per test)"
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-long: $(STAMP) server
-	$(BIN)/python -m pytest -q --long $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(XDIST) --long $(PYTEST_ARGS)
 
 test-lowest: $(LOW_STAMP) server
-	$(LOWEST)/bin/python -m pytest -q $(PYTEST_ARGS)
+	$(LOWEST)/bin/python -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-engines: $(foreach e,$(ENGINES),.venv-engine-$(e)/.installed) server
 	@for e in $(ENGINES); do \

@@ -81,3 +81,23 @@ def test_scale_fetches_from_every_side(tmp_path: Path) -> None:
     assert all(f["ratio"] > 0 for f in data["figures"])
     for name in plots(data, tmp_path):
         assert (tmp_path / name).stat().st_size > 10_000, name
+
+
+def test_load_plays_both_servers(tmp_path: Path) -> None:
+    """The load family at a tiny size (llama, 2 clients of 2 turns, one round, a short system
+    prompt): plain mlx_lm.server and paged-cache serve both answer every request alike, the
+    four figures and the plot come out."""
+    from benchmarks.common import Context, as_json
+    from benchmarks.load import play, plots
+
+    data = as_json(play(Context(quick=True, results=tmp_path, scratch=tmp_path), ("llama",),
+                        clients=2, turns=2, rounds=1, system="Answer briefly. " * 20))
+    llama = data["archs"]["llama"]
+    assert llama["same_replies"] and not data["notes"]
+    for side in ("plain", "paged-cache"):
+        assert len(llama[side]["rounds"][0]["turns"]) == 4 and llama[side]["cached"] > 0, side
+    assert [f["name"] for f in data["figures"]] == [
+        "llama: TTFT p50", "llama: TTFT p95", "llama: wall time", "llama: cached prompt tokens"]
+    assert all(f["ratio"] > 0 for f in data["figures"])
+    for name in plots(data, tmp_path):
+        assert (tmp_path / name).stat().st_size > 10_000, name

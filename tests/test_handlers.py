@@ -71,7 +71,7 @@ def test_rotating_rows_map_to_absolute_positions(cls, schedule: list[int]) -> No
     parts = [Part(s, e, d, dict(a)) for (s, e), (a, d) in zip(spans, cuts)]
     idx = handler.plan(fresh, [Span(p.start, p.end, p.desc) for p in parts], end)
     assert idx is not None
-    rebuilt = handler.rebuild(fresh, [parts[i] for i in idx], end, 0)
+    rebuilt = handler.rebuild(fresh, [parts[i] for i in idx], end)
     temporal = rebuilt._temporal_order(rebuilt.keys)[0, 0, :, 0].tolist()
     expect = sorted(window)
     assert temporal == expect and rebuilt.offset == end
@@ -96,11 +96,11 @@ def test_chunked_rows_are_relative_to_start_position() -> None:
     # a query at 48 attends within its chunk [40, 60): only rows [40, 48) are needed
     assert handler.plan(fresh, spans, 48) == [2]
     rebuilt = handler.rebuild(fresh, [Part(p.start, p.end, p.desc, dict(p.arrays))
-                                      for p in parts[1:]], 48, 256)   # (rebuild pops arrays)
+                                      for p in parts[1:]], 48)   # (rebuild pops arrays)
     assert rebuilt.start_position == 28 and rebuilt.offset == 48
     assert rebuilt.keys[0, 0, :20, 0].tolist() == list(range(28, 48))
     # from the block holding [32, 48) alone: rows [28, 32), masked for every later query, are 0
-    rebuilt = handler.rebuild(ChunkedKVCache(chunk_size=20), [parts[2]], 48, 256)
+    rebuilt = handler.rebuild(ChunkedKVCache(chunk_size=20), [parts[2]], 48)
     assert rebuilt.keys[0, 0, :20, 0].tolist() == [0] * 4 + list(range(32, 48))
     assert handler.plan(fresh, spans, 32) == [1]  # needs [20, 32)
     assert handler.plan(fresh, spans, 40) == [2]  # a chunk boundary: any block, for the shapes

@@ -11,6 +11,7 @@ from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
 from paged_cache import BlockAwarePrefixCache
 from paged_cache.config import CacheConfig
+from paged_cache.hashing import chain_keys
 from paged_cache.integrations.mlx_lm import (MAX_OPEN_REQUESTS, ModelBinding, PagedPromptCache,
                                              model_id_for)
 from paged_cache.manager import PagedSSDCacheManager
@@ -286,6 +287,31 @@ def test_eviction_by_cache_type_like_lru_prompt_cache(tmp_path, model):
             want = lru_survivors(lru, inserts, probe)
             assert lru_survivors(paged, inserts, probe) == want
     assert want[0] and not want[2]   # (limit 4) the first system prompt outlives an assistant reply
+
+
+def test_conversations_count_once_and_keep_their_partial_tails(tmp_path, model):
+    """A conversation's prompt insert and its final insert (prompt + reply) count as one sequence,
+    as LRUPromptCache drops the prefixes of a cache it can trim; the conversation demoted by the
+    sequence limit keeps its partial tail in RAM (put unwritten: a demotion dropped it), so its
+    next turn reuses every token."""
+    system = tokens_of(40, seed=9)
+    lru = LRUPromptCache(max_size=2)
+    manager, paged = make(tmp_path, model, max_size=2)
+    with manager:
+        finals = []
+        for c in range(3):
+            prompt = system + tokens_of(10, seed=c)
+            finals.append(prompt + tokens_of(5, seed=c + 5))   # 55 tokens: a 7-token tail
+            for tokens, kind in ((prompt, "user"), (finals[-1], "assistant")):
+                for target in (lru, paged):
+                    target.insert_cache(KEY, tokens, prefill(model, tokens), cache_type=kind)
+                assert len(paged) == len(lru)
+        pc = paged.prefix_cache(KEY)
+        *blocks, tail = chain_keys(pc.fingerprint, pc.namespace, finals[0], BLOCK)
+        assert [manager.tier_of(k) for k in blocks] == ["hot", "hot", "ssd"]  # shared ones stay
+        assert manager.tier_of(tail) == "hot"
+        got, rest = paged.fetch_nearest_cache(KEY, finals[0] + [1])
+        assert rest == [1] and pc.last_fetch.tier == "mixed"
 
 
 def test_system_prompt_outlives_turns_with_prompt_cache_size_2(tmp_path, model):

@@ -195,12 +195,23 @@ def chat(url: str, model: str, *, conversations: int = 2, turns: int = 3, max_to
     out = []
     for c in range(first_conversation, first_conversation + conversations):
         messages = history.setdefault(c, [{"role": "system", "content": system}])
-        for t, question in enumerate(questions(c, first_turn + turns)[first_turn:], first_turn):
-            messages.append({"role": "user", "content": question})
-            reply, prompt, hit, ttft = ask(client, model, messages, max_tokens=max_tokens,
-                                           cached=cached)
-            messages.append({"role": "assistant", "content": reply})
-            out.append(Turn(c, t, prompt, hit, reply, ttft))
+        out += converse(client, model, c, messages, questions(c, first_turn + turns)[first_turn:],
+                        first_turn, max_tokens=max_tokens, cached=cached)
+    return out
+
+
+def converse(client: Any, model: str, conversation: int, messages: list[dict],
+             asked: Sequence[str], first_turn: int, *, max_tokens: int,
+             cached: Callable[[Any], int | None]) -> list[Turn]:
+    """Ask ``asked`` in order as turns ``first_turn``, ... of ``conversation``, each question and
+    its reply appended to ``messages`` (the history the next turn sends)."""
+    out = []
+    for t, question in enumerate(asked, first_turn):
+        messages.append({"role": "user", "content": question})
+        reply, prompt, hit, ttft = ask(client, model, messages, max_tokens=max_tokens,
+                                       cached=cached)
+        messages.append({"role": "assistant", "content": reply})
+        out.append(Turn(conversation, t, prompt, hit, reply, ttft))
     return out
 
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Hashable, Iterable, Iterator, Sequence
 
 from paged_cache.config import format_size
 from paged_cache.distributed import WORLD, resolve_group
-from paged_cache.hashing import chain_keys
+from paged_cache.hashing import ROOT_PARENT, block_key, chain_keys
 from paged_cache.integrations.tenants import salted_namespace
 from paged_cache.integrations.mlx_lm.binding import (ModelBinding, Resolver, plain_layout,
                                                      quantized_layout)
@@ -53,6 +53,7 @@ def _serialized(method: Callable) -> Callable:
 class _Sequence:
     cache_type: str
     keys: list[str] = field(default_factory=list)
+    ntokens: int = 0
 
 
 @dataclass(eq=False)   # compared by identity: two requests may carry equal fields
@@ -276,8 +277,10 @@ class PagedPromptCache:
             if prefix.fingerprint is None:  # this model's layout is not supported: nothing stored
                 return
             keys = chain_keys(prefix.fingerprint, prefix.namespace, tokens, prefix.block_size)
+            if prefix.layout.full_history:
+                self._forget_prefixes(prefix, tokens, keys)
             self._sequences.pop(keys[-1], None)
-            self._sequences[keys[-1]] = _Sequence(cache_type, keys)
+            self._sequences[keys[-1]] = _Sequence(cache_type, keys, len(tokens))
             self.trim_to(n_sequences=self.max_size, n_bytes=self.max_bytes)
         except Exception as error:  # noqa: BLE001
             # The server's generation thread dies on an exception: a cache that cannot be
@@ -298,6 +301,23 @@ class PagedPromptCache:
                 request.store_seconds += seconds
         logger.debug("insert: %s, %d tokens; hot tier %d bytes, %d sequences",
                      cache_type, len(tokens), self.nbytes, len(self._sequences))
+
+    def _forget_prefixes(self, prefix: BlockAwarePrefixCache, tokens: list[int],
+                         keys: list[str]) -> None:
+        """Stop tracking the sequences whose tokens are a proper prefix of ``tokens`` (just stored
+        as ``keys``), as LRUPromptCache drops the prefixes of a cache it can trim: they no longer
+        count against ``max_size``. Their blocks are the new sequence's, but for a partial tail it
+        supersedes; counted, they would push other conversations out of RAM (whose partial tails,
+        never written to SSD, would be lost)."""
+        bs = prefix.block_size
+        for head, seq in list(self._sequences.items()):
+            n, held = seq.ntokens, len(seq.keys)
+            if not 0 < n < len(tokens) or seq.keys[:-1] != keys[:held - 1]:
+                continue
+            parent = seq.keys[-2] if held > 1 else ROOT_PARENT
+            if block_key(prefix.fingerprint, prefix.namespace, parent,
+                         tokens[(held - 1) * bs:n]) == head:
+                del self._sequences[head]
 
     def _layout_of(self, model: Hashable, prompt_cache: list,
                    salt: str | None) -> BlockAwarePrefixCache | None:
@@ -418,14 +438,14 @@ class PagedPromptCache:
         Blocks are shared between sequences: each hot block counts for the most recently inserted
         sequence that holds it, and the hot bytes are split by those block counts.
         """
-        self._prune()
+        hot = self._prune()
         owned = dict.fromkeys(CACHE_TYPES, 0)
         counts = dict.fromkeys(CACHE_TYPES, 0)
         seen: set[str] = set()
         for seq in reversed(self._sequences.values()):
             counts[seq.cache_type] += 1
             for key in seq.keys:
-                if key not in seen and self.manager.tier_of(key) == "hot":
+                if key not in seen and key in hot:
                     seen.add(key)
                     owned[seq.cache_type] += 1
         total, blocks = self.nbytes, max(1, sum(owned.values()))
@@ -434,11 +454,16 @@ class PagedPromptCache:
 
     # ------------------------------------------------------------------ eviction
 
-    def _prune(self) -> None:
-        """Forget sequences none of whose blocks is in the hot tier any more."""
-        for head in [h for h, s in self._sequences.items()
-                     if not any(self.manager.tier_of(k) == "hot" for k in s.keys)]:
+    def _prune(self) -> set[str]:
+        """Forget sequences none of whose blocks is in the hot tier any more; returns the keys of
+        the tracked sequences that are. One batched lookup (``tiers_of``) for every key: the
+        server calls this before each fetch (``len``, ``stats_by_type``), on its generation
+        thread, and the sequences share most of their blocks."""
+        keys = list({k: None for s in self._sequences.values() for k in s.keys})
+        hot = {k for k, tier in zip(keys, self.manager.tiers_of(keys)) if tier == "hot"}
+        for head in [h for h, s in self._sequences.items() if hot.isdisjoint(s.keys)]:
             del self._sequences[head]
+        return hot
 
     def _victim(self) -> str:
         """The sequence to leave RAM next, chosen as LRUPromptCache does: walking the types in
@@ -454,11 +479,17 @@ class PagedPromptCache:
 
     def _evict(self, head: str) -> None:
         """Demote a sequence's hot blocks out of RAM (to SSD when there is an SSD tier),
-        keeping blocks that another tracked sequence also holds."""
+        keeping blocks that another tracked sequence also holds, and its partial tail: the store
+        put that unwritten (``deferred``), so a demotion would drop it and the conversation's next
+        turn would recompute its tokens; it stays until the hot tier's budget evicts it (with
+        ``hot_cache_only``, only while every block before it stays too: else it is unreachable)."""
         seq = self._sequences.pop(head)
-        shared = {k for s in self._sequences.values() for k in s.keys}
+        keep = {k for s in self._sequences.values() for k in s.keys}
+        if seq.ntokens % self.manager.config.block_size and (
+                not self.manager.config.hot_cache_only or keep.issuperset(seq.keys[:-1])):
+            keep.add(seq.keys[-1])
         self.counters["demote_evictions"] += self.manager.demote(
-            k for k in seq.keys if k not in shared)
+            k for k in seq.keys if k not in keep)
 
 
 
