@@ -143,7 +143,8 @@ def hot_discarded(r: Rank) -> dict[str, Any]:
 def scheduler_turns(r: Rank) -> dict[str, Any]:
     """Three turns of one conversation through the Scheduler on every rank, against the same
     turns run uncached: the replies must be equal and every rank reuses the same tokens."""
-    config = CacheConfig(block_size=BS, hot_cache_max_bytes="64MB", ssd_dir=r.ssd("sched", True))
+    config = CacheConfig(block_size=BS, hot_cache_max_bytes="64MB", ssd_dir=r.ssd("sched", True),
+                         fetch_policy="always-restore")  # the tiny model's prefill may be faster
     turns = [PROMPT[:150], [5, 6, 7] * 20, [9, 8] * 25]
     cold = Scheduler(r.model, None, block_size=BS)
     with PagedSSDCacheManager(config) as manager:
