@@ -148,8 +148,8 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
         prefill = h["prefill_tokens_per_s"]
         rows.append(["fetch plan", f"prefill {'-' if prefill is None else f'{prefill:.0f}'} "
                                    f"tokens/s; reads {', '.join(rates) or '-'}; "
-                                   f"{h['recomputed_tokens']} stored tokens prefilled instead "
-                                   "(faster than restoring)"])
+                                   f"{h['recomputed_tokens']} stored tokens prefilled, "
+                                   "faster than restored"])
     for name, label in (("hot", "hot tier"), ("ssd", "SSD tier")):
         tier = h[name]
         if tier is None:
