@@ -127,12 +127,20 @@ def find(pc: Any, ids: np.ndarray, limit: int | None = None) -> Found:
 
 
 def _plan(search: _Search, ends: list[int]) -> Plan:
-    """The fetch plan over ``ends``: each end's cost is the nodes its first choice reads."""
-    pc = search.pc
+    """The fetch plan over ``ends``. A rebuild at ``n`` is costed by the path blocks before it
+    and the best node holding the rows after them (a checkpoint read beside them for a state or
+    a window's rows is not counted), in O(1) per block-boundary end."""
+    pc, bs = search.pc, search.pc.block_size
+    before: list[dict[str, int]] = [{}]  # tokens per tier of the path's first k blocks
+    for node in search.path:
+        tiers = dict(before[-1])
+        tiers[node.tier] = tiers.get(node.tier, 0) + node.ntokens
+        before.append(tiers)
 
     def reads_of(n: int) -> list[tuple[str, int]]:
-        choices = _nodes_for(search, n)
-        return [(node.tier, node.ntokens) for node, _ in choices[0]] if choices else []
+        k = min(n // bs, len(search.path))
+        tails = _tails(search, k * bs, n) if n > k * bs else []
+        return [*before[k].items(), *((c.node.tier, c.node.ntokens) for c in tails[:1])]
 
     return plan_fetch(pc.manager.config.fetch_policy, ends, reads_of, pc.manager.rates,
                       pc.layout.identity, pc.layout.fingerprint)
@@ -168,8 +176,7 @@ def _nodes_for(search: _Search, n: int) -> list[list[tuple[ChainNode, int]]]:
     path = [(node, node.end - node.start) for node in search.path[:k]]
     tails: list[Candidate | None] = [None]
     if n > k * bs:
-        tails = _ranked([c for c in search.cands if c.start == k * bs and not c.node.checkpoint
-                         and c.end >= n], n)
+        tails = _tails(search, k * bs, n)
     out = []
     for tail in tails:
         chosen = path + ([] if tail is None else [(tail.node, n - tail.start)])
@@ -188,6 +195,13 @@ def _nodes_for(search: _Search, n: int) -> list[list[tuple[ChainNode, int]]]:
         out += [more for more in (_with_helpers(search, chosen, n) for chosen in out)
                 if len(more) > len(chosen)]
     return out[:MAX_OPTIONS]
+
+
+def _tails(search: _Search, start: int, n: int) -> list[Candidate]:
+    """Nodes (not checkpoints) starting at ``start`` that hold the request's rows up to ``n``,
+    best first."""
+    return _ranked([c for c in search.cands if c.start == start and not c.node.checkpoint
+                    and c.end >= n], n)
 
 
 def _with_helpers(search: _Search, chosen: list[tuple[ChainNode, int]],

@@ -226,3 +226,22 @@ def test_scheduler_measures_prefill_and_prefills_past_a_slow_ssd(tmp_path: Path)
         got = sched.generate(tokens + [5], max_tokens=4)
         assert got.cached_tokens == 0 and got.tokens == want
         assert prefix.stats()["recomputed_cost_tokens"] == 8 * BLOCK
+
+
+def test_remote_reads_are_measured_and_weighed(url: str) -> None:
+    """A fresh host reading a prefix from a real Valkey / Redis server measures the remote
+    tier's read rate; with a prefill seeded far faster than any read it then prefills, exactly."""
+    model = tiny_model("llama")
+    tokens = prompt(4 * BLOCK)
+    remote = dict(block_size=BLOCK, hot_cache_only=True, remote_url=url, remote_timeout=5.0)
+    with PagedSSDCacheManager(CacheConfig(**remote)) as manager:
+        store_prompt(model, BlockAwarePrefixCache(manager, model), tokens)
+        manager.flush()
+    with PagedSSDCacheManager(CacheConfig(**remote, prefill_tokens_per_s=1e12)) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        assert assert_exact(model, prefix, tokens[:2 * BLOCK] + [3, 3]) == 2 * BLOCK
+        assert prefix.last_fetch.tier == "remote"
+        assert manager.stats()["read_bytes_per_s"]["remote"] > 0
+        manager.trim_hot(0)  # the blocks it read were promoted into RAM: out again
+        assert assert_exact(model, prefix, tokens + [1]) == 0
+        assert prefix.last_fetch.tokens_recomputed == 4 * BLOCK
