@@ -436,13 +436,16 @@ def bar_plot(path: Path, title: str, groups: Sequence[str], series: dict[str, Se
 
 
 def line_plot(path: Path, title: str, series: dict[str, tuple[Sequence[float], Sequence[float]]],
-              xlabel: str, ylabel: str) -> Path:
+              xlabel: str, ylabel: str, *, log: bool = False) -> Path:
     """One line per series: name -> (xs, ys); each series in its own style (LINE_STYLES), so
-    one lying exactly on another still shows."""
+    one lying exactly on another still shows. ``log``: both axes on a log scale."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4))
     for i, (label, (xs, ys)) in enumerate(series.items()):
         ax.plot(xs, ys, label=label, **LINE_STYLES[i % len(LINE_STYLES)])
+    if log:
+        ax.set_xscale("log")
+        ax.set_yscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=11)

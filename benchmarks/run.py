@@ -22,7 +22,7 @@ from typing import Sequence
 from benchmarks.common import RESULTS_DIR, Context, as_json, machine, markdown_table, write_json
 
 FAMILIES = ("restore", "ttft", "remote", "lookup", "startup", "peers", "memory", "engines",
-            "sharded", "wear", "scale", "load")
+            "sharded", "wear", "scale", "load", "policy")
 
 
 def main(argv: list[str] | None = None) -> int:

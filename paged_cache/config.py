@@ -35,6 +35,7 @@ TOML_TABLE = "paged_cache"
 WRITE_POLICIES = ("write-through", "write-back")
 SSD_ADMISSIONS = ("all", "reused")
 QUEUE_FULL_POLICIES = ("skip", "write-on-caller")
+FETCH_POLICIES = ("cost", "always-restore", "always-prefill")
 
 # Decimal units are powers of 1000, binary (…iB) powers of 1024; matched case-insensitively.
 SIZE_UNITS = {
@@ -162,6 +163,11 @@ def _read_threads(value: Any, name: str) -> int:
     return value
 
 
+def _rate(value: Any, name: str) -> float:
+    """A rate (per second) >= 0 from a number or its text; 0 means none."""
+    return _non_negative(value, name, "a number >= 0 (per second)")
+
+
 def _path(value: Any, name: str) -> Path:
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
@@ -252,13 +258,18 @@ def _remote_url(value: Any, name: str) -> RemoteURL | None:
 
 
 def _seconds(value: Any, name: str) -> float:
+    return _non_negative(value, name, "seconds (a number >= 0)")
+
+
+def _non_negative(value: Any, name: str, form: str) -> float:
+    """A finite float >= 0 from a number or its text; ValueError naming ``form`` otherwise."""
     if isinstance(value, str):
         try:
             value = float(value.strip())
         except ValueError:
-            raise ValueError(f"{name}: expected seconds (a number >= 0), got {value!r}") from None
+            raise ValueError(f"{name}: expected {form}, got {value!r}") from None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-        raise ValueError(f"{name}: expected seconds (a number >= 0), got {value!r}")
+        raise ValueError(f"{name}: expected {form}, got {value!r}")
     return float(value)
 
 
@@ -321,6 +332,15 @@ _FIELD_SPECS: dict[str, tuple[Any, str]] = {
                                          "`user` field is its cache salt when it names none "
                                          "(tenants never share a prefix; default false)"),
     "ssd_read_threads": (_read_threads, "block files a fetch reads from SSD at once (default 1)"),
+    "fetch_policy": (lambda v, n: _choice(v, n, FETCH_POLICIES),
+                     "restore or prefill a stored prefix: cost (the faster by measured rates; "
+                     "default) | always-restore | always-prefill"),
+    "prefill_tokens_per_s": (_rate, "the model's prefill rate (tokens/s) the fetch plan assumes "
+                                    "until it has measured one (0 = none: restore until measured; "
+                                    "default 0)"),
+    "test_ssd_read_bytes_per_s": (parse_size, "for tests and demonstrations only: SSD reads "
+                                              "take as long as at this many bytes/s (size; 0 = "
+                                              "off; default 0)"),
 }
 
 _DEFAULTS: dict[str, Any] = {
@@ -346,12 +366,16 @@ _DEFAULTS: dict[str, Any] = {
     "remote_tls_key": None,
     "cache_salt_from_user": False,
     "ssd_read_threads": READ_THREADS_DEFAULT,
+    "fetch_policy": "cost",
+    "prefill_tokens_per_s": 0.0,
+    "test_ssd_read_bytes_per_s": 0,
 }
 
 # Settings that only mean something with an SSD tier: hot_cache_only makes them inert, whatever
 # their source (they are kept, logged once and shown as inactive by `paged-cache config`).
 SSD_FIELDS = ("ssd_dir", "ssd_max_bytes", "compression", "write_policy", "ssd_admission",
-              "write_queue_max_bytes", "queue_full_policy", "ssd_read_threads")
+              "write_queue_max_bytes", "queue_full_policy", "ssd_read_threads",
+              "test_ssd_read_bytes_per_s")
 _logged_inert: set[tuple] = set()
 
 
@@ -386,6 +410,9 @@ class CacheConfig:
     remote_tls_key: Path | None = UNSET
     cache_salt_from_user: bool = UNSET
     ssd_read_threads: int = UNSET
+    fetch_policy: str = UNSET
+    prefill_tokens_per_s: float = UNSET
+    test_ssd_read_bytes_per_s: int = UNSET
     origin: InitVar[Mapping[str, str] | None] = None
     explicit: frozenset = field(init=False, repr=False, compare=False)
     sources: dict = field(init=False, repr=False, compare=False)

@@ -8,13 +8,16 @@ there; otherwise any position the rows reach. A candidate is accepted when every
 can plan its rebuild from the chosen nodes (blocks read once, RAM preferred between equals); each
 layer is then rebuilt straight into one buffer laid out as mlx-lm's own cache would be after the
 same prefill (its growth step), in the order its arrays lie in a block file (a payload still on
-disk is read once, front to back).
+disk is read once, front to back). The fetch plan (fetch_plan.py) keeps, of the candidate ends,
+those worth restoring against the model's prefill; each restore is timed per tier for the rates
+it weighs (rates.py).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,12 +25,15 @@ import numpy as np
 
 from paged_cache.block import Block
 from paged_cache.chain_index import ChainNode
+from paged_cache.fetch_plan import Plan, plan_fetch
 from paged_cache.handlers import Part, Span
 from paged_cache.handlers.base import clipped, rebuild_pipeline
 from paged_cache.hashing import ROOT_PARENT, chain_keys, shared_prefix
 from paged_cache.layout import layer_arrays
 from paged_cache.loans import Lent
+from paged_cache.rates import tier_label
 from paged_cache.row_path import evaluate
+from paged_cache.tiers.direct import StoredBlock
 from paged_cache.tiers.format import META_LAYERS, file_order, layer_of
 
 logger = logging.getLogger("paged_cache.fetch")
@@ -66,6 +72,7 @@ class Found:
     shared: int  # longest run of the request's tokens some stored node holds
     taken: list[str] = field(default_factory=list)  # keys handed over to the rebuilt cache
     lent: list[Lent] = field(default_factory=list)  # hot_cache_only: what the taken blocks held
+    plan: Plan = field(default_factory=lambda: Plan([]))  # what the fetch plan kept and declined
 
 
 @dataclass
@@ -76,6 +83,7 @@ class _Search:
     cands: list[Candidate]
     kids: dict[str, list[ChainNode]]
     blocks: dict[str, Block | None] = field(default_factory=dict)
+    read_seconds: dict[str, float] = field(default_factory=dict)  # per key: its tier read
 
 
 def find(pc: Any, ids: np.ndarray, limit: int | None = None) -> Found:
@@ -105,16 +113,37 @@ def find(pc: Any, ids: np.ndarray, limit: int | None = None) -> Found:
                                              tier=tiers[j]) for j in range(held)]
     search = _Search(pc, ids, path, cands, kids)
     shared_max = max((c.end for c in cands), default=0)
-    for n in _candidate_ends(layout, cands, min(limit, shared_max)):
+    plan = _plan(search, _candidate_ends(layout, cands, min(limit, shared_max)))
+    for n in plan.ends:
         found = _try(search, n)
         if found is _DAMAGED:
             # a payload failed its checksum while read into place (its file is removed now):
             # search again, the chain now ends before that block
             return find(pc, ids, limit)
         if found is not None:
-            found.shared = shared_max
+            found.shared, found.plan = shared_max, plan
             return found
-    return Found(None, 0, "miss", 0, shared_max)
+    return Found(None, 0, "miss", 0, shared_max, plan=plan)
+
+
+def _plan(search: _Search, ends: list[int]) -> Plan:
+    """The fetch plan over ``ends``. A rebuild at ``n`` is costed by the path blocks before it
+    and the best node holding the rows after them (a checkpoint read beside them for a state or
+    a window's rows is not counted), in O(1) per block-boundary end."""
+    pc, bs = search.pc, search.pc.block_size
+    before: list[dict[str, int]] = [{}]  # tokens per tier of the path's first k blocks
+    for node in search.path:
+        tiers = dict(before[-1])
+        tiers[node.tier] = tiers.get(node.tier, 0) + node.ntokens
+        before.append(tiers)
+
+    def reads_of(n: int) -> list[tuple[str, int]]:
+        k = min(n // bs, len(search.path))
+        tails = _tails(search, k * bs, n) if n > k * bs else []
+        return [*before[k].items(), *((c.node.tier, c.node.ntokens) for c in tails[:1])]
+
+    return plan_fetch(pc.manager.config.fetch_policy, ends, reads_of, pc.manager.rates,
+                      pc.layout.identity, pc.layout.fingerprint)
 
 
 def _candidate_ends(layout: Any, cands: list[Candidate], limit: int) -> list[int]:
@@ -147,8 +176,7 @@ def _nodes_for(search: _Search, n: int) -> list[list[tuple[ChainNode, int]]]:
     path = [(node, node.end - node.start) for node in search.path[:k]]
     tails: list[Candidate | None] = [None]
     if n > k * bs:
-        tails = _ranked([c for c in search.cands if c.start == k * bs and not c.node.checkpoint
-                         and c.end >= n], n)
+        tails = _tails(search, k * bs, n)
     out = []
     for tail in tails:
         chosen = path + ([] if tail is None else [(tail.node, n - tail.start)])
@@ -167,6 +195,13 @@ def _nodes_for(search: _Search, n: int) -> list[list[tuple[ChainNode, int]]]:
         out += [more for more in (_with_helpers(search, chosen, n) for chosen in out)
                 if len(more) > len(chosen)]
     return out[:MAX_OPTIONS]
+
+
+def _tails(search: _Search, start: int, n: int) -> list[Candidate]:
+    """Nodes (not checkpoints) starting at ``start`` that hold the request's rows up to ``n``,
+    best first."""
+    return _ranked([c for c in search.cands if c.start == start and not c.node.checkpoint
+                    and c.end >= n], n)
 
 
 def _with_helpers(search: _Search, chosen: list[tuple[ChainNode, int]],
@@ -204,7 +239,9 @@ def _try_nodes(search: _Search, n: int, chosen: list[tuple[ChainNode, int]]) -> 
         if node.key not in search.blocks:
             # an SSD block handed over is read without promotion (taken)
             take = node.key in handover and node.tier != "hot"
+            t0 = time.perf_counter()
             block = pc.read(node.key, take=take, in_place=in_place)
+            search.read_seconds[node.key] = time.perf_counter() - t0
             if block is not None and not node.describes(block.meta):
                 pc.count("blocks_rejected")  # a value under this key claiming another span
                 block = None
@@ -233,6 +270,8 @@ def _try_nodes(search: _Search, n: int, chosen: list[tuple[ChainNode, int]]) -> 
                 if manager.config.hot_cache_only:  # its only copy: lent, see loans.py
                     lent.append(Lent.of(got, node.start, node.end))
     by_layer = [_group_by_layer(b.arrays) for b in blocks]
+    sizes = [b.nbytes for b in blocks]  # before handed-over arrays leave their blocks
+    t0 = time.perf_counter()
     with rebuild_pipeline():  # a layer's buffers fill while the one before is copied
         for i in file_order(len(template)):
             h, layer = layout.handlers[i], template[i]
@@ -247,14 +286,38 @@ def _try_nodes(search: _Search, n: int, chosen: list[tuple[ChainNode, int]]) -> 
             template[i] = h.rebuild(layer, parts, n)
             del parts
     evaluate([a for layer in template for a in layer_arrays(layer)])
+    t1 = time.perf_counter()
     if not manager.read_in_place(blocks):
         return _DAMAGED
+    _measure(search, chosen, blocks, sizes, t1 - t0, time.perf_counter() - t1)
     logger.debug("rebuilt at %d from %s", n, ", ".join(
         f"{'checkpoint' if node.checkpoint else 'block'} [{node.start}, {node.start + used})"
         f" {node.tier}" for node, used in chosen))
     tier_set = {node.tier if node.tier in ("ssd", "remote") else "hot" for node, _ in chosen}
     tier = tier_set.pop() if len(tier_set) == 1 else "mixed"
     return Found(template, n, tier, len(chosen), n, taken=sorted(handover), lent=lent)
+
+
+def _measure(search: _Search, chosen: list[tuple[ChainNode, int]], blocks: list[Any],
+             sizes: list[int], build_seconds: float, in_place_seconds: float) -> None:
+    """One read-rate sample per tier of a restore: each block's read, its share (by bytes) of
+    the copies into place and, read into place from disk, of those reads; and the bytes per
+    token of the layout's blocks."""
+    rates = search.pc.manager.rates
+    total = sum(sizes) or 1
+    stored = sum(n for n, b in zip(sizes, blocks) if isinstance(b, StoredBlock)) or 1
+    by_tier: dict[str, list[float]] = {}
+    for (node, _), block, nbytes in zip(chosen, blocks, sizes):
+        seconds = search.read_seconds.get(node.key, 0.0) + build_seconds * nbytes / total
+        if isinstance(block, StoredBlock):
+            seconds += in_place_seconds * nbytes / stored
+        sample = by_tier.setdefault(tier_label(node.tier), [0, 0.0])
+        sample[0] += nbytes
+        sample[1] += seconds
+        if not node.checkpoint:
+            rates.learn_bytes_per_token(search.pc.layout.fingerprint, nbytes, node.ntokens)
+    for tier, (nbytes, seconds) in by_tier.items():
+        rates.add_read(tier, nbytes, seconds)
 
 
 def _handover(search: _Search, chosen: list[tuple[ChainNode, int]]) -> set[str]:

@@ -34,6 +34,7 @@ from paged_cache.block import Block, are_keys, check_key
 from paged_cache.chain_index import ChainNode
 from paged_cache.config import CacheConfig
 from paged_cache.hashing import ROOT_PARENT
+from paged_cache.rates import READ_TIERS, Rates
 from paged_cache.tiers.base import Tier
 from paged_cache.tiers.direct import StoredBlock, read_stored
 from paged_cache.tiers.format import Expected, RawTensors, check_meta, raw_tensors
@@ -75,6 +76,8 @@ class PagedSSDCacheManager:
         self._tiers = tuple(tiers)
         self._hot, self._lower = tiers[0], tiers[1:]  # RAM: live arrays, takes, evictions
         self._keeper = next((t for t in self._lower if t.keeps_evicted), None)
+        # the measured rates a fetch plan weighs (rates.py): each tier's reads, each model's prefill
+        self.rates = Rates(self.config.prefill_tokens_per_s or None)
         log.debug("opened: %s", self.config)
 
     # ------------------------------------------------------------------------------ writes
@@ -419,11 +422,14 @@ class PagedSSDCacheManager:
     # ------------------------------------------------------------------------------ stats
 
     # stats(): the levels (the tiers' own, nested); the rest are counters since open
-    STAT_GAUGES = frozenset({"hot_cache_only"}) | TIER_GAUGES
+    STAT_GAUGES = (frozenset({"hot_cache_only"}) | TIER_GAUGES
+                   | frozenset(f"read_bytes_per_s_{tier}" for tier in READ_TIERS))
 
     def stats(self) -> dict[str, Any]:
         """Counters and gauges: totals, "hits" by label, and each tier's own stats in its own
-        section ("hot", with SSD "ssd", with a remote tier "remote"; see docs/storage.md)."""
+        section ("hot", with SSD "ssd", with a remote tier "remote"; see docs/storage.md), and
+        the tiers' measured read rates (``read_bytes_per_s`` by tier, once a fetch restored from
+        it; ``read_samples`` by tier)."""
         with self._lock:
             out: dict[str, Any] = dict(self.counters)
             out["hits"] = dict(self._hits, total=sum(self._hits.values()))
@@ -433,6 +439,7 @@ class PagedSSDCacheManager:
             out["hot"] = self._hot.stats()
         for tier in self._lower:
             out[tier.name] = tier.stats()
+        out.update(self.rates.read_stats())
         return out
 
     # ------------------------------------------------------------------------------ chain lookup

@@ -60,6 +60,8 @@ class FetchInfo:
     seconds: float
     blocks: int
     tokens_shared: int = 0  # longest run of the request's tokens some stored node holds
+    tokens_recomputed: int = 0  # stored tokens the fetch plan left to prefill (faster so)
+    recompute_reason: str | None = None  # why: fetch_plan's "cost" or "policy"
 
 
 def as_tokens(tokens: Any, name: str = "tokens") -> list[int]:
@@ -100,7 +102,8 @@ class BlockAwarePrefixCache:
             ("hits", "misses", "tokens_requested", "tokens_matched", "tokens_saved",
              "partial_block_tokens_lost", "walkbacks", "walkback_tokens_lost", "stores",
              "blocks_written", "checkpoints_written", "blocks_deduplicated", "blocks_taken",
-             "blocks_rejected", "store_seconds", "restore_seconds"), 0)
+             "blocks_rejected", "store_seconds", "restore_seconds", "recomputed_fetches",
+             "recomputed_tokens", "recomputed_cost_tokens", "recomputed_policy_tokens"), 0)
         self.last_fetch = FetchInfo(0, 0, "miss", 0.0, 0)
         self._loans = self._new_loans()
         self._bounds: NodeBounds | None = None
@@ -258,8 +261,16 @@ class BlockAwarePrefixCache:
         if self._agreement is not None:
             found = self._agree(tokens, found)
         n = found.n if found is not None else 0
+        plan = found.plan if found is not None else None
+        if plan is not None and plan.recomputed:
+            st["recomputed_fetches"] += 1
+            st["recomputed_tokens"] += plan.recomputed
+            st[f"recomputed_{plan.reason}_tokens"] += plan.recomputed
+            logger.debug("fetch plan: %d stored tokens prefilled instead (%s)", plan.recomputed,
+                         plan.detail)
         if found is not None:
-            self._count_loss(min(found.shared, total - 1), n)
+            planned = min(found.shared, total - 1) - (plan.recomputed if plan else 0)
+            self._count_loss(planned, n)
             st["blocks_taken"] += len(found.taken)
             if n and found.lent:
                 found.cache = self._loans.lend(tokens[:n], found.cache, found.lent)
@@ -270,7 +281,8 @@ class BlockAwarePrefixCache:
         st["restore_seconds"] += seconds
         self.last_fetch = FetchInfo(total, n, found.tier if n else "miss", seconds,
                                     found.used if n else 0,
-                                    found.shared if found is not None else 0)
+                                    found.shared if found is not None else 0,
+                                    plan.recomputed if plan else 0, plan.reason if plan else None)
         logger.debug("fetch: %d/%d tokens from %s (%d nodes) in %.1f ms",
                      n, total, self.last_fetch.tier, self.last_fetch.blocks, seconds * 1e3)
         return (found.cache, n) if n else (None, 0)
@@ -320,6 +332,11 @@ class BlockAwarePrefixCache:
         except Exception as exc:  # noqa: BLE001 - a lost block costs reuse, never the group
             logger.warning("could not store back the blocks of a dropped fetch: %r", exc)
 
+    def record_prefill(self, tokens: int, seconds: float) -> None:
+        """This model prefilled ``tokens`` in ``seconds`` (a Scheduler chunk, a server's request):
+        a sample of the prefill rate the fetch plan weighs."""
+        self.manager.rates.add_prefill(self.layout.identity, tokens, seconds)
+
     def count(self, name: str) -> None:
         """Count one event of ``name`` in ``stats()`` (fetch.py's rejected blocks)."""
         self._stats[name] += 1
@@ -340,14 +357,17 @@ class BlockAwarePrefixCache:
 
     # ------------------------------------------------------------------ stats
 
-    STAT_GAUGES = frozenset({"loans_open", "rank", "group_size"})  # stats(): the rest count
+    # stats(): the rest count
+    STAT_GAUGES = frozenset({"loans_open", "rank", "group_size", "prefill_tokens_per_s"})
     GROUP_STATS = ("rank", "group_size", "shard")  # in a group: who this rank is, not counts
+    MODEL_STATS = ("prefill_tokens_per_s", "prefill_samples")  # the model's, whatever the layout
 
     def stats(self) -> dict:
-        """Counters: hits/misses, tokens requested/matched/saved/lost, blocks, loans, timings;
-        and the loans open now (a gauge). In a group, also the rank, the group's size, this
-        rank's shard and the agreement's counters."""
-        out = {**self._stats, **self._loans.counters, "loans_open": len(self._loans)}
+        """Counters: hits/misses, tokens requested/matched/saved/lost/recomputed, blocks, loans,
+        timings; the loans open now and the model's prefill rate estimate (gauges). In a group,
+        also the rank, the group's size, this rank's shard and the agreement's counters."""
+        out = {**self._stats, **self._loans.counters, "loans_open": len(self._loans),
+               **self.manager.rates.prefill_stats(self.layout.identity)}
         if self._agreement is not None:
             out.update(self._agreement.counters, rank=self.group.rank(),
                        group_size=self.group.size(), shard=self.shard.describe())

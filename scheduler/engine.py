@@ -305,8 +305,11 @@ class Scheduler:
         if req.covered < stop:
             end = next_chunk_end(req.covered, stop, self.block_size, self.prefill_chunk_size)
             end = min([end] + [p for p in req.checkpoints if p > req.covered])
+            t0 = time.perf_counter()
             self.model(mx.array(req.prompt[req.covered:end])[None], cache=req.cache)
             mx.eval([c.state for c in req.cache])
+            if self.caching:  # a sample of the prefill rate the fetch plan weighs
+                self.prefix_cache.record_prefill(end - req.covered, time.perf_counter() - t0)
             req.covered = end
             if end % self.block_size == 0 or end in req.checkpoints:
                 self._capture(req, req.cache, pinned=end in req.checkpoints)

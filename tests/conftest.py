@@ -5,6 +5,7 @@ the tiny random-weight models once per session. Helpers (no fixtures) live in te
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -17,6 +18,12 @@ from paged_cache.testing import tiny_model  # noqa: E402
 from paged_cache.testing.server import ValkeyServer, client  # noqa: E402
 
 ENGINE_TESTS = Path(__file__).parent / "engines"
+
+# pytest-xdist's workers inherit COLUMNS=80 / LINES=24 from execnet: the CLI would then wrap its
+# output for an 80-column terminal in every worker. Tests see the CLI as CI does (piped); the
+# width tests set COLUMNS themselves.
+for _name in ("COLUMNS", "LINES"):
+    os.environ.pop(_name, None)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -92,6 +92,17 @@ def test_the_shards_are_told_apart(ranks: list[dict], job: Path) -> None:
     assert [m["blocks"] for m in models] == [8, 8] and {m["name"] for m in models} == {"tiny"}
 
 
+def test_one_ranks_fetch_plan_decides_for_the_group(ranks: list[dict]) -> None:
+    """Rank 1's plan declines the restore its rates call slower than the prefill: every rank
+    then prefills the stored tokens, exactly; rank 0 gives up what it alone would restore."""
+    seen = [r["plan_on_one_rank"] for r in ranks]
+    assert [s["first"] for s in seen] == [256, 256], seen  # no read rate yet: restored
+    assert [s["n"] for s in seen] == [0, 0] and all(s["diff"] == 0.0 for s in seen), seen
+    assert seen[1]["stats"]["recomputed_tokens"] == 256, seen
+    assert seen[0]["stats"]["recomputed_tokens"] == 0, seen
+    assert seen[0]["stats"]["tokens_given_up_to_group"] == 256, seen
+
+
 def test_scheduler_turns_equal_an_uncached_run_on_every_rank(ranks: list[dict]) -> None:
     """Three turns of one conversation: replies equal the uncached run's, and both ranks reused
     the same tokens (the second and third turns hit)."""

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from helpers.serve import (REQUEST_LINE, TURNS, cold_replies, live_stats, replay,
+from helpers.serve import (RESTORING, REQUEST_LINE, TURNS, cold_replies, live_stats, replay,
                            wait_for_health)
 from openai import OpenAI
 
@@ -34,7 +34,7 @@ def sharded_server(argv: list[str], log: Path) -> Iterator[tuple[OpenAI, str]]:
     """Two ranks of a server module (rank 0 answers HTTP); yields (client, base URL), then stops
     every rank."""
     port = free_ports(1)
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **RESTORING}
     with log.open("w") as out:
         proc = start([*argv, "--host", "127.0.0.1", "--port", str(port), "--max-tokens", "12"],
                      module=True, env=env, stdout=out, stderr=subprocess.STDOUT)

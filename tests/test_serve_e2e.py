@@ -48,6 +48,10 @@ def check_live_stats(url: str, turns: list[tuple[str, int, int]]) -> None:
     assert summary.returncode == 0, summary.stderr
     ttft = next(line for line in summary.stdout.splitlines() if line.startswith("TTFT"))
     assert "mean" in ttft and "saved ~" in ttft, summary.stdout
+    # the same samples, less each request's fetch, are the fetch plan's prefill rate
+    assert prefix["prefill_samples"] == len(sampled) and prefix["prefill_tokens_per_s"] > 0
+    plan = next(line for line in summary.stdout.splitlines() if line.startswith("fetch plan"))
+    assert "tokens/s" in plan and "/s" in plan.split("reads")[1], summary.stdout
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
         metrics = parse_prometheus(r.read().decode())
@@ -61,6 +65,10 @@ def check_live_stats(url: str, turns: list[tuple[str, int, int]]) -> None:
         assert metrics["paged_cache_manager_ssd_open_seconds"][0] == "gauge"
         assert metrics["paged_cache_manager_ssd_queue_bytes"][0] == "gauge"
     assert metrics["paged_cache_prefix_restore_seconds_total"][0] == "counter"
+    assert metrics["paged_cache_prefix_prefill_tokens_per_s"][0] == "gauge"
+    assert metrics["paged_cache_prefix_recomputed_tokens_total"][0] == "counter"
+    read = [metrics[f"paged_cache_manager_read_bytes_per_s_{t}"] for t in doc["manager"]["read_bytes_per_s"]]
+    assert read and all(kind == "gauge" and rate > 0 for kind, rate in read), read
     # mlx_lm.server's own routes still answer next to the stats routes.
     with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
         assert r.status == 200

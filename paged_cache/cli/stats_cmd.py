@@ -111,6 +111,9 @@ def headline(doc: dict[str, Any]) -> dict[str, Any]:
         "hot": _tier(manager.get("hot")), "ssd": _tier(manager.get("ssd")),
         "remote": manager.get("remote"),
         "errors": sum(requests.get(k, 0) for k in ("cache_errors", "store_errors")),
+        "prefill_tokens_per_s": prefix.get("prefill_tokens_per_s"),
+        "read_bytes_per_s": manager.get("read_bytes_per_s") or {},
+        "recomputed_tokens": prefix.get("recomputed_tokens", 0),
     }
 
 
@@ -143,6 +146,13 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
             f"saved ~{render.duration(h['ttft_saved_seconds'])} of prefill (cached tokens x this "
             f"server's {render.duration(per_token)}/token)")
         rows.append(["TTFT", f"mean {render.duration(h['ttft_mean_seconds'])}; {saved}"])
+    rates = [f"{name} {render.size(rate)}/s" for name, rate in h["read_bytes_per_s"].items()]
+    if h["prefill_tokens_per_s"] is not None or rates:
+        prefill = h["prefill_tokens_per_s"]
+        rows.append(["fetch plan", f"prefill {'-' if prefill is None else f'{prefill:.0f}'} "
+                                   f"tokens/s; reads {', '.join(rates) or '-'}; "
+                                   f"{h['recomputed_tokens']} stored tokens prefilled, "
+                                   "faster than restored"])
     for name, label in (("hot", "hot tier"), ("ssd", "SSD tier")):
         tier = h[name]
         if tier is None:

@@ -54,6 +54,8 @@ class SSDTier(WriteBehind, Tier):
 
     name = "ssd"
     keeps_evicted = True
+    # test_ssd_read_bytes_per_s (tests, demonstrations): a file read takes at least its bytes / this
+    test_read_bytes_per_s = 0
 
     def __init__(self, directory: Path, *, max_bytes: int, compression: str = "none",
                  queue_max_bytes: int = QUEUE_DEFAULT, queue_full_policy: str = "skip",
@@ -333,6 +335,8 @@ class SSDTier(WriteBehind, Tier):
         if block is not None:
             return block, "pending"
         block = self.open_stored(key, expect) if in_place else self.read_file(key, expect)
+        if block is not None and self.test_read_bytes_per_s:
+            time.sleep(block.nbytes / self.test_read_bytes_per_s)
         return None if block is None else (block, self.name)
 
     def write(self, block: Block, raw: fmt.RawTensors | None = None, *, now: bool = False,

@@ -81,6 +81,7 @@ def _open_ssd(cfg: CacheConfig) -> tuple[SSDTier | None, str | None]:
         log.warning("SSD tier at %s unavailable (%s): serving from the hot tier only",
                     cfg.ssd_dir, error)
         return None, error
+    ssd.test_read_bytes_per_s = cfg.test_ssd_read_bytes_per_s
     if auto:
         ssd.max_bytes = max(cfg.ssd_budget_bytes(cache_bytes=ssd.stats()["bytes"] or 0), 1)
     log.info("SSD tier at %s: budget %s", cfg.ssd_dir, format_size(ssd.max_bytes))

@@ -87,7 +87,7 @@ class Rank:
                 "stats": {k: v for k, v in prefix.stats().items()
                           if k in ("agreements", "agreement_rounds", "tokens_given_up_to_group",
                                    "fetch_errors", "rank", "group_size", "shard",
-                                   "blocks_taken")}}
+                                   "blocks_taken", "recomputed_tokens")}}
 
     def keys(self, manager: PagedSSDCacheManager) -> list[str]:
         prefix = BlockAwarePrefixCache(manager, self.model, model_id="tiny", model_name="tiny")
@@ -143,7 +143,8 @@ def hot_discarded(r: Rank) -> dict[str, Any]:
 def scheduler_turns(r: Rank) -> dict[str, Any]:
     """Three turns of one conversation through the Scheduler on every rank, against the same
     turns run uncached: the replies must be equal and every rank reuses the same tokens."""
-    config = CacheConfig(block_size=BS, hot_cache_max_bytes="64MB", ssd_dir=r.ssd("sched", True))
+    config = CacheConfig(block_size=BS, hot_cache_max_bytes="64MB", ssd_dir=r.ssd("sched", True),
+                         fetch_policy="always-restore")  # the tiny model's prefill may be faster
     turns = [PROMPT[:150], [5, 6, 7] * 20, [9, 8] * 25]
     cold = Scheduler(r.model, None, block_size=BS)
     with PagedSSDCacheManager(config) as manager:
@@ -176,6 +177,20 @@ def remote_store(r: Rank) -> dict[str, Any]:
         return {"remote": manager.stats()["remote"]["writes"]}
 
 
+def plan_on_one_rank(r: Rank) -> dict[str, Any]:
+    """Rank 1's fetch plan finds prefilling faster (its prefill rate seeded far above any read):
+    its first fetch after a restart restores (no read rate yet) and measures the SSD tier, its
+    second declines; the group then prefills on every rank."""
+    config = CacheConfig(block_size=BS, hot_cache_max_bytes="64MB", ssd_dir=r.ssd("plan", False))
+    r.store(config)
+    seeded = CacheConfig(block_size=BS, hot_cache_max_bytes="64MB", ssd_dir=config.ssd_dir,
+                         fetch_policy="cost", prefill_tokens_per_s=1e12 if r.rank == 1 else 0)
+    r.barrier()
+    with PagedSSDCacheManager(seeded) as manager:
+        first = r.fetch(manager)
+        return {**r.fetch(manager), "first": first["n"]}
+
+
 def remote_fetch(r: Rank) -> dict[str, Any]:
     """Deployment B, with empty local tiers: every block comes from the remote server."""
     config = CacheConfig(block_size=BS, hot_cache_max_bytes="64MB", hot_cache_only=True,
@@ -196,6 +211,7 @@ SCENARIOS: dict[str, Callable[[Rank], dict[str, Any]]] = {
     "block_damaged": lambda r: restart(r, False, damage_block, name="damaged"),
     "hot_only_block_dropped": hot_discarded,
     "scheduler": scheduler_turns,
+    "plan_on_one_rank": plan_on_one_rank,
 }
 REMOTE_SCENARIOS = {"remote_store": remote_store, "remote_fetch": remote_fetch}  # named only
 

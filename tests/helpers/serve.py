@@ -47,12 +47,18 @@ def wait_for_health(proc: subprocess.Popen, port: int, log: Path, seconds: float
         time.sleep(0.3)
 
 
+# The servers of these tests restore every hit: they assert what a hit does, and a tiny model's
+# measured prefill (and a noisy first read rate on a loaded machine) may make the fetch plan
+# prefill instead (tests/test_fetch_plan.py tests the plan; env_extra may set another policy).
+RESTORING = {"PAGED_CACHE_FETCH_POLICY": "always-restore"}
+
+
 @contextmanager
 def server(argv: list[str], log: Path, env_extra: dict | None = None):
     """Start a server subprocess, wait for /health, yield (client, process, base URL); stop it
     (SIGTERM)."""
     port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", **(env_extra or {}))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **RESTORING, **(env_extra or {})}
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, *argv, "--host", "127.0.0.1", "--port", str(port),
                                  "--max-tokens", "12"], stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -364,7 +364,8 @@ class PagedPromptCache:
         its time to first token from ``submitted``: ``ttft_seconds`` over ``ttft_requests``, and
         for a request that prefilled at least PREFILL_SAMPLE_TOKENS tokens, those tokens and that
         time in ``prefill_tokens`` / ``prefill_seconds`` (this server's prefill rate: what the
-        cached tokens would have cost, shown by `paged-cache stats`). ``cached()`` gives the
+        cached tokens would have cost, shown by `paged-cache stats`), and, less its fetch's
+        time, a sample of the model's prefill rate for the fetch plan. ``cached()`` gives the
         prompt tokens the fetch covered, known once the first token is out."""
         timed = False
         for response in responses:
@@ -379,7 +380,17 @@ class PagedPromptCache:
                     if prefilled >= PREFILL_SAMPLE_TOKENS:
                         c["prefill_tokens"] += prefilled
                         c["prefill_seconds"] += seconds
+                        self._sample_prefill(list(prompt), prefilled, seconds)
             yield response
+
+    def _sample_prefill(self, prompt: list[int], prefilled: int, seconds: float) -> None:
+        """Give the loaded model's prefix caches a prefill-rate sample: ``prefilled`` tokens in
+        ``seconds`` less the fetch of the open request ``prompt`` extends (none found: no
+        sample, the fetch's share is unknown). Under the lock."""
+        request = next((r for r in reversed(self._open) if r.covers(prompt, final=True)), None)
+        current = self._current
+        if request is not None and current is not None:
+            current[2][0].record_prefill(prefilled, seconds - request.fetch_seconds)
 
     @_serialized
     def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
@@ -421,7 +432,7 @@ class PagedPromptCache:
         prefix: dict[str, Any] = {}
         for layout in current[2] if current is not None else []:  # summed over the layouts
             for name, value in layout.stats().items():
-                if name in BlockAwarePrefixCache.GROUP_STATS:
+                if name in BlockAwarePrefixCache.GROUP_STATS + BlockAwarePrefixCache.MODEL_STATS:
                     prefix[name] = value
                 else:
                     prefix[name] = prefix.get(name, 0) + value

@@ -1,0 +1,109 @@
+"""Rates: the moving estimates a fetch plan weighs, one owner for all of them.
+
+Two kinds, each an exponentially weighted moving average (``Estimate``): a model's prefill rate in
+tokens/s (sampled by the Scheduler's prefill chunks and the server's time to first token; keyed
+by the model's identity) and each tier's read rate in bytes/s (sampled by the fetches that
+restore from it: reads plus the copies into place, so the rate predicts a restore's time). The
+bytes a token's blocks take, per cache layout, come with them (learned from the blocks a fetch
+reads). Thread-safe: samples come from the generation thread and from HTTP threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+ALPHA = 0.25  # weight of a new sample: about the last 4-8 samples count
+READ_TIERS = ("hot", "ssd", "remote")  # tiers whose read rate is kept ("pending" reads are RAM)
+
+
+class Estimate:
+    """A rate (amount per second) as the ratio of two moving averages, of the amounts and of the
+    seconds, so a long sample counts more than a short one. ``seed``: the value until the first
+    sample (None: unknown)."""
+
+    def __init__(self, seed: float | None = None) -> None:
+        self.seed = seed
+        self.samples = 0
+        self._amount = 0.0
+        self._seconds = 0.0
+
+    def add(self, amount: float, seconds: float) -> None:
+        """One sample: ``amount`` (tokens, bytes) done in ``seconds``; ignored unless both > 0."""
+        if amount <= 0 or seconds <= 0:
+            return
+        if self.samples == 0:
+            self._amount, self._seconds = amount, seconds
+        else:
+            self._amount += ALPHA * (amount - self._amount)
+            self._seconds += ALPHA * (seconds - self._seconds)
+        self.samples += 1
+
+    @property
+    def value(self) -> float | None:
+        """The rate now: the moving average, the seed before any sample, else None."""
+        return self._amount / self._seconds if self.samples else self.seed
+
+
+def tier_label(tier: str | None) -> str:
+    """The read tier of a hit label: "ssd" and "remote" themselves, RAM (hot, a queued write) hot."""
+    return tier if tier in ("ssd", "remote") else "hot"
+
+
+class Rates:
+    """Every estimate of one manager: prefill per model, read per tier, bytes per token per
+    layout. ``prefill_seed``: the prefill rate of a model not measured yet (tokens/s; None)."""
+
+    def __init__(self, prefill_seed: float | None = None) -> None:
+        self._lock = threading.Lock()
+        self._prefill_seed = prefill_seed
+        self._prefill: dict[str, Estimate] = {}
+        self._read = {tier: Estimate() for tier in READ_TIERS}
+        self._bytes_per_token: dict[str, float] = {}
+
+    def add_prefill(self, model: str, tokens: int, seconds: float) -> None:
+        """``model`` prefilled ``tokens`` in ``seconds``."""
+        with self._lock:
+            self._prefill.setdefault(model, Estimate(self._prefill_seed)).add(tokens, seconds)
+
+    def add_read(self, tier: str, nbytes: int, seconds: float) -> None:
+        """A fetch restored ``nbytes`` from ``tier`` in ``seconds``."""
+        with self._lock:
+            self._read[tier_label(tier)].add(nbytes, seconds)
+
+    def learn_bytes_per_token(self, layout: str, nbytes: int, tokens: int) -> None:
+        """A block of ``layout`` (fingerprint) holds ``tokens`` tokens in ``nbytes``."""
+        if tokens > 0 and nbytes > 0:
+            with self._lock:
+                self._bytes_per_token[layout] = nbytes / tokens
+
+    def prefill(self, model: str) -> float | None:
+        """``model``'s prefill rate (tokens/s), or None when neither measured nor seeded."""
+        with self._lock:
+            found = self._prefill.get(model)
+            return found.value if found is not None else self._prefill_seed
+
+    def read(self, tier: str) -> float | None:
+        """``tier``'s read rate (bytes/s), or None before its first restore."""
+        with self._lock:
+            return self._read[tier_label(tier)].value
+
+    def bytes_per_token(self, layout: str) -> float | None:
+        """Bytes a token's blocks take in ``layout``, or None before a block of it was read."""
+        with self._lock:
+            return self._bytes_per_token.get(layout)
+
+    def read_stats(self) -> dict[str, dict[str, Any]]:
+        """``read_bytes_per_s`` by tier (the tiers measured so far) and ``read_samples`` by tier."""
+        with self._lock:
+            return {"read_bytes_per_s": {t: e.value for t, e in self._read.items()
+                                         if e.value is not None},
+                    "read_samples": {t: e.samples for t, e in self._read.items()}}
+
+    def prefill_stats(self, model: str) -> dict[str, Any]:
+        """``prefill_tokens_per_s`` of ``model`` (absent when unknown) and ``prefill_samples``."""
+        with self._lock:
+            found = self._prefill.get(model)
+            rate = found.value if found is not None else self._prefill_seed
+            return {"prefill_samples": found.samples if found is not None else 0,
+                    **({"prefill_tokens_per_s": rate} if rate is not None else {})}

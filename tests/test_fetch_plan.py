@@ -1,0 +1,246 @@
+"""The fetch plan: a stored prefix is restored only while that is faster than prefilling it.
+
+The unit tests drive the plan with given rates; the model tests make the SSD tier slow on purpose
+(a real tier whose reads are throttled by ``test_ssd_read_bytes_per_s``) against a tiny model's
+prefill, and assert the decisions, their counters and exactness.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from paged_cache.config import CacheConfig
+from paged_cache.fetch_plan import COST_REASON, POLICY_REASON, gain, plan_fetch
+from paged_cache.hashing import chain_keys
+from paged_cache.manager import PagedSSDCacheManager
+from paged_cache.prefix_cache import BlockAwarePrefixCache
+from paged_cache.rates import Estimate, Rates
+from paged_cache.stats import render_prometheus
+from paged_cache.testing import tiny_model
+from scheduler import Scheduler
+
+from helpers.managers import new_manager
+from helpers.prefix import assert_exact, prompt, store_prompt
+
+BLOCK = 16
+SLOW_SSD = "50KB"    # an 8 KiB block of the tiny llama: ~160 ms, against 32 ms to prefill its tokens
+PREFILL = 500.0      # tokens/s the plan assumes (seeded): a 16-token block prefills in 32 ms
+FAST = 1e12          # bytes/s: a read that costs nothing
+
+
+def _rates(prefill: float | None = PREFILL, per_token: int = 512, **reads: float) -> Rates:
+    rates = Rates(prefill)
+    rates.learn_bytes_per_token("layout", per_token * BLOCK, BLOCK)
+    for tier, rate in reads.items():
+        rates.add_read(tier, rate, 1.0)
+    return rates
+
+
+def _reads(hot_blocks: int, ssd_blocks: int):
+    """reads_of for a chain of ``hot_blocks`` hot blocks, then ``ssd_blocks`` SSD blocks."""
+    tiers = ["hot"] * hot_blocks + ["ssd"] * ssd_blocks
+    return lambda n: [(t, BLOCK) for t in tiers[:n // BLOCK]]
+
+
+ENDS = [6 * BLOCK, 5 * BLOCK, 4 * BLOCK, 3 * BLOCK, 2 * BLOCK, BLOCK]
+
+
+@pytest.mark.unit
+def test_estimate_weights_samples_by_their_seconds_and_starts_at_the_seed() -> None:
+    e = Estimate(seed=100.0)
+    assert e.value == 100.0 and e.samples == 0
+    e.add(1000, 1.0)
+    assert e.value == 1000.0  # the first sample replaces the seed
+    e.add(10, 0.0)            # no time: no sample
+    e.add(0, 1.0)
+    assert e.samples == 1
+    e.add(4000, 1.0)          # amounts and seconds averaged apart: (0.75*1000 + 0.25*4000) / 1
+    assert e.value == pytest.approx(1750.0)
+    assert Estimate().value is None
+
+
+@pytest.mark.unit
+def test_plan_cuts_where_the_slow_tier_begins_and_is_deterministic() -> None:
+    """Hot blocks cost nothing, SSD blocks more than their prefill: restore the hot head only."""
+    rates = _rates(hot=FAST, ssd=BLOCK * 512 / 0.16)  # an SSD block: 160 ms, its prefill 32 ms
+    plans = [plan_fetch("cost", ENDS, _reads(3, 3), rates, "model", "layout") for _ in range(2)]
+    assert plans[0] == plans[1]
+    assert plans[0].ends == [3 * BLOCK, 2 * BLOCK, BLOCK]
+    assert plans[0].recomputed == 3 * BLOCK and plans[0].reason == COST_REASON
+    # a fast SSD: everything restored, nothing recomputed
+    fast = plan_fetch("cost", ENDS, _reads(3, 3), _rates(hot=FAST, ssd=FAST), "model", "layout")
+    assert fast.ends == ENDS and fast.recomputed == 0 and fast.reason is None
+
+
+@pytest.mark.unit
+def test_plan_declines_when_every_restore_is_slower() -> None:
+    plan = plan_fetch("cost", ENDS, _reads(0, 6), _rates(ssd=BLOCK * 512 / 0.16), "model", "layout")
+    assert plan.ends == [] and plan.recomputed == ENDS[0] and plan.reason == COST_REASON
+    assert "tokens/s" in plan.detail
+
+
+@pytest.mark.unit
+def test_plan_restores_without_an_estimate() -> None:
+    """No prefill rate, no bytes per token, or a tier never read: restore as without a plan."""
+    slow = BLOCK * 512 / 0.16
+    for rates in (_rates(prefill=None, ssd=slow), Rates(PREFILL), _rates(hot=FAST)):
+        plan = plan_fetch("cost", ENDS, _reads(3, 3), rates, "model", "layout")
+        assert plan.ends == ENDS and plan.recomputed == 0
+    assert gain(BLOCK, [("remote", BLOCK)], PREFILL, 512, _rates(ssd=slow)) == float("inf")
+
+
+@pytest.mark.unit
+def test_policies_force_the_decision() -> None:
+    slow, fast = _rates(ssd=BLOCK * 512 / 0.16), _rates(ssd=FAST)
+    restore = plan_fetch("always-restore", ENDS, _reads(0, 6), slow, "model", "layout")
+    assert restore.ends == ENDS and restore.recomputed == 0
+    prefill = plan_fetch("always-prefill", ENDS, _reads(0, 6), fast, "model", "layout")
+    assert prefill.ends == [] and prefill.recomputed == ENDS[0]
+    assert prefill.reason == POLICY_REASON
+    assert plan_fetch("always-prefill", [], _reads(0, 0), fast, "model", "layout").recomputed == 0
+
+
+@pytest.mark.unit
+def test_rates_are_gauges_in_stats_and_metrics(tmp_path: Path) -> None:
+    with new_manager(tmp_path / "ssd", block_size=BLOCK, ssd_max_bytes="16MB") as manager:
+        assert manager.stats()["read_bytes_per_s"] == {}
+        manager.rates.add_read("ssd", 4096, 0.5)
+        manager.rates.add_read("pending", 1000, 1.0)  # a queued write is read from RAM
+        stats = manager.stats()
+        assert stats["read_bytes_per_s"] == {"ssd": 8192.0, "hot": 1000.0}
+        assert stats["read_samples"] == {"hot": 1, "ssd": 1, "remote": 0}
+        text = render_prometheus({"manager": stats},
+                                 gauges={f"manager_{g}" for g in manager.STAT_GAUGES})
+    assert "# TYPE paged_cache_manager_read_bytes_per_s_ssd gauge" in text
+    assert "paged_cache_manager_read_bytes_per_s_ssd 8192" in text
+    assert "# TYPE paged_cache_manager_read_samples_ssd_total counter" in text
+
+
+@pytest.mark.unit
+def test_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="fetch_policy: expected one of cost, always-restore"):
+        CacheConfig(hot_cache_only=True, fetch_policy="sometimes")
+    with pytest.raises(ValueError, match=r"prefill_tokens_per_s: expected a number >= 0.*env:X"):
+        CacheConfig(hot_cache_only=True, prefill_tokens_per_s="-3", origin={"prefill_tokens_per_s": "env:X"})
+    config = CacheConfig(hot_cache_only=True, fetch_policy="Always-Prefill",
+                         test_ssd_read_bytes_per_s="1MB", prefill_tokens_per_s="250")
+    assert (config.fetch_policy, config.test_ssd_read_bytes_per_s,
+            config.prefill_tokens_per_s) == ("always-prefill", 10**6, 250.0)
+
+
+# ---------------------------------------------------------------------- a real, slow SSD tier
+
+
+def _stored(tmp_path: Path, model, tokens: list[int]) -> CacheConfig:
+    """Store ``tokens`` on SSD (a first process), return the config of a restart whose SSD reads
+    are slow and whose prefill rate is seeded."""
+    with new_manager(tmp_path, block_size=BLOCK, ssd_max_bytes="64MB") as manager:
+        store_prompt(model, BlockAwarePrefixCache(manager, model), tokens)
+    return CacheConfig(block_size=BLOCK, ssd_dir=tmp_path, ssd_max_bytes="64MB",
+                       test_ssd_read_bytes_per_s=SLOW_SSD, prefill_tokens_per_s=PREFILL)
+
+
+def test_slow_ssd_is_prefilled_once_measured_and_exact(tmp_path: Path) -> None:
+    """The first SSD fetch after a restart restores (no read rate yet) and measures the tier;
+    the next one prefills instead, counted, and both are exact."""
+    model = tiny_model("llama")
+    tokens = prompt(6 * BLOCK)
+    config = _stored(tmp_path, model, tokens)
+    with PagedSSDCacheManager(config) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        assert assert_exact(model, prefix, tokens[:3 * BLOCK] + [7, 7]) == 3 * BLOCK
+        assert prefix.last_fetch.tier == "ssd" and prefix.last_fetch.tokens_recomputed == 0
+        rate = manager.stats()["read_bytes_per_s"]["ssd"]
+        assert rate < 50e3  # measured as slow as the throttle makes it
+        assert manager.rates.bytes_per_token(prefix.fingerprint) > 0
+        manager.trim_hot(0)  # the blocks it read were promoted into RAM: out again
+        assert assert_exact(model, prefix, tokens + [1]) == 0
+        info = prefix.last_fetch
+        assert (info.tokens_recomputed, info.recompute_reason, info.tier) == (6 * BLOCK, "cost", "miss")
+        stats = prefix.stats()
+        assert stats["recomputed_fetches"] == 1 and stats["recomputed_cost_tokens"] == 6 * BLOCK
+        assert stats["walkback_tokens_lost"] == 0 and stats["prefill_tokens_per_s"] == PREFILL
+
+
+def test_hot_head_restored_slow_tail_prefilled(tmp_path: Path) -> None:
+    """Three blocks in RAM, three only on the slow SSD: the plan restores the RAM blocks and
+    prefills the rest; always-restore restores all. Both exact."""
+    model = tiny_model("llama")
+    tokens = prompt(6 * BLOCK)
+    config = _stored(tmp_path, model, tokens)
+    with PagedSSDCacheManager(config) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        keys = chain_keys(prefix.fingerprint, "", tokens, BLOCK)
+        for key in keys[:3]:
+            manager.get(key)  # promoted into RAM
+        # measures both tiers: the RAM blocks and the SSD block a diverging request shares
+        assert assert_exact(model, prefix, tokens[:3 * BLOCK + 4] + [9, 9]) == 3 * BLOCK + 4
+        assert prefix.last_fetch.tier == "mixed"
+        manager.demote([keys[3]])  # promoted by that read: back to the SSD only
+        assert assert_exact(model, prefix, tokens + [1]) == 3 * BLOCK
+        assert prefix.last_fetch.tier == "hot"
+        assert prefix.last_fetch.tokens_recomputed == 3 * BLOCK
+    forced = CacheConfig(**{**{n: getattr(config, n) for n in config.explicit},
+                            "fetch_policy": "always-restore"})
+    with PagedSSDCacheManager(forced) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        assert assert_exact(model, prefix, tokens[:3 * BLOCK] + [9, 9]) == 3 * BLOCK
+        manager.trim_hot(0)
+        assert assert_exact(model, prefix, tokens + [1]) == 6 * BLOCK
+        assert prefix.stats()["recomputed_tokens"] == 0
+
+
+def test_always_prefill_declines_a_fast_tier(tmp_path: Path) -> None:
+    model = tiny_model("qwen3_next")  # recurrent + attention: ends only where states are stored
+    tokens = prompt(4 * BLOCK)
+    with new_manager(tmp_path, block_size=BLOCK, ssd_max_bytes="64MB",
+                     fetch_policy="always-prefill") as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        store_prompt(model, prefix, tokens)
+        assert assert_exact(model, prefix, tokens + [3]) == 0
+        stats = prefix.stats()
+        assert stats["recomputed_policy_tokens"] == 4 * BLOCK and stats["hits"] == 0
+
+
+def test_scheduler_measures_prefill_and_prefills_past_a_slow_ssd(tmp_path: Path) -> None:
+    """No seed: the Scheduler's own prefill chunks give the rate; the SSD read rate comes from
+    one restore; from then on a request whose blocks are only on the slow SSD prefills them,
+    with the cold run's tokens."""
+    model = tiny_model("llama")
+    tokens = prompt(8 * BLOCK)
+    with new_manager(tmp_path, block_size=BLOCK, ssd_max_bytes="64MB", fetch_policy="cost",
+                     test_ssd_read_bytes_per_s="50KB") as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        sched = Scheduler(model, prefix, prefill_chunk_size=BLOCK)
+        cold = Scheduler(model, None, block_size=BLOCK, prefill_chunk_size=BLOCK)
+        want = cold.generate(tokens + [5], max_tokens=4).tokens
+        assert sched.generate(tokens, max_tokens=4).cached_tokens == 0
+        assert prefix.stats()["prefill_samples"] == 8 and prefix.stats()["prefill_tokens_per_s"] > 0
+        manager.flush()
+        manager.trim_hot(0)  # every block only on the slow SSD now
+        assert sched.generate(tokens[:2 * BLOCK] + [4, 4], max_tokens=4).cached_tokens == 2 * BLOCK
+        manager.trim_hot(0)
+        got = sched.generate(tokens + [5], max_tokens=4)
+        assert got.cached_tokens == 0 and got.tokens == want
+        assert prefix.stats()["recomputed_cost_tokens"] == 8 * BLOCK
+
+
+def test_remote_reads_are_measured_and_weighed(url: str) -> None:
+    """A fresh host reading a prefix from a real Valkey / Redis server measures the remote
+    tier's read rate; with a prefill seeded far faster than any read it then prefills, exactly."""
+    model = tiny_model("llama")
+    tokens = prompt(4 * BLOCK)
+    remote = dict(block_size=BLOCK, hot_cache_only=True, remote_url=url, remote_timeout=5.0)
+    with PagedSSDCacheManager(CacheConfig(**remote)) as manager:
+        store_prompt(model, BlockAwarePrefixCache(manager, model), tokens)
+        manager.flush()
+    with PagedSSDCacheManager(CacheConfig(**remote, prefill_tokens_per_s=1e12)) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        assert assert_exact(model, prefix, tokens[:2 * BLOCK] + [3, 3]) == 2 * BLOCK
+        assert prefix.last_fetch.tier == "remote"
+        assert manager.stats()["read_bytes_per_s"]["remote"] > 0
+        manager.trim_hot(0)  # the blocks it read were promoted into RAM: out again
+        assert assert_exact(model, prefix, tokens + [1]) == 0
+        assert prefix.last_fetch.tokens_recomputed == 4 * BLOCK
