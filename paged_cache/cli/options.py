@@ -20,7 +20,8 @@ _METAVARS = {"block_size": "TOKENS", "hot_cache_max_bytes": "SIZE", "ssd_dir": "
              "ssd_max_bytes": "SIZE|auto", "write_queue_max_bytes": "SIZE",
              "remote_url": "URL", "remote_ttl": "SECONDS", "remote_timeout": "SECONDS",
              "remote_queue_max_bytes": "SIZE", "ssd_read_threads": "N",
-             "remote_tls_ca": "FILE", "remote_tls_cert": "FILE", "remote_tls_key": "FILE"}
+             "remote_tls_ca": "FILE", "remote_tls_cert": "FILE", "remote_tls_key": "FILE",
+             "prefill_tokens_per_s": "RATE", "test_ssd_read_bytes_per_s": "RATE"}
 BOOL_FIELDS = ("hot_cache_only", "remote_cluster", "remote_insecure", "cache_salt_from_user")
 # Fields no flag sets: other users can read a process's command line (ps, /proc), so a secret
 # comes from the environment or a private TOML file; the flag is refused, saying so.
