@@ -81,7 +81,7 @@ def test_ls_filters_and_sorts(synthetic):
 
 
 def test_show_block_layers_and_checksum(synthetic, tmp_path):
-    d, blocks = synthetic["dir"], synthetic["blocks"]
+    d = synthetic["dir"]
     block = synthetic["a"][2]
     data = cli_json("show", str(d), block.key[:10])
     assert data["key"] == block.key and data["checksum"] == {"state": "ok", "reason": None}
