@@ -291,22 +291,13 @@ def _assemble_on_device(pieces: list[Piece], names: Sequence[str], moves: list[M
               if any(hasattr(pieces[k][2][name], "read_rows") for k, *_ in moves)]
     staging = {name: np.zeros(specs[name], dtype=_host_dtype(dtypes[name])) for name in stored}
     for name in stored:  # every stored row asked for first: one read per file for the layer
-        for k, dst, count, src in moves:
-            piece = pieces[k][2][name]
-            if hasattr(piece, "read_rows"):
-                piece.read_rows(_rows(src, count), staging[name][_rows(dst, count)])
+        _write_rows(pieces, name, moves, staging[name])
     advance_all([piece.file for _, _, arrays, _ in pieces for piece in arrays.values()
                  if hasattr(piece, "read_rows")])
     out: Arrays = {}
     for name in names:
         if name in staging:
-            host = staging.pop(name)
-            for k, dst, count, src in moves:
-                piece = pieces[k][2][name]
-                if not hasattr(piece, "read_rows"):
-                    np.copyto(host[_rows(dst, count)], host_view(piece)[_rows(src, count)])
-            out[name] = to_device(host, dtypes[name])
-            del host
+            out[name] = to_device(staging.pop(name), dtypes[name])
         else:
             out[name] = _concatenated([pieces[k][2][name] for k, *_ in moves], moves,
                                       specs[name], dtypes[name])
@@ -393,14 +384,19 @@ def _copy_on_host(pieces: list[Piece], names: Sequence[str], moves: list[Move], 
     disk, see tiers/direct.py) is asked to land its rows there when its file is read."""
     launch(list(buffers.values()))
     for name in names:
-        dst = host_view(buffers[name])
-        for k, into, count, take in moves:
-            src = pieces[k][2][name]
-            if hasattr(src, "read_rows"):  # a stored tensor: its bytes are read into place later
-                src.read_rows(_rows(take, count), dst[_rows(into, count)])
-            else:
-                np.copyto(dst[_rows(into, count)], host_view(src)[_rows(take, count)])
-        del dst
+        _write_rows(pieces, name, moves, host_view(buffers[name]))
         for _, _, arrays, _ in pieces:  # the name's arrays go once written
             arrays.pop(name, None)
         _allocate_ahead(name, specs[name])
+
+
+def _write_rows(pieces: list[Piece], name: str, moves: list[Move], dst: np.ndarray) -> None:
+    """Every move's rows of ``name`` into ``dst`` (host memory) by numpy; a stored tensor (a
+    block payload still on disk, see tiers/direct.py) is asked to land its rows there when its
+    file is read."""
+    for k, into, count, take in moves:
+        src = pieces[k][2][name]
+        if hasattr(src, "read_rows"):
+            src.read_rows(_rows(take, count), dst[_rows(into, count)])
+        else:
+            np.copyto(dst[_rows(into, count)], host_view(src)[_rows(take, count)])

@@ -17,8 +17,8 @@ from paged_cache.handlers.base import (TOKEN_AXIS, Arrays, Captured, LayerHandle
 
 Run = tuple[int, int, int]  # (first position, end position, first row)
 FAR = 1 << 62  # a position past any real sequence (for the widest window a layer can hold)
-FLOATS = ("float32", "float16", "bfloat16")
-GROWTH_STEP = 256  # mlx-lm's KV growth step, for a layer that does not say its own  # an array's dtype when its form has none, widest first
+FLOATS = ("float32", "float16", "bfloat16")  # an array's dtype when its form has none, widest first
+GROWTH_STEP = 256  # mlx-lm's KV growth step, for a layer that does not say its own
 
 
 def merge_runs(runs: Sequence[Run]) -> list[Run]:

@@ -6,8 +6,9 @@ buffer (``read_rows``); ``read_stored`` then reads every asked-for file once, in
 one vectored read per file and several files at once, straight into those buffers (lz4 files are
 decompressed piece by piece into them), and verifies each file's payload checksum over the same
 bytes. A rebuild that needs a layer's rows before the next layer is built (the device path,
-``row_path``) reads each file's places so far with ``advance_all``; the file goes on from there. A file whose checksum fails makes ``read_stored`` return False: the rebuilt buffers hold
-damaged rows and must be dropped.
+``row_path``) reads each file's places so far with ``advance_all``; the file goes on from there.
+A file whose checksum fails makes ``read_stored`` return False: the rebuilt buffers hold damaged
+rows and must be dropped.
 """
 
 from __future__ import annotations
