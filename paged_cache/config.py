@@ -8,7 +8,6 @@ each effective value came from (shown by ``paged-cache config``).
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import logging
 import os
 import re
@@ -25,6 +24,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
+from paged_cache.remote_settings import (SECRET_MIN_CHARS, TLS_SCHEMES, RemoteURL, Secret,
+                                          is_loopback, parse_remote_url, parse_secret)
 from paged_cache.tiers.format import COMPRESSIONS
 
 log = logging.getLogger("paged_cache.config")
@@ -54,12 +55,8 @@ SSD_AUTO_SHARE = 0.5          # ssd_max_bytes="auto": half of (free space + the 
 QUEUE_DEFAULT = 256 * 2**20   # write queue: 256 MiB of raw block buffers
 REMOTE_QUEUE_DEFAULT = 64 * 2**20   # remote write queue: 64 MiB of raw block buffers
 REMOTE_TIMEOUT_DEFAULT = 0.5        # seconds a remote read or write may wait on one socket operation
-REMOTE_SCHEMES = ("redis", "rediss", "valkey", "valkeys")  # "...s": TLS
 # Read by the remote tier at connect time, never stored in a CacheConfig (nor shown by `config`).
 REMOTE_PASSWORD_ENV = "PAGED_CACHE_REMOTE_PASSWORD"
-SECRET_MIN_CHARS = 16         # remote_secret: shorter ones are refused (a MAC key must not be guessable)
-LOOPBACK_NAMES = ("localhost",)  # host names taken as this machine without asking DNS
-TLS_SCHEMES = ("rediss", "valkeys")
 READ_THREADS_DEFAULT = 1      # block files read at once by a fetch (measured: docs/benchmarks.md)
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
@@ -178,83 +175,10 @@ def _path(value: Any, name: str) -> Path:
     return Path(os.path.expanduser(value))
 
 
-class RemoteURL(str):
-    """A remote tier URL whose repr hides the password (configs are logged and printed)."""
-
-    def redacted(self) -> str:
-        """The URL with its password replaced by ***."""
-        parts = urllib.parse.urlsplit(self)
-        if parts.password is None:
-            return str(self)
-        user = parts.username or ""
-        netloc = f"{user}:***@{parts.netloc.rpartition('@')[2]}"
-        return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-
-    def __repr__(self) -> str:
-        return repr(self.redacted())
-
-
-class Secret(str):
-    """A secret setting: its repr and ``shown`` never hold it (configs are logged and printed)."""
-
-    def __repr__(self) -> str:
-        return "'***'"
-
-    def shown(self) -> str:
-        return "***"
-
-
-def _secret(value: Any, name: str) -> Secret | None:
-    if value is None or (isinstance(value, str) and not value):
-        return None
-    if not isinstance(value, str):  # never echo the value: it may be the secret itself
-        raise ValueError(f"{name}: expected a string of at least {SECRET_MIN_CHARS} characters, "
-                         f"got a {type(value).__name__}")
-    if len(value) < SECRET_MIN_CHARS:
-        raise ValueError(f"{name}: expected at least {SECRET_MIN_CHARS} characters, got "
-                         f"{len(value)} (a short secret can be guessed from what the server holds)")
-    return Secret(value)
-
-
-def is_loopback(host: str | None) -> bool:
-    """True when ``host`` (a URL's host name) is this machine: a loopback address (127.0.0.0/8,
-    ::1, an IPv4-mapped loopback) or ``localhost``. Other names are not resolved: a name could
-    point anywhere, so it counts as another machine."""
-    if not host:
-        return False
-    if host.lower().rstrip(".") in LOOPBACK_NAMES:
-        return True
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    mapped = getattr(address, "ipv4_mapped", None)
-    return (mapped or address).is_loopback
-
-
 def _optional_path(value: Any, name: str) -> Path | None:
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
     return _path(value, name)
-
-
-def _remote_url(value: Any, name: str) -> RemoteURL | None:
-    if value is None or (isinstance(value, str) and not value.strip()):
-        return None
-    form = f"a URL like redis://[user:password@]host:6379/0 (schemes: {', '.join(REMOTE_SCHEMES)})"
-    if not isinstance(value, str):
-        raise ValueError(f"{name}: expected {form}, got {value!r}")
-    try:
-        parts = urllib.parse.urlsplit(value.strip())
-        parts.port  # noqa: B018 - raises ValueError on a bad port
-    except ValueError as exc:
-        raise ValueError(f"{name}: expected {form}; the URL does not parse ({exc})") from None
-    if parts.scheme.lower() not in REMOTE_SCHEMES or not parts.hostname:
-        raise ValueError(f"{name}: expected {form}, got {RemoteURL(value).redacted()!r}")
-    db = parts.path.strip("/")
-    if db and not db.isdigit():
-        raise ValueError(f"{name}: database {db!r} in the URL path must be a number, e.g. /0")
-    return RemoteURL(value.strip())
 
 
 def _seconds(value: Any, name: str) -> float:
@@ -305,7 +229,7 @@ _FIELD_SPECS: dict[str, tuple[Any, str]] = {
     "queue_full_policy": (lambda v, n: _choice(v, n, QUEUE_FULL_POLICIES),
                           "when the write queue is full: skip (drop the write, count it; default) | "
                           "write-on-caller (write synchronously)"),
-    "remote_url": (_remote_url, "shared remote tier below SSD on a Valkey / Redis server, e.g. "
+    "remote_url": (parse_remote_url, "shared remote tier below SSD on a Valkey / Redis server, e.g. "
                                 "redis://host:6379/0 (rediss:// for TLS; password in the URL or "
                                 f"{REMOTE_PASSWORD_ENV}); default none"),
     "remote_cluster": (parse_bool, "remote_url names a node of a Valkey / Redis Cluster: keys "
@@ -315,7 +239,7 @@ _FIELD_SPECS: dict[str, tuple[Any, str]] = {
     "remote_timeout": (_positive_seconds, "seconds one remote socket operation may wait before the "
                                           "tier counts an error and serves locally (default 0.5)"),
     "remote_queue_max_bytes": (parse_size, "byte bound of the remote write queue (default 64 MiB)"),
-    "remote_secret": (_secret, "key of the MAC every remote value carries: values without a valid "
+    "remote_secret": (parse_secret, "key of the MAC every remote value carries: values without a valid "
                                f"one are refused (at least {SECRET_MIN_CHARS} characters; never "
                                f"shown; give it by environment, {ENV_PREFIX}REMOTE_SECRET); "
                                "required for a remote_url off loopback unless remote_insecure"),

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from paged_cache.cli.options import add_config_arguments, config_from_args
-from paged_cache.config import CacheConfig, is_loopback
+from paged_cache.config import CacheConfig
+from paged_cache.remote_settings import is_loopback
 from paged_cache.hashing import chain_keys, encode_token_ids
 from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from paged_cache.block import check_key, is_key
-from paged_cache.config import REMOTE_PASSWORD_ENV, TLS_SCHEMES, RemoteURL
+from paged_cache.config import REMOTE_PASSWORD_ENV
+from paged_cache.remote_settings import TLS_SCHEMES, RemoteURL
 from paged_cache.install import install_command
 from paged_cache.tiers import format as fmt
 
