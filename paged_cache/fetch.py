@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from paged_cache.block import Block
+from paged_cache.block import KEY_HEX_LEN, Block
 from paged_cache.chain_index import ChainNode
-from paged_cache.fetch_plan import Plan, plan_fetch
+from paged_cache.fetch_plan import OVERLAP_TIERS, Plan, plan_fetch
 from paged_cache.handlers import Part, Span
 from paged_cache.handlers.base import clipped, rebuild_pipeline
 from paged_cache.hashing import ROOT_PARENT, chain_keys, shared_prefix
@@ -33,6 +34,7 @@ from paged_cache.layout import layer_arrays
 from paged_cache.loans import Lent
 from paged_cache.rates import tier_label
 from paged_cache.row_path import evaluate
+from paged_cache.store import node_block
 from paged_cache.tiers.direct import StoredBlock
 from paged_cache.tiers.format import META_LAYERS, file_order, layer_of
 
@@ -73,6 +75,7 @@ class Found:
     taken: list[str] = field(default_factory=list)  # keys handed over to the rebuilt cache
     lent: list[Lent] = field(default_factory=list)  # hot_cache_only: what the taken blocks held
     plan: Plan = field(default_factory=lambda: Plan([]))  # what the fetch plan kept and declined
+    head: int = 0  # tokens of ``n`` the fetch prefilled itself (both at once)
 
 
 @dataclass
@@ -84,11 +87,19 @@ class _Search:
     kids: dict[str, list[ChainNode]]
     blocks: dict[str, Block | None] = field(default_factory=dict)
     read_seconds: dict[str, float] = field(default_factory=dict)  # per key: its tier read
+    warm_seconds: dict[str, float] = field(default_factory=dict)  # per key: its I/O done ahead
 
 
-def find(pc: Any, ids: np.ndarray, limit: int | None = None) -> Found:
+Prefill = Callable[[int], list]  # the caller's prefill of a request's first h tokens: a cache at h
+HEAD_KEY = "0" * KEY_HEX_LEN  # the prefilled head's block in a search (never stored)
+
+
+def find(pc: Any, ids: np.ndarray, limit: int | None = None, prefill: Prefill | None = None,
+         grid: int = 0) -> Found:
     """Search and rebuild for the token ids ``ids`` (see module doc), at most ``limit`` tokens
-    (default and cap: all but the last); ``Found.cache`` is None on a miss."""
+    (default and cap: all but the last); ``Found.cache`` is None on a miss. ``prefill`` and
+    ``grid`` (its chunk, a multiple of the block size) let the plan prefill a head itself while
+    the rest is read (``_both``)."""
     layout, bs = pc.layout, pc.block_size
     total = len(ids)
     limit = total - 1 if limit is None else min(limit, total - 1)
@@ -113,23 +124,29 @@ def find(pc: Any, ids: np.ndarray, limit: int | None = None) -> Found:
                                              tier=tiers[j]) for j in range(held)]
     search = _Search(pc, ids, path, cands, kids)
     shared_max = max((c.end for c in cands), default=0)
-    plan = _plan(search, _candidate_ends(layout, cands, min(limit, shared_max)))
+    plan = _plan(search, _candidate_ends(layout, cands, min(limit, shared_max)),
+                 grid if prefill is not None else 0)
+    if plan.head:
+        found = _both(search, plan, prefill)
+        found.shared, found.plan = shared_max, plan
+        return found
     for n in plan.ends:
         found = _try(search, n)
         if found is _DAMAGED:
             # a payload failed its checksum while read into place (its file is removed now):
             # search again, the chain now ends before that block
-            return find(pc, ids, limit)
+            return find(pc, ids, limit, prefill, grid)
         if found is not None:
             found.shared, found.plan = shared_max, plan
             return found
     return Found(None, 0, "miss", 0, shared_max, plan=plan)
 
 
-def _plan(search: _Search, ends: list[int]) -> Plan:
-    """The fetch plan over ``ends``. A rebuild at ``n`` is costed by the path blocks before it
-    and the best node holding the rows after them (a checkpoint read beside them for a state or
-    a window's rows is not counted), in O(1) per block-boundary end."""
+def _plan(search: _Search, ends: list[int], grid: int) -> Plan:
+    """The fetch plan over ``ends`` (both at once on ``grid``, 0: not). A rebuild at ``n`` is
+    costed by the path blocks before it and the best node holding the rows after them (a
+    checkpoint read beside them for a state or a window's rows is not counted), in O(1) per
+    block-boundary end."""
     pc, bs = search.pc, search.pc.block_size
     before: list[dict[str, int]] = [{}]  # tokens per tier of the path's first k blocks
     for node in search.path:
@@ -137,13 +154,56 @@ def _plan(search: _Search, ends: list[int]) -> Plan:
         tiers[node.tier] = tiers.get(node.tier, 0) + node.ntokens
         before.append(tiers)
 
-    def reads_of(n: int) -> list[tuple[str, int]]:
+    def tail(n: int) -> tuple[int, list[Candidate]]:
         k = min(n // bs, len(search.path))
-        tails = _tails(search, k * bs, n) if n > k * bs else []
-        return [*before[k].items(), *((c.node.tier, c.node.ntokens) for c in tails[:1])]
+        return k, (_tails(search, k * bs, n)[:1] if n > k * bs else [])
+
+    def reads_of(n: int) -> list[tuple[str, int]]:
+        k, tails = tail(n)
+        return [*before[k].items(), *((c.node.tier, c.node.ntokens) for c in tails)]
+
+    def nodes_of(n: int) -> list[tuple[int, int, str]]:
+        k, tails = tail(n)
+        return [(node.start, node.ntokens, node.tier)
+                for node in [*search.path[:k], *(c.node for c in tails)]]
 
     return plan_fetch(pc.manager.config.fetch_policy, ends, reads_of, pc.manager.rates,
-                      pc.layout.identity, pc.layout.fingerprint)
+                      pc.layout.identity, pc.layout.fingerprint, nodes_of, grid)
+
+
+def _both(search: _Search, plan: Plan, prefill: Prefill) -> Found:
+    """Both at once: the files of the nodes after the head are read through the page cache on
+    another thread (Tier.warm) while ``prefill`` computes the head; then the cache is rebuilt at
+    the plan's end from the head (cut like a block) and those nodes. Where no choice of nodes
+    rebuilds with the head, the head's cache itself is the result (exact: a cold run to there)."""
+    pc, n, h = search.pc, plan.ends[0], plan.head
+    options = [[(node, used) for node, used in chosen if node.start >= h]
+               for chosen in _nodes_for(search, n)]
+    ahead = [(node.key, node.tier) for node, _ in options[:1] and options[0]
+             if node.tier in OVERLAP_TIERS]
+
+    def warm() -> None:
+        for key, tier in reversed(ahead):  # from the end: the last node is needed last
+            search.warm_seconds[key] = pc.manager.warm(key, tier)
+
+    reader = threading.Thread(target=warm, name="paged-cache-warm", daemon=True)
+    reader.start()
+    try:
+        head = prefill(h)
+    finally:
+        reader.join()
+    layout = pc.layout
+    cuts = [handler.cut(layer, [(0, h)], {}, h) for handler, layer in zip(layout.handlers, head)]
+    evaluate([a for layer_cuts in cuts for arrays, _ in layer_cuts for a in arrays.values()])
+    node = ChainNode(HEAD_KEY, ROOT_PARENT, layout.fingerprint, 0, search.ids[:h])
+    search.blocks[HEAD_KEY] = node_block(pc, HEAD_KEY, node, cuts, 0,
+                                         [type(layer).__name__ for layer in head])
+    for chosen in options:
+        found = _try_nodes(search, n, [(node, h), *chosen])
+        if found is not None and found is not _DAMAGED:
+            found.head = h
+            return found
+    return Found(head, h, "miss", 0, h, head=h)
 
 
 def _candidate_ends(layout: Any, cands: list[Candidate], limit: int) -> list[int]:
@@ -293,7 +353,8 @@ def _try_nodes(search: _Search, n: int, chosen: list[tuple[ChainNode, int]]) -> 
     logger.debug("rebuilt at %d from %s", n, ", ".join(
         f"{'checkpoint' if node.checkpoint else 'block'} [{node.start}, {node.start + used})"
         f" {node.tier}" for node, used in chosen))
-    tier_set = {node.tier if node.tier in ("ssd", "remote") else "hot" for node, _ in chosen}
+    tier_set = {node.tier if node.tier in ("ssd", "remote") else "hot" for node, _ in chosen
+                if node.key != HEAD_KEY}
     tier = tier_set.pop() if len(tier_set) == 1 else "mixed"
     return Found(template, n, tier, len(chosen), n, taken=sorted(handover), lent=lent)
 
@@ -308,7 +369,10 @@ def _measure(search: _Search, chosen: list[tuple[ChainNode, int]], blocks: list[
     stored = sum(n for n, b in zip(sizes, blocks) if isinstance(b, StoredBlock)) or 1
     by_tier: dict[str, list[float]] = {}
     for (node, _), block, nbytes in zip(chosen, blocks, sizes):
-        seconds = search.read_seconds.get(node.key, 0.0) + build_seconds * nbytes / total
+        if node.key == HEAD_KEY:
+            continue  # prefilled, not read
+        seconds = (search.read_seconds.get(node.key, 0.0) + search.warm_seconds.get(node.key, 0.0)
+                   + build_seconds * nbytes / total)
         if isinstance(block, StoredBlock):
             seconds += in_place_seconds * nbytes / stored
         sample = by_tier.setdefault(tier_label(node.tier), [0, 0.0])

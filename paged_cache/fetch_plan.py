@@ -9,6 +9,11 @@ Every candidate is a position the fetch can rebuild exactly, so either way the r
 Without an estimate (no prefill rate yet, a tier never read, no block of the layout seen) a
 candidate counts as a gain: the fetch restores as it would without a plan. Deterministic: the
 same candidates and rates give the same plan.
+
+Both at once: when the caller gives its prefill grid, the fetch may prefill the head ``[0, h)``
+itself while the files of the rest ``[h, n)`` are read on another thread (``head``): ``h`` on the
+grid, chosen so the two finish together, taken when predicted at most ``SPLIT_MARGIN`` of the
+plan's time for the same ``n`` tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from paged_cache.rates import Rates
 
 POLICY_REASON = "policy"  # fetch_policy=always-prefill
 COST_REASON = "cost"      # the restore was predicted slower than the prefill
+OVERLAP_TIERS = ("ssd",)  # tiers whose reads are I/O a prefill can run beside (Tier.warm)
+SPLIT_MARGIN = 0.9        # both at once: taken when predicted at most this part of the plan's time
 
 
 @dataclass(frozen=True)
@@ -33,13 +40,27 @@ class Plan:
     recomputed: int = 0
     reason: str | None = None
     detail: str = ""
+    head: int = 0  # both at once: the fetch prefills [0, head) while it reads [head, ends[0])
+
+
+Node = tuple[int, int, str]  # (start, tokens, tier) of a node a rebuild reads
 
 
 def plan_fetch(policy: str, ends: Sequence[int], reads_of: Callable[[int], list[tuple[str, int]]],
-               rates: Rates, model: str, layout: str) -> Plan:
+               rates: Rates, model: str, layout: str,
+               nodes_of: Callable[[int], list[Node]] | None = None, grid: int = 0) -> Plan:
     """The plan over ``ends`` (candidate ends, longest first) under ``policy`` (fetch_policy).
-    ``reads_of(n)``: (tier, tokens) of each node a rebuild at ``n`` reads."""
-    ends = list(ends)
+    ``reads_of(n)``: (tier, tokens) of each node a rebuild at ``n`` reads. ``nodes_of`` and
+    ``grid`` (the caller's prefill chunk, 0: none) allow both at once (``split``)."""
+    plan = _restore_plan(policy, list(ends), reads_of, rates, model, layout)
+    if policy != "cost" or not grid or nodes_of is None or not ends:
+        return plan
+    return split(plan, ends[0], nodes_of(ends[0]), grid, reads_of, rates, model, layout)
+
+
+def _restore_plan(policy: str, ends: list[int], reads_of: Callable[[int], list[tuple[str, int]]],
+                  rates: Rates, model: str, layout: str) -> Plan:
+    """The plan that restores up to one end and prefills the rest (see module doc)."""
     if not ends or policy == "always-restore":
         return Plan(ends)
     if policy == "always-prefill":
@@ -68,6 +89,37 @@ def gain(n: int, reads: list[tuple[str, int]], prefill: float, per_token: float,
             return math.inf
         restore += tokens * per_token / rate
     return n / prefill - restore
+
+
+def split(plan: Plan, n: int, nodes: list[Node], grid: int,
+          reads_of: Callable[[int], list[tuple[str, int]]], rates: Rates, model: str,
+          layout: str) -> Plan:
+    """``plan``, or both at once up to ``n`` when predicted at most SPLIT_MARGIN of its time for
+    those ``n`` tokens: the head ``h`` (a multiple of ``grid`` at a node's start) minimizing
+    ``max(h / p, io) + rest`` where ``io`` is the reads of OVERLAP_TIERS nodes from ``h`` on and
+    ``rest`` the other reads from ``h`` on (done after the prefill). Needs every estimate."""
+    prefill, per_token = rates.prefill(model), rates.bytes_per_token(layout)
+    tiers = {tier for _, _, tier in nodes}
+    read = {tier: rates.read(tier) for tier in tiers}
+    if not prefill or not per_token or not all(read.values()):
+        return plan
+    kept = plan.ends[0] if plan.ends else 0
+    before = n / prefill - (gain(kept, reads_of(kept), prefill, per_token, rates)
+                            if kept else 0.0)
+    best: tuple[float, int] | None = None
+    for start, _, _ in nodes:
+        if start and start % grid == 0:
+            io = sum(t * per_token / read[tier] for s, t, tier in nodes
+                     if s >= start and tier in OVERLAP_TIERS)
+            rest = sum(t * per_token / read[tier] for s, t, tier in nodes
+                       if s >= start and tier not in OVERLAP_TIERS)
+            if io:
+                best = min(best or (math.inf, 0), (max(start / prefill, io) + rest, start))
+    if best is None or best[0] > SPLIT_MARGIN * before:
+        return plan
+    seconds, h = best
+    return Plan([n], detail=f"prefilling [0, {h}) while reading [{h}, {n}): {seconds:.3f} s "
+                            f"predicted against {before:.3f} s", head=h)
 
 
 def _detail(longest: int, best: int, gains: dict[int, float], prefill: float) -> str:

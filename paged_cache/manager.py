@@ -192,6 +192,13 @@ class PagedSSDCacheManager:
         finally:
             self._after()
 
+    def warm(self, key: str, tier: str) -> float:
+        """Do the I/O of a read of ``key`` from ``tier`` (a label ``tiers_of`` gave) now, on the
+        calling thread, so the read that follows does not wait for it (Tier.warm); seconds."""
+        check_key(key)
+        found = next((t for t in self._lower if t.name == tier), None)
+        return found.warm(key) if found is not None and not self._closed else 0.0
+
     def read_in_place(self, blocks: Sequence[Any]) -> bool:
         """Read the ``StoredBlock``s among ``blocks`` into the places their rebuilds asked for,
         ``ssd_read_threads`` files at a time; False when a payload failed its checksum (counted,

@@ -23,7 +23,7 @@ from paged_cache.fetch import Found, find
 from paged_cache.handlers import layer_needs_snapshots
 from paged_cache.handlers.base import Captured
 from paged_cache.hashing import model_identity, token_ids
-from paged_cache.layout import CacheLayout
+from paged_cache.layout import CacheLayout, layer_arrays
 from paged_cache.loans import Loans
 from paged_cache.store import put_back, store_chain
 
@@ -62,6 +62,7 @@ class FetchInfo:
     tokens_shared: int = 0  # longest run of the request's tokens some stored node holds
     tokens_recomputed: int = 0  # stored tokens the fetch plan left to prefill (faster so)
     recompute_reason: str | None = None  # why: fetch_plan's "cost" or "policy"
+    tokens_prefilled: int = 0  # of tokens_matched, the head the fetch prefilled (both at once)
 
 
 def as_tokens(tokens: Any, name: str = "tokens") -> list[int]:
@@ -103,7 +104,8 @@ class BlockAwarePrefixCache:
              "partial_block_tokens_lost", "walkbacks", "walkback_tokens_lost", "stores",
              "blocks_written", "checkpoints_written", "blocks_deduplicated", "blocks_taken",
              "blocks_rejected", "store_seconds", "restore_seconds", "recomputed_fetches",
-             "recomputed_tokens", "recomputed_cost_tokens", "recomputed_policy_tokens"), 0)
+             "recomputed_tokens", "recomputed_cost_tokens", "recomputed_policy_tokens",
+             "overlapped_fetches", "overlapped_head_tokens"), 0)
         self.last_fetch = FetchInfo(0, 0, "miss", 0.0, 0)
         self._loans = self._new_loans()
         self._bounds: NodeBounds | None = None
@@ -248,16 +250,24 @@ class BlockAwarePrefixCache:
 
     # ------------------------------------------------------------------ fetch
 
-    def fetch(self, tokens: Any) -> tuple[list | None, int]:
-        """A fresh cache list covering ``tokens[:n]`` with ``n <= len(tokens) - 1``, or (None, 0)."""
+    def fetch(self, tokens: Any, *, prefill_chunk: int | None = None) -> tuple[list | None, int]:
+        """A fresh cache list covering ``tokens[:n]`` with ``n <= len(tokens) - 1``, or (None, 0).
+
+        ``prefill_chunk``: the caller prefills in chunks ending on the absolute grid of this many
+        tokens (a multiple of the block size), as the Scheduler does. The fetch plan may then
+        prefill a head of the prefix itself, on that grid, while the rest is read from disk
+        (docs/fetch-plan.md, both at once); ``last_fetch.tokens_prefilled`` says how much.
+        """
         t0 = time.perf_counter()
         tokens = token_ids(tokens)
+        grid = self._check_chunk(prefill_chunk)
         total = len(tokens)
         st = self._stats
         st["tokens_requested"] += total
         if len(self._loans):
             self._loans.settle(self._held, tokens)
-        found = self._find(tokens)
+        found = self._find(tokens, prefill=self._head_prefill(tokens, grid) if grid else None,
+                           grid=grid)
         if self._agreement is not None:
             found = self._agree(tokens, found)
         n = found.n if found is not None else 0
@@ -274,26 +284,58 @@ class BlockAwarePrefixCache:
             st["blocks_taken"] += len(found.taken)
             if n and found.lent:
                 found.cache = self._loans.lend(tokens[:n], found.cache, found.lent)
+        head = found.head if found is not None and n else 0
+        if head:
+            st["overlapped_fetches"] += 1
+            st["overlapped_head_tokens"] += head
+            logger.debug("fetch plan: %s", plan.detail)
         seconds = time.perf_counter() - t0
-        st["hits" if n else "misses"] += 1
+        st["hits" if n > head else "misses"] += 1
         st["tokens_matched"] += n
-        st["tokens_saved"] += n
+        st["tokens_saved"] += n - head
         st["restore_seconds"] += seconds
         self.last_fetch = FetchInfo(total, n, found.tier if n else "miss", seconds,
                                     found.used if n else 0,
                                     found.shared if found is not None else 0,
-                                    plan.recomputed if plan else 0, plan.reason if plan else None)
+                                    plan.recomputed if plan else 0, plan.reason if plan else None,
+                                    head)
         logger.debug("fetch: %d/%d tokens from %s (%d nodes) in %.1f ms",
                      n, total, self.last_fetch.tier, self.last_fetch.blocks, seconds * 1e3)
         return (found.cache, n) if n else (None, 0)
 
-    def _find(self, tokens: np.ndarray, limit: int | None = None) -> Found | None:
+    def _check_chunk(self, prefill_chunk: Any) -> int:
+        """The prefill grid of a fetch (0: none; always 0 in a group, whose ranks would have to
+        prefill the same head together)."""
+        if prefill_chunk is None:
+            return 0
+        if (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                or prefill_chunk < 1 or prefill_chunk % self.block_size):
+            raise ValueError(f"prefill_chunk: expected a positive multiple of the block size "
+                             f"{self.block_size}, got {prefill_chunk!r}")
+        return 0 if self._agreement is not None else prefill_chunk
+
+    def _head_prefill(self, tokens: np.ndarray, grid: int) -> Callable[[int], list]:
+        """The prefill of ``tokens[:h]`` into a fresh cache, in chunks ending on the absolute
+        ``grid`` (a cold run's chunks up to ``h``, ``h`` on the grid); a sample of the rate."""
+        def prefill(h: int) -> list:
+            cache, start, t0 = self.make_cache(), 0, time.perf_counter()
+            while start < h:
+                end = min((start // grid + 1) * grid, h)
+                self.model(mx.array(tokens[start:end])[None], cache=cache)
+                mx.eval([a for layer in cache for a in layer_arrays(layer)])
+                start = end
+            self.record_prefill(h, time.perf_counter() - t0)
+            return cache
+        return prefill
+
+    def _find(self, tokens: np.ndarray, limit: int | None = None,
+              prefill: Callable[[int], list] | None = None, grid: int = 0) -> Found | None:
         """This rank's longest rebuild of ``tokens`` (at most ``limit`` tokens), or None. In a
         group an error is a miss (logged, counted): a rank must never leave the collective."""
         if len(tokens) < 2 or not self.layout.ready():
             return None
         if self._agreement is None:
-            return find(self, tokens, limit)
+            return find(self, tokens, limit, prefill, grid)
         try:
             return find(self, tokens, limit)
         except Exception as exc:  # noqa: BLE001 - the other ranks wait in the agreement

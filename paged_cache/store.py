@@ -132,7 +132,17 @@ def put_back(pc: Any, layers: list, lent: list) -> int:
 
 
 def _put(pc: Any, key: str, node: ChainNode, cuts: list[list], pos: int, types: list[str]) -> int:
-    """Assemble one node's arrays from every layer's cut ``pos`` and put it; 1 if new."""
+    """Assemble one node's block from every layer's cut ``pos`` and put it; 1 if new."""
+    block = node_block(pc, key, node, cuts, pos, types)
+    # a partial tail waits in RAM: the next store of the conversation usually supersedes it
+    partial = not node.checkpoint and node.ntokens < pc.block_size
+    return int(bool(pc.manager.put(block, deferred=partial)))
+
+
+def node_block(pc: Any, key: str, node: ChainNode, cuts: list[list], pos: int,
+               types: list[str]) -> Block:
+    """The block of ``node`` from every layer's cut ``pos`` (released from ``cuts``): its arrays,
+    layer descriptors (with each layer's cache ``types``) and meta."""
     arrays: dict[str, mx.array] = {}
     descs = []
     restorable = True
@@ -145,9 +155,7 @@ def _put(pc: Any, key: str, node: ChainNode, cuts: list[list], pos: int, types: 
         layer_cuts[pos] = None
     node = ChainNode(node.key, node.parent, node.fingerprint, node.start, node.token_ids,
                      node.checkpoint, restorable)
-    # a partial tail waits in RAM: the next store of the conversation usually supersedes it
-    partial = not node.checkpoint and node.ntokens < pc.block_size
-    return int(bool(pc.manager.put(Block(key, arrays, _meta(pc, node, descs)), deferred=partial)))
+    return Block(key, arrays, _meta(pc, node, descs))
 
 
 def _covered_by_sibling(siblings: Any, ids: np.ndarray, span: tuple[int, int]) -> bool:

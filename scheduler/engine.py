@@ -278,7 +278,8 @@ class Scheduler:
         cache, n = None, 0
         if self.caching:
             try:
-                cache, n = self.prefix_cache.fetch(req.prompt)
+                cache, n = self.prefix_cache.fetch(req.prompt,
+                                                   prefill_chunk=self.prefill_chunk_size)
             except Exception as exc:
                 self._cache_error(req, "fetch", exc)
                 cache, n = None, 0
@@ -287,8 +288,11 @@ class Scheduler:
             else:
                 cache, n = None, 0
         req.cache = cache if cache is not None else self._make_cache()
-        req.covered = req.cached_tokens = req.last_capture = n
-        self._counts["cached_tokens"] += n
+        req.covered = req.last_capture = n
+        # a head the fetch prefilled itself (both at once) was computed, not reused
+        req.cached_tokens = n - (getattr(self.prefix_cache.last_fetch, "tokens_prefilled", 0)
+                                 if n else 0)
+        self._counts["cached_tokens"] += req.cached_tokens
         if self.caching and self._needs_snapshots and req.caching:
             # stored tokens reach past every restorable position: make one where the match ends
             shared = min(getattr(self.prefix_cache.last_fetch, "tokens_shared", 0),

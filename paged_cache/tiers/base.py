@@ -75,6 +75,12 @@ class Tier:
     def touch(self, key: str) -> None:
         """Mark ``key`` used now (a put found it held here)."""
 
+    def warm(self, key: str) -> float:
+        """Do now, off the caller's critical path, the I/O a read of ``key`` that follows
+        would wait for (a fetch reads a prefix's tail while its head is prefilled); the seconds
+        it took. Nothing to do in a tier without I/O."""
+        return 0.0
+
     def plan(self, chain: Sequence[str], here: Sequence[str]) -> None:
         """A chain walk found ``chain`` held (in order), ``here`` only in this tier: reads of
         them follow."""

@@ -19,7 +19,7 @@ from paged_cache.block import Block, check_key, is_key
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.direct import StoredBlock, StoredTensor
 from paged_cache.tiers.files import (DIR_FLAGS, READ_FLAGS, CacheDirError, file_compression,
-                                     open_cache_root, open_private_dir, read_exact)
+                                     drain, open_cache_root, open_private_dir, read_exact)
 
 log = logging.getLogger("paged_cache.ssd")
 
@@ -60,6 +60,30 @@ class BlockFiles:
         """The block with its header verified (and checked against ``expect``) and its payload
         left on disk (see SSDTier.open_stored)."""
         return self._with_file(key, lambda *a: self._stored_open_file(*a, expect))
+
+    def warm(self, key: str) -> int:
+        """Read the block's file through the page cache without keeping it (a read of it that
+        follows finds it in memory); the bytes read, 0 when it has none. Not verified here: the
+        read that follows verifies what it uses."""
+        check_key(key)
+        fan_fd = self.open_fan(key, create=False)
+        if fan_fd is None:
+            return 0
+        try:
+            for comp in self.compression_order():
+                try:
+                    fd = os.open(key + fmt.SUFFIXES[comp], READ_FLAGS, dir_fd=fan_fd)
+                except OSError:
+                    continue
+                try:
+                    return drain(fd)
+                except OSError:
+                    return 0
+                finally:
+                    os.close(fd)
+            return 0
+        finally:
+            os.close(fan_fd)
 
     def _with_file(self, key: str, use: Any) -> Any:
         """``use(fan_fd, fd, name, key)`` on the block's file (which ``use`` closes), or None."""

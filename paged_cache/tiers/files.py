@@ -122,6 +122,18 @@ def rebuild_manifest(root_fd: int, inode: int | None) -> bool:
         fcntl.flock(root_fd, fcntl.LOCK_UN)
 
 
+DRAIN_CHUNK = 1 << 20  # bytes per read of a file read only to bring it into the page cache
+
+
+def drain(fd: int) -> int:
+    """Read ``fd`` to its end, a chunk at a time into one scratch buffer; the bytes read."""
+    buf = bytearray(DRAIN_CHUNK)
+    total = 0
+    while n := os.readv(fd, [buf]):
+        total += n
+    return total
+
+
 def read_exact(fd: int, size: int) -> bytearray:
     """Read ``size`` bytes from ``fd`` (fewer only if the file is shorter)."""
     buf = bytearray(size)

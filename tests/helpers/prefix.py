@@ -57,14 +57,16 @@ def store_prompt(model: Any, prefix: BlockAwarePrefixCache, tokens: list[int],
 
 
 def assert_exact(model: Any, prefix: BlockAwarePrefixCache, query: list[int],
-                 make_cache: Callable[[], list] | None = None, decoded_from: int | None = None) -> int:
+                 make_cache: Callable[[], list] | None = None, decoded_from: int | None = None,
+                 prefill_chunk: int | None = None) -> int:
     """Fetch for ``query``, continue warm and cold (same chunking), assert 0.0 diff; return n.
 
     ``decoded_from``: the stored cache fed tokens from there on one at a time (decode), so the
-    cold run does the same for its first ``n`` tokens.
+    cold run does the same for its first ``n`` tokens. ``prefill_chunk``: passed to the fetch
+    (both at once may prefill a head on that grid; the stores here chunk by block).
     """
     block = prefix.block_size
-    cache, n = prefix.fetch(query)
+    cache, n = prefix.fetch(query, prefill_chunk=prefill_chunk)
     assert n <= len(query) - 1
     cold = (make_cache or prefix.make_cache)()
     if n:

@@ -1,0 +1,178 @@
+"""Both at once: the fetch prefills a prefix's head while the files of its rest are read.
+
+The unit tests drive the split with given rates; the model tests make the SSD tier slow on
+purpose (``test_ssd_read_bytes_per_s``, a real tier) against a seeded prefill rate, and assert
+the decision, its counters and exactness (logits 0.0 against a cold run of the same chunking) on
+KV, sliding-window, chunked, hybrid and recurrent models.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from paged_cache.config import CacheConfig
+from paged_cache.fetch_plan import SPLIT_MARGIN, Plan, plan_fetch
+from paged_cache.manager import PagedSSDCacheManager
+from paged_cache.prefix_cache import BlockAwarePrefixCache
+from paged_cache.rates import Rates
+from paged_cache.testing import tiny_model
+from scheduler import Scheduler
+
+from helpers.managers import new_manager
+from helpers.prefix import assert_exact, prompt, store_prompt
+
+BLOCK = 16
+PER_TOKEN = 512       # bytes of KV per token the unit plans assume
+PREFILL = 500.0       # tokens/s: a 16-token block prefills in 32 ms
+BLOCK_BYTES = BLOCK * PER_TOKEN
+ENDS = [8 * BLOCK, 6 * BLOCK, 4 * BLOCK]
+
+
+def _rates(ssd_block_seconds: float, hot: float = 1e12) -> Rates:
+    rates = Rates(PREFILL)
+    rates.learn_bytes_per_token("layout", BLOCK_BYTES, BLOCK)
+    rates.add_read("ssd", BLOCK_BYTES, ssd_block_seconds)
+    rates.add_read("hot", hot, 1.0)
+    return rates
+
+
+def _chain(tiers: list[str]):
+    """reads_of and nodes_of for a chain of blocks held in ``tiers``."""
+    def reads_of(n: int) -> list[tuple[str, int]]:
+        return [(t, BLOCK) for t in tiers[:n // BLOCK]]
+
+    def nodes_of(n: int) -> list[tuple[int, int, str]]:
+        return [(j * BLOCK, BLOCK, t) for j, t in enumerate(tiers[:n // BLOCK])]
+    return reads_of, nodes_of
+
+
+def _plan(tiers: list[str], rates: Rates, grid: int = BLOCK) -> Plan:
+    reads_of, nodes_of = _chain(tiers)
+    return plan_fetch("cost", ENDS, reads_of, rates, "model", "layout", nodes_of, grid)
+
+
+@pytest.mark.unit
+def test_split_where_the_prefill_and_the_reads_finish_together() -> None:
+    """An SSD block reads in 64 ms, prefills in 32 ms: restoring 8 blocks takes 512 ms, prefilling
+    them 256 ms; prefilling 5 while reading 3 takes max(160, 192) = 192 ms, 6 while 2: 192 ms too;
+    the shorter head wins the tie. Deterministic."""
+    plans = [_plan(["ssd"] * 8, _rates(0.064)) for _ in range(2)]
+    assert plans[0] == plans[1]
+    assert plans[0].ends == [8 * BLOCK] and plans[0].head == 5 * BLOCK
+    assert plans[0].recomputed == 0 and "predicted" in plans[0].detail
+
+
+@pytest.mark.unit
+def test_no_split_unless_it_beats_the_better_single_way() -> None:
+    # SSD as fast as the prefill: a restore of all is cheaper than any split; restored whole
+    fast = _plan(["ssd"] * 8, _rates(0.001))
+    assert fast.head == 0 and fast.ends == ENDS
+    # SSD 20x slower: a split saves less than 1 - SPLIT_MARGIN of the prefill: prefill all
+    slow = _plan(["ssd"] * 8, _rates(0.032 * 20))
+    assert slow.head == 0 and slow.ends == [] and slow.reason == "cost"
+    assert 20 / 21 > SPLIT_MARGIN  # best split: max(h, 20 (n - h)) = 20/21 n
+    # RAM blocks: nothing to read beside the prefill
+    assert _plan(["hot"] * 8, _rates(0.064, hot=1.0)).head == 0
+    # no grid (the caller does not chunk on one), or a grid no node starts on
+    assert _plan(["ssd"] * 8, _rates(0.064), grid=0).head == 0
+    assert _plan(["ssd"] * 8, _rates(0.064), grid=16 * BLOCK).head == 0
+    # an estimate missing: restore as without a plan
+    reads_of, nodes_of = _chain(["ssd"] * 8)
+    assert plan_fetch("cost", ENDS, reads_of, Rates(PREFILL), "model", "layout", nodes_of,
+                      BLOCK).head == 0
+    # a forced policy is never split
+    assert plan_fetch("always-restore", ENDS, reads_of, _rates(0.064), "model", "layout",
+                      nodes_of, BLOCK).head == 0
+
+
+@pytest.mark.unit
+def test_the_head_is_on_the_grid() -> None:
+    """A grid of two blocks: the head ends on it (4 or 6 blocks), never between."""
+    plan = _plan(["ssd"] * 8, _rates(0.064), grid=2 * BLOCK)
+    assert plan.head % (2 * BLOCK) == 0 and 0 < plan.head < 8 * BLOCK
+
+
+@pytest.mark.unit
+def test_prefill_chunk_is_checked(tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    with new_manager(block_size=BLOCK) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        for bad in (0, BLOCK + 1, True, "16"):
+            with pytest.raises(ValueError, match="prefill_chunk: expected a positive multiple of "
+                                                 "the block size 16"):
+                prefix.fetch(prompt(4 * BLOCK), prefill_chunk=bad)
+
+
+# ---------------------------------------------------------------------- a real, slow SSD tier
+
+SLOW_SSD = "128KB"  # an 8 KiB block of the tiny llama: 64 ms, twice its seeded prefill
+
+
+def _slow_ssd(tmp_path: Path, model, tokens: list[int]) -> CacheConfig:
+    """Store ``tokens`` on SSD (a first process); the config of a restart whose SSD reads are
+    slow and whose prefill rate is seeded."""
+    with new_manager(tmp_path, block_size=BLOCK, ssd_max_bytes="64MB") as manager:
+        store_prompt(model, BlockAwarePrefixCache(manager, model), tokens)
+    return CacheConfig(block_size=BLOCK, ssd_dir=tmp_path, ssd_max_bytes="64MB",
+                       test_ssd_read_bytes_per_s=SLOW_SSD, prefill_tokens_per_s=PREFILL)
+
+
+def _measure_ssd(model, prefix: BlockAwarePrefixCache, tokens: list[int]) -> None:
+    """One SSD restore (no read rate yet: restored), which measures the tier, then every block
+    out of RAM again. Nothing has sampled the prefill rate yet: the plan weighs the seed."""
+    assert assert_exact(model, prefix, tokens[:2 * BLOCK] + [7, 7]) == 2 * BLOCK
+    assert prefix.stats()["prefill_samples"] == 0
+    prefix.manager.trim_hot(0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "llama4", "qwen3_next", "mamba"])
+def test_head_prefilled_while_the_rest_is_read_exact(tmp_path: Path, arch: str) -> None:
+    """KV, sliding-window, chunked, hybrid and recurrent: the head is prefilled on the caller's
+    grid, the rest read from the slow SSD (its files read ahead beside the prefill), and the
+    rebuilt cache continues exactly like a cold run of the same chunking."""
+    model = tiny_model(arch)
+    tokens = prompt(8 * BLOCK)
+    with PagedSSDCacheManager(_slow_ssd(tmp_path, model, tokens)) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        _measure_ssd(model, prefix, tokens)
+        assert assert_exact(model, prefix, tokens + [1], prefill_chunk=BLOCK) == 8 * BLOCK
+        info = prefix.last_fetch
+        assert info.tier == "ssd" and 0 < info.tokens_prefilled < 8 * BLOCK
+        assert info.tokens_prefilled % BLOCK == 0 and info.tokens_recomputed == 0
+        stats = prefix.stats()
+        assert stats["overlapped_fetches"] == 1
+        assert stats["overlapped_head_tokens"] == info.tokens_prefilled
+        assert stats["tokens_saved"] == 2 * BLOCK + 8 * BLOCK - info.tokens_prefilled
+        ssd = manager.stats()["ssd"]
+        assert ssd["warmed"] >= 1 and ssd["warmed_bytes"] > 0
+
+
+def test_without_a_grid_the_plan_chooses_one_way(tmp_path: Path) -> None:
+    """The same slow SSD, no prefill grid given: prefill everything (the better single way)."""
+    model = tiny_model("llama")
+    tokens = prompt(8 * BLOCK)
+    with PagedSSDCacheManager(_slow_ssd(tmp_path, model, tokens)) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        _measure_ssd(model, prefix, tokens)
+        assert assert_exact(model, prefix, tokens + [1]) == 0
+        assert prefix.last_fetch.tokens_recomputed == 8 * BLOCK
+        assert prefix.stats()["overlapped_fetches"] == 0
+
+
+def test_scheduler_prefills_the_head_and_counts_only_the_rest_as_cached(tmp_path: Path) -> None:
+    """Through the Scheduler (its chunk is the grid): the generated tokens are the cold run's,
+    and ``cached_tokens`` counts the tokens restored, not the head the fetch prefilled."""
+    model = tiny_model("llama")
+    tokens = prompt(8 * BLOCK)
+    cold = Scheduler(model, None, block_size=BLOCK, prefill_chunk_size=BLOCK)
+    want = cold.generate(tokens + [5], max_tokens=4).tokens
+    with PagedSSDCacheManager(_slow_ssd(tmp_path, model, tokens)) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        _measure_ssd(model, prefix, tokens)
+        sched = Scheduler(model, prefix, prefill_chunk_size=BLOCK)
+        got = sched.generate(tokens + [5], max_tokens=4)
+        head = prefix.last_fetch.tokens_prefilled
+        assert got.tokens == want
+        assert head > 0 and got.cached_tokens == 8 * BLOCK - head
