@@ -26,7 +26,7 @@ import numpy as np
 
 from paged_cache.block import KEY_HEX_LEN, Block
 from paged_cache.chain_index import ChainNode
-from paged_cache.fetch_plan import OVERLAP_TIERS, Plan, plan_fetch
+from paged_cache.fetch_plan import OVERLAP_TIERS, Plan, Split, plan_fetch
 from paged_cache.handlers import Part, Span
 from paged_cache.handlers.base import clipped, rebuild_pipeline
 from paged_cache.hashing import ROOT_PARENT, chain_keys, shared_prefix
@@ -36,7 +36,7 @@ from paged_cache.rates import tier_label
 from paged_cache.row_path import evaluate
 from paged_cache.store import node_block
 from paged_cache.tiers.direct import StoredBlock
-from paged_cache.tiers.format import META_LAYERS, file_order, layer_of
+from paged_cache.tiers.format import META_GRID, META_LAYERS, file_order, layer_of
 
 logger = logging.getLogger("paged_cache.fetch")
 
@@ -126,10 +126,11 @@ def find(pc: Any, ids: np.ndarray, limit: int | None = None, prefill: Prefill | 
     shared_max = max((c.end for c in cands), default=0)
     plan = _plan(search, _candidate_ends(layout, cands, min(limit, shared_max)),
                  grid if prefill is not None else 0)
-    if plan.head:
-        found = _both(search, plan, prefill)
-        found.shared, found.plan = shared_max, plan
-        return found
+    if plan.split is not None:
+        found = _both(search, plan.split, prefill, grid)
+        if found is not None:
+            found.shared, found.plan = shared_max, Plan([plan.split.end], detail=plan.split.detail)
+            return found
     for n in plan.ends:
         found = _try(search, n)
         if found is _DAMAGED:
@@ -171,16 +172,21 @@ def _plan(search: _Search, ends: list[int], grid: int) -> Plan:
                       pc.layout.identity, pc.layout.fingerprint, nodes_of, grid)
 
 
-def _both(search: _Search, plan: Plan, prefill: Prefill) -> Found:
-    """Both at once: the files of the nodes after the head are read through the page cache on
-    another thread (Tier.warm) while ``prefill`` computes the head; then the cache is rebuilt at
-    the plan's end from the head (cut like a block) and those nodes. Where no choice of nodes
-    rebuilds with the head, the head's cache itself is the result (exact: a cold run to there)."""
-    pc, n, h = search.pc, plan.ends[0], plan.head
+def _both(search: _Search, split: Split, prefill: Prefill, grid: int) -> Found | None:
+    """Both at once. The node at the head's end is read first: its rows must have been computed
+    after a prefill of the head on ``grid`` (META_GRID), else None (the plan without the split
+    follows). Then the files of the nodes after it are read through the page cache on another
+    thread (Tier.warm) while ``prefill`` computes the head, and the cache is rebuilt at the end
+    from the head (cut like a block) and those nodes. Where no choice of nodes rebuilds with the
+    head, the head's cache itself is the result (exact: a cold run to there)."""
+    pc, n, h = search.pc, split.end, split.head
     options = [[(node, used) for node, used in chosen if node.start >= h]
                for chosen in _nodes_for(search, n)]
-    ahead = [(node.key, node.tier) for node, _ in options[:1] and options[0]
-             if node.tier in OVERLAP_TIERS]
+    first = next((node for node, _ in options[:1] and options[0] if node.start == h), None)
+    if first is None or not _on_grid(search, first, grid, h):
+        return None
+    ahead = [(node.key, node.tier) for node, _ in options[0]
+             if node.tier in OVERLAP_TIERS and node.key not in search.blocks]
 
     def warm() -> None:
         for key, tier in reversed(ahead):  # from the end: the last node is needed last
@@ -225,6 +231,15 @@ def _ranked(options: list[Candidate], n: int) -> list[Candidate]:
 
 
 MAX_OPTIONS = 16  # node choices tried per position (tails x states), best first
+
+
+def _on_grid(search: _Search, node: ChainNode, grid: int, h: int) -> bool:
+    """Read ``node`` (kept for the rebuild): True when its rows were computed by a request that
+    prefilled at least ``[0, h)`` itself on ``grid`` (its META_GRID), so a head prefilled so has
+    the rows it was computed after."""
+    block = _read(search, node, take=False, in_place=False)
+    chunk, _, until = (block.meta.get(META_GRID, "") if block is not None else "").partition(":")
+    return chunk == str(grid) and until.isdigit() and int(until) >= h
 
 
 def _nodes_for(search: _Search, n: int) -> list[list[tuple[ChainNode, int]]]:
@@ -298,14 +313,8 @@ def _try_nodes(search: _Search, n: int, chosen: list[tuple[ChainNode, int]]) -> 
     for node, _ in chosen:
         if node.key not in search.blocks:
             # an SSD block handed over is read without promotion (taken)
-            take = node.key in handover and node.tier != "hot"
-            t0 = time.perf_counter()
-            block = pc.read(node.key, take=take, in_place=in_place)
-            search.read_seconds[node.key] = time.perf_counter() - t0
-            if block is not None and not node.describes(block.meta):
-                pc.count("blocks_rejected")  # a value under this key claiming another span
-                block = None
-            search.blocks[node.key] = block
+            _read(search, node, take=node.key in handover and node.tier != "hot",
+                  in_place=in_place)
         if search.blocks[node.key] is None:
             return None
         blocks.append(search.blocks[node.key])
@@ -357,6 +366,19 @@ def _try_nodes(search: _Search, n: int, chosen: list[tuple[ChainNode, int]]) -> 
                 if node.key != HEAD_KEY}
     tier = tier_set.pop() if len(tier_set) == 1 else "mixed"
     return Found(template, n, tier, len(chosen), n, taken=sorted(handover), lent=lent)
+
+
+def _read(search: _Search, node: ChainNode, *, take: bool, in_place: bool) -> Any:
+    """Read ``node``'s block (timed, kept in the search), or None: a miss, or a value under its
+    key claiming another span (counted in ``blocks_rejected``)."""
+    t0 = time.perf_counter()
+    block = search.pc.read(node.key, take=take, in_place=in_place)
+    search.read_seconds[node.key] = time.perf_counter() - t0
+    if block is not None and not node.describes(block.meta):
+        search.pc.count("blocks_rejected")
+        block = None
+    search.blocks[node.key] = block
+    return block
 
 
 def _measure(search: _Search, chosen: list[tuple[ChainNode, int]], blocks: list[Any],

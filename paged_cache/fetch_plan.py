@@ -11,15 +11,15 @@ candidate counts as a gain: the fetch restores as it would without a plan. Deter
 same candidates and rates give the same plan.
 
 Both at once: when the caller gives its prefill grid, the fetch may prefill the head ``[0, h)``
-itself while the files of the rest ``[h, n)`` are read on another thread (``head``): ``h`` on the
-grid, chosen so the two finish together, taken when predicted at most ``SPLIT_MARGIN`` of the
-plan's time for the same ``n`` tokens.
+itself while the files of the rest ``[h, n)`` are read on another thread (``Split``): ``h`` on
+the grid, chosen so the two finish together, tried when predicted at most ``SPLIT_MARGIN`` of the
+plan's time for the same ``n`` tokens (the plan without it stays the way back).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from paged_cache.rates import Rates
@@ -40,7 +40,16 @@ class Plan:
     recomputed: int = 0
     reason: str | None = None
     detail: str = ""
-    head: int = 0  # both at once: the fetch prefills [0, head) while it reads [head, ends[0])
+    split: "Split | None" = None  # both at once, tried first (``ends`` is the plan without it)
+
+
+@dataclass(frozen=True)
+class Split:
+    """Both at once: the fetch prefills ``[0, head)`` while it reads ``[head, end)``."""
+
+    head: int
+    end: int
+    detail: str
 
 
 Node = tuple[int, int, str]  # (start, tokens, tier) of a node a rebuild reads
@@ -96,8 +105,9 @@ def split(plan: Plan, n: int, nodes: list[Node], grid: int,
           layout: str) -> Plan:
     """``plan``, or both at once up to ``n`` when predicted at most SPLIT_MARGIN of its time for
     those ``n`` tokens: the head ``h`` (a multiple of ``grid`` at a node's start) minimizing
-    ``max(h / p, io) + rest`` where ``io`` is the reads of OVERLAP_TIERS nodes from ``h`` on and
-    ``rest`` the other reads from ``h`` on (done after the prefill). Needs every estimate."""
+    ``first + max(h / p, io) + rest``: ``first`` the read of the node at ``h`` (read before, it
+    says how its rows were prefilled), ``io`` the reads of the OVERLAP_TIERS nodes after it and
+    ``rest`` the other reads after it (done after the prefill). Needs every estimate."""
     prefill, per_token = rates.prefill(model), rates.bytes_per_token(layout)
     tiers = {tier for _, _, tier in nodes}
     read = {tier: rates.read(tier) for tier in tiers}
@@ -107,19 +117,20 @@ def split(plan: Plan, n: int, nodes: list[Node], grid: int,
     before = n / prefill - (gain(kept, reads_of(kept), prefill, per_token, rates)
                             if kept else 0.0)
     best: tuple[float, int] | None = None
-    for start, _, _ in nodes:
+    for start, tokens, tier in nodes:
         if start and start % grid == 0:
-            io = sum(t * per_token / read[tier] for s, t, tier in nodes
-                     if s >= start and tier in OVERLAP_TIERS)
-            rest = sum(t * per_token / read[tier] for s, t, tier in nodes
-                       if s >= start and tier not in OVERLAP_TIERS)
+            first = tokens * per_token / read[tier]
+            io = sum(t * per_token / read[tr] for s, t, tr in nodes
+                     if s > start and tr in OVERLAP_TIERS)
+            rest = sum(t * per_token / read[tr] for s, t, tr in nodes
+                       if s > start and tr not in OVERLAP_TIERS)
             if io:
-                best = min(best or (math.inf, 0), (max(start / prefill, io) + rest, start))
+                best = min(best or (math.inf, 0), (first + max(start / prefill, io) + rest, start))
     if best is None or best[0] > SPLIT_MARGIN * before:
         return plan
     seconds, h = best
-    return Plan([n], detail=f"prefilling [0, {h}) while reading [{h}, {n}): {seconds:.3f} s "
-                            f"predicted against {before:.3f} s", head=h)
+    return replace(plan, split=Split(h, n, f"prefilling [0, {h}) while reading [{h}, {n}): "
+                                           f"{seconds:.3f} s predicted against {before:.3f} s"))
 
 
 def _detail(longest: int, best: int, gains: dict[int, float], prefill: float) -> str:

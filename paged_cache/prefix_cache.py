@@ -216,7 +216,7 @@ class BlockAwarePrefixCache:
     # ------------------------------------------------------------------ store
 
     def store(self, tokens: Any, cache: list, *, snapshots: dict | None = None,
-              consume: bool = False) -> int:
+              consume: bool = False, prefill_grid: tuple[int, int] | None = None) -> int:
         """Store ``cache`` (positioned at ``len(tokens)``) as chained blocks; return new blocks.
 
         Also leaves a checkpoint (the state of layers that cannot be cut by token) at the end and
@@ -224,6 +224,9 @@ class BlockAwarePrefixCache:
         ``consume=True``: the caller hands the cache over (as mlx_lm.server does at insert time);
         each layer is released (its list entry set to None) as soon as its blocks are cut, so the
         store holds at most one layer twice instead of the whole sequence.
+        ``prefill_grid=(chunk, until)``: this cache's tokens ``[0, until)`` were prefilled from
+        position 0 in chunks ending on the absolute grid of ``chunk`` tokens (nothing restored);
+        a fetch may then prefill a head of them instead of reading it (docs/fetch-plan.md).
         """
         t0 = time.perf_counter()
         tokens = token_ids(tokens)
@@ -231,9 +234,10 @@ class BlockAwarePrefixCache:
             return 0
         self.layout.check(cache, len(tokens))
         snaps = self._check_snapshots(snapshots, len(tokens))
+        grid = self._check_grid(prefill_grid, len(tokens))
         if len(tokens) == 0:
             return 0
-        result = store_chain(self, tokens, cache, snaps, consume)
+        result = store_chain(self, tokens, cache, snaps, consume, grid)
         if len(self._loans):
             self._loans.settle(self._held, stored=tokens)
         seconds = time.perf_counter() - t0
@@ -302,6 +306,19 @@ class BlockAwarePrefixCache:
         logger.debug("fetch: %d/%d tokens from %s (%d nodes) in %.1f ms",
                      n, total, self.last_fetch.tier, self.last_fetch.blocks, seconds * 1e3)
         return (found.cache, n) if n else (None, 0)
+
+    def _check_grid(self, grid: Any, n_tokens: int) -> tuple[int, int] | None:
+        """A store's ``prefill_grid``: None, or (chunk, until) with chunk a positive multiple
+        of the block size and until in [1, n_tokens]."""
+        if grid is None:
+            return None
+        ok = (isinstance(grid, tuple) and len(grid) == 2
+              and all(isinstance(v, int) and not isinstance(v, bool) for v in grid))
+        if not ok or grid[0] < 1 or grid[0] % self.block_size or not 0 < grid[1] <= n_tokens:
+            raise ValueError(f"prefill_grid: expected (chunk, until) with chunk a positive "
+                             f"multiple of the block size {self.block_size} and until in "
+                             f"[1, {n_tokens}], got {grid!r:.60}")
+        return grid
 
     def _check_chunk(self, prefill_chunk: Any) -> int:
         """The prefill grid of a fetch (0: none; always 0 in a group, whose ranks would have to

@@ -27,8 +27,8 @@ from paged_cache.handlers import restorable_at_end
 from paged_cache.hashing import ROOT_PARENT, chain_keys, checkpoint_key
 from paged_cache.loans import digest
 from paged_cache.row_path import evaluate
-from paged_cache.tiers.format import (META_LAYERS, META_MODEL_NAME, META_NAMESPACE, META_SHARD,
-                                      array_name, layer_of)
+from paged_cache.tiers.format import (META_GRID, META_LAYERS, META_MODEL_NAME, META_NAMESPACE,
+                                      META_SHARD, array_name, layer_of)
 
 ON_DISK = ("ssd", "remote")  # tiers a block is read from with I/O (a store brings it to RAM)
 # not in RAM for the next fetch: on disk, or only in the SSD writer's queue (a block a hit took
@@ -45,8 +45,10 @@ class StoreResult:
     deduplicated: int
 
 
-def store_chain(pc: Any, tokens: np.ndarray, cache: list, snaps: dict, consume: bool) -> StoreResult:
-    """Store ``cache`` (positioned at ``len(tokens)``) for prefix cache ``pc`` (see module doc)."""
+def store_chain(pc: Any, tokens: np.ndarray, cache: list, snaps: dict, consume: bool,
+                grid: tuple[int, int] | None = None) -> StoreResult:
+    """Store ``cache`` (positioned at ``len(tokens)``) for prefix cache ``pc`` (see module doc);
+    ``grid``: (chunk, until), how the caller prefilled it (META_GRID on the nodes it writes)."""
     layout, manager, bs = pc.layout, pc.manager, pc.block_size
     fp, n = layout.fingerprint, len(tokens)
     ids = np.asarray(tokens, dtype=np.int64)
@@ -99,13 +101,13 @@ def store_chain(pc: Any, tokens: np.ndarray, cache: list, snaps: dict, consume: 
     for pos, j in enumerate(offered):
         s, e = spans[j]
         written += _put(pc, keys[j], ChainNode(keys[j], parents[j], fp, s, ids[s:e]),
-                        block_cuts, pos, types)
+                        block_cuts, pos, types, grid)
     done = 0
     for pos, (p, j) in enumerate(ckpts):
         s = spans[j][0]
         key = checkpoint_key(fp, pc.namespace, parents[j], tokens[s:p])
         done += _put(pc, key, ChainNode(key, parents[j], fp, s, ids[s:p], checkpoint=True),
-                     ckpt_cuts, pos, types)
+                     ckpt_cuts, pos, types, grid)
     return StoreResult(written, done, len(keys) - len(new))
 
 
@@ -131,9 +133,12 @@ def put_back(pc: Any, layers: list, lent: list) -> int:
     return back
 
 
-def _put(pc: Any, key: str, node: ChainNode, cuts: list[list], pos: int, types: list[str]) -> int:
+def _put(pc: Any, key: str, node: ChainNode, cuts: list[list], pos: int, types: list[str],
+         grid: tuple[int, int] | None) -> int:
     """Assemble one node's block from every layer's cut ``pos`` and put it; 1 if new."""
     block = node_block(pc, key, node, cuts, pos, types)
+    if grid is not None:
+        block.meta[META_GRID] = f"{grid[0]}:{grid[1]}"
     # a partial tail waits in RAM: the next store of the conversation usually supersedes it
     partial = not node.checkpoint and node.ntokens < pc.block_size
     return int(bool(pc.manager.put(block, deferred=partial)))

@@ -289,6 +289,7 @@ class Scheduler:
                 cache, n = None, 0
         req.cache = cache if cache is not None else self._make_cache()
         req.covered = req.last_capture = n
+        req.grid_until, req.on_grid = 0, n == 0
         # a head the fetch prefilled itself (both at once) was computed, not reused
         req.cached_tokens = n - (getattr(self.prefix_cache.last_fetch, "tokens_prefilled", 0)
                                  if n else 0)
@@ -315,6 +316,9 @@ class Scheduler:
             if self.caching:  # a sample of the prefill rate the fetch plan weighs
                 self.prefix_cache.record_prefill(end - req.covered, time.perf_counter() - t0)
             req.covered = end
+            # how the rows were cut, for a later fetch that would prefill a head of them
+            req.on_grid = req.on_grid and end % self.prefill_chunk_size == 0
+            req.grid_until = end if req.on_grid else req.grid_until
             if end % self.block_size == 0 or end in req.checkpoints:
                 self._capture(req, req.cache, pinned=end in req.checkpoints)
             mx.clear_cache()
@@ -346,7 +350,7 @@ class Scheduler:
         snapshots = req.snapshots.take()
         try:
             stored = self.prefix_cache.store(req.cache_tokens, cache, snapshots=snapshots,
-                                             consume=consume)
+                                             consume=consume, prefill_grid=self._grid_of(req))
         except Exception as exc:
             self._counts["store_errors"] += 1
             self._cache_error(req, "store", exc)
@@ -356,6 +360,10 @@ class Scheduler:
         req.stored_tokens = max(req.stored_tokens, int(stored or 0))
         self._counts["stores"] += 1
         self._counts["stored_tokens"] += int(stored or 0)
+
+    def _grid_of(self, req: Request) -> tuple[int, int] | None:
+        """What the request's store says of how its rows were prefilled (``prefill_grid``)."""
+        return (self.prefill_chunk_size, req.grid_until) if req.grid_until else None
 
     def _cache_error(self, req: Request, what: str, exc: Exception) -> None:
         """A prefix-cache error never fails a request: it goes on uncached (no more fetch, capture

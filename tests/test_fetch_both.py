@@ -13,15 +13,17 @@ from pathlib import Path
 import pytest
 
 from paged_cache.config import CacheConfig
-from paged_cache.fetch_plan import SPLIT_MARGIN, Plan, plan_fetch
+from paged_cache.fetch_plan import Plan, plan_fetch
+from paged_cache.hashing import chain_keys
 from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.rates import Rates
 from paged_cache.testing import tiny_model
+from paged_cache.tiers.format import META_GRID
 from scheduler import Scheduler
 
 from helpers.managers import new_manager
-from helpers.prefix import assert_exact, prompt, store_prompt
+from helpers.prefix import assert_exact, prefill, prompt, store_prompt
 
 BLOCK = 16
 PER_TOKEN = 512       # bytes of KV per token the unit plans assume
@@ -56,42 +58,46 @@ def _plan(tiers: list[str], rates: Rates, grid: int = BLOCK) -> Plan:
 @pytest.mark.unit
 def test_split_where_the_prefill_and_the_reads_finish_together() -> None:
     """An SSD block reads in 64 ms, prefills in 32 ms: restoring 8 blocks takes 512 ms, prefilling
-    them 256 ms; prefilling 5 while reading 3 takes max(160, 192) = 192 ms, 6 while 2: 192 ms too;
-    the shorter head wins the tie. Deterministic."""
+    them 256 ms. The block at the head's end is read first (64 ms), then prefilling 5 blocks while
+    reading 2 takes max(160, 128): 224 ms in all; a head of 4 or 6 blocks takes 256 ms.
+    Deterministic."""
     plans = [_plan(["ssd"] * 8, _rates(0.064)) for _ in range(2)]
     assert plans[0] == plans[1]
-    assert plans[0].ends == [8 * BLOCK] and plans[0].head == 5 * BLOCK
-    assert plans[0].recomputed == 0 and "predicted" in plans[0].detail
+    split = plans[0].split
+    assert (split.head, split.end) == (5 * BLOCK, 8 * BLOCK) and "predicted" in split.detail
+    # the plan without it, the way back when the split cannot be made: prefill all
+    assert plans[0].ends == [] and plans[0].reason == "cost"
 
 
 @pytest.mark.unit
 def test_no_split_unless_it_beats_the_better_single_way() -> None:
     # SSD as fast as the prefill: a restore of all is cheaper than any split; restored whole
     fast = _plan(["ssd"] * 8, _rates(0.001))
-    assert fast.head == 0 and fast.ends == ENDS
-    # SSD 20x slower: a split saves less than 1 - SPLIT_MARGIN of the prefill: prefill all
-    slow = _plan(["ssd"] * 8, _rates(0.032 * 20))
-    assert slow.head == 0 and slow.ends == [] and slow.reason == "cost"
-    assert 20 / 21 > SPLIT_MARGIN  # best split: max(h, 20 (n - h)) = 20/21 n
+    assert fast.split is None and fast.ends == ENDS
+    # SSD 5x slower: a split saves less than 1 - SPLIT_MARGIN of the prefill: prefill all
+    slow = _plan(["ssd"] * 8, _rates(0.032 * 5))
+    assert slow.split is None and slow.ends == [] and slow.reason == "cost"
     # RAM blocks: nothing to read beside the prefill
-    assert _plan(["hot"] * 8, _rates(0.064, hot=1.0)).head == 0
+    assert _plan(["hot"] * 8, _rates(0.064, hot=1.0)).split is None
     # no grid (the caller does not chunk on one), or a grid no node starts on
-    assert _plan(["ssd"] * 8, _rates(0.064), grid=0).head == 0
-    assert _plan(["ssd"] * 8, _rates(0.064), grid=16 * BLOCK).head == 0
+    assert _plan(["ssd"] * 8, _rates(0.064), grid=0).split is None
+    assert _plan(["ssd"] * 8, _rates(0.064), grid=16 * BLOCK).split is None
     # an estimate missing: restore as without a plan
     reads_of, nodes_of = _chain(["ssd"] * 8)
     assert plan_fetch("cost", ENDS, reads_of, Rates(PREFILL), "model", "layout", nodes_of,
-                      BLOCK).head == 0
+                      BLOCK).split is None
     # a forced policy is never split
     assert plan_fetch("always-restore", ENDS, reads_of, _rates(0.064), "model", "layout",
-                      nodes_of, BLOCK).head == 0
+                      nodes_of, BLOCK).split is None
 
 
 @pytest.mark.unit
 def test_the_head_is_on_the_grid() -> None:
-    """A grid of two blocks: the head ends on it (4 or 6 blocks), never between."""
-    plan = _plan(["ssd"] * 8, _rates(0.064), grid=2 * BLOCK)
-    assert plan.head % (2 * BLOCK) == 0 and 0 < plan.head < 8 * BLOCK
+    """An SSD block read in 56 ms: on the block grid a head of 5 blocks (56 + max(160, 112) =
+    216 ms) is best; on a grid of two blocks 5 is not a choice, and 4 (56 + max(128, 168) =
+    224 ms) beats 6 (248 ms)."""
+    assert _plan(["ssd"] * 8, _rates(0.056)).split.head == 5 * BLOCK
+    assert _plan(["ssd"] * 8, _rates(0.056), grid=2 * BLOCK).split.head == 4 * BLOCK
 
 
 @pytest.mark.unit
@@ -107,24 +113,27 @@ def test_prefill_chunk_is_checked(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------- a real, slow SSD tier
 
-SLOW_SSD = "128KB"  # an 8 KiB block of the tiny llama: 64 ms, twice its seeded prefill
+SLOW_SSD = "128KB"  # an 8 KiB block of the tiny llama: 64 ms
 
 
 def _slow_ssd(tmp_path: Path, model, tokens: list[int]) -> CacheConfig:
     """Store ``tokens`` on SSD (a first process); the config of a restart whose SSD reads are
-    slow and whose prefill rate is seeded."""
+    slow."""
     with new_manager(tmp_path, block_size=BLOCK, ssd_max_bytes="64MB") as manager:
         store_prompt(model, BlockAwarePrefixCache(manager, model), tokens)
     return CacheConfig(block_size=BLOCK, ssd_dir=tmp_path, ssd_max_bytes="64MB",
-                       test_ssd_read_bytes_per_s=SLOW_SSD, prefill_tokens_per_s=PREFILL)
+                       test_ssd_read_bytes_per_s=SLOW_SSD)
 
 
 def _measure_ssd(model, prefix: BlockAwarePrefixCache, tokens: list[int]) -> None:
     """One SSD restore (no read rate yet: restored), which measures the tier, then every block
-    out of RAM again. Nothing has sampled the prefill rate yet: the plan weighs the seed."""
+    out of RAM again; then a prefill sample twice as fast as the SSD reads a token of this
+    model's layout (the tiny model's real prefill is far faster than any read)."""
     assert assert_exact(model, prefix, tokens[:2 * BLOCK] + [7, 7]) == 2 * BLOCK
-    assert prefix.stats()["prefill_samples"] == 0
     prefix.manager.trim_hot(0)
+    rates = prefix.manager.rates
+    read_tokens_per_s = rates.read("ssd") / rates.bytes_per_token(prefix.fingerprint)
+    prefix.record_prefill(round(2 * read_tokens_per_s), 1.0)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text", "llama4", "qwen3_next", "mamba"])
@@ -176,3 +185,64 @@ def test_scheduler_prefills_the_head_and_counts_only_the_rest_as_cached(tmp_path
         head = prefix.last_fetch.tokens_prefilled
         assert got.tokens == want
         assert head > 0 and got.cached_tokens == 8 * BLOCK - head
+
+
+def _unmarked(tmp_path: Path, model, tokens: list[int]) -> CacheConfig:
+    """``_slow_ssd``, but the store does not say how its rows were prefilled."""
+    with new_manager(tmp_path, block_size=BLOCK, ssd_max_bytes="64MB") as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        cache = prefix.make_cache()
+        prefill(model, cache, tokens, 0, BLOCK)
+        prefix.store(tokens, cache)
+    return CacheConfig(block_size=BLOCK, ssd_dir=tmp_path, ssd_max_bytes="64MB",
+                       test_ssd_read_bytes_per_s=SLOW_SSD)
+
+
+def test_no_split_over_rows_prefilled_another_way(tmp_path: Path) -> None:
+    """Rows stored without ``prefill_grid``, or on another grid: a head prefilled on this grid
+    might not be the rows they were computed after. The node at the head's end is read, its
+    mark refused, and the plan without the split is followed (here: prefill all), exactly."""
+    model = tiny_model("llama")
+    tokens = prompt(8 * BLOCK)
+    with PagedSSDCacheManager(_unmarked(tmp_path / "a", model, tokens)) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        _measure_ssd(model, prefix, tokens)
+        assert assert_exact(model, prefix, tokens + [1], prefill_chunk=BLOCK) == 0
+        assert prefix.last_fetch.tokens_recomputed == 8 * BLOCK
+        assert prefix.stats()["overlapped_fetches"] == 0
+    with PagedSSDCacheManager(_slow_ssd(tmp_path / "b", model, tokens)) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        _measure_ssd(model, prefix, tokens)
+        # a grid of 2 blocks: the stored rows were prefilled a block at a time
+        assert assert_exact(model, prefix, tokens + [1], prefill_chunk=2 * BLOCK) == 0
+        assert prefix.stats()["overlapped_fetches"] == 0
+
+
+def test_scheduler_marks_what_it_prefilled_on_its_grid(tmp_path: Path) -> None:
+    """A request that restored nothing marks its blocks with its chunk and the last grid position
+    its chunks reached (the final chunk ends off the grid); one that restored a prefix marks none."""
+    model = tiny_model("llama")
+    tokens = prompt(8 * BLOCK + 5)
+    with new_manager(tmp_path, block_size=BLOCK, ssd_max_bytes="64MB") as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        sched = Scheduler(model, prefix, prefill_chunk_size=2 * BLOCK)
+        sched.generate(tokens[:6 * BLOCK + 3], max_tokens=2)
+        sched.generate(tokens, max_tokens=2)
+        keys = chain_keys(prefix.fingerprint, "", tokens[:8 * BLOCK], BLOCK)
+        marks = [manager.get(key).meta.get(META_GRID) for key in keys]
+    # the first request prefilled [0, 32), [32, 64), [64, 96) on the grid, then [96, 98) short
+    assert marks[:6] == [f"{2 * BLOCK}:{6 * BLOCK}"] * 6
+    assert marks[6:] == [None, None]  # the second request restored 6 blocks, then went on
+
+
+def test_prefill_grid_is_checked() -> None:
+    model = tiny_model("llama")
+    with new_manager(block_size=BLOCK) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        cache = prefix.make_cache()
+        tokens = prompt(2 * BLOCK)
+        prefill(model, cache, tokens, 0, BLOCK)
+        for bad in ((BLOCK + 1, BLOCK), (BLOCK, 0), (BLOCK, 3 * BLOCK), [BLOCK, BLOCK], BLOCK):
+            with pytest.raises(ValueError, match=r"prefill_grid: expected \(chunk, until\)"):
+                prefix.store(tokens, cache, prefill_grid=bad)
+        assert prefix.stats()["stores"] == 0

@@ -55,6 +55,9 @@ META_NAMESPACE = "namespace"    # the namespace hashed into the block's key (doc
 META_MODEL_NAME = "model_name"  # the model as given at serve time (for people; not in the key)
 META_SHARD = "shard"            # a sharded model's rank and what it holds (for people; the
                                 # shard itself is in the fingerprint, so in the key)
+META_GRID = "prefill_grid"      # "<chunk>:<until>": the request that computed the node's rows
+                                # prefilled [0, until) itself, in chunks ending on the absolute
+                                # grid of <chunk> tokens (what a fetch's head must match)
 
 
 

@@ -41,7 +41,8 @@ def prefill(model: Any, cache: list, tokens: list[int], start: int, block: int,
 
 def store_prompt(model: Any, prefix: BlockAwarePrefixCache, tokens: list[int],
                  decode: int = 0) -> list[int]:
-    """Prefill (+ ``decode`` 1-token steps), store, free the snapshots; return the tokens stored."""
+    """Prefill (+ ``decode`` 1-token steps), store, free the snapshots; return the tokens stored.
+    The store says its rows were prefilled on the block grid from 0 (``prefill_grid``)."""
     cache, snaps = prefix.make_cache(), {}
     logits = prefill(model, cache, tokens, 0, prefix.block_size, prefix, snaps)
     tokens = list(tokens)
@@ -50,7 +51,10 @@ def store_prompt(model: Any, prefix: BlockAwarePrefixCache, tokens: list[int],
         tokens.append(tok.item())
         logits = model(tok, cache=cache)
     # the last decoded token's KV is in the cache: store exactly what the cache covers
-    prefix.store(tokens, cache, snapshots=snaps)
+    on_grid = len(tokens) - decode
+    on_grid -= on_grid % prefix.block_size
+    prefix.store(tokens, cache, snapshots=snaps,
+                 prefill_grid=(prefix.block_size, on_grid) if on_grid else None)
     for snap in snaps.values():
         snap.release()
     return tokens
