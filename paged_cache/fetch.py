@@ -234,11 +234,19 @@ MAX_OPTIONS = 16  # node choices tried per position (tails x states), best first
 
 
 def _on_grid(search: _Search, node: ChainNode, grid: int, h: int) -> bool:
-    """Read ``node`` (kept for the rebuild): True when its rows were computed by a request that
-    prefilled at least ``[0, h)`` itself on ``grid`` (its META_GRID), so a head prefilled so has
-    the rows it was computed after."""
-    block = _read(search, node, take=False, in_place=False)
-    chunk, _, until = (block.meta.get(META_GRID, "") if block is not None else "").partition(":")
+    """True when ``node``'s rows were computed by a request that prefilled at least ``[0, h)``
+    itself on ``grid`` (its META_GRID), so a head prefilled so has the rows it was computed
+    after. Its meta is read from its file's header where the tier can (Tier.meta), else the
+    node is read (and kept for the rebuild)."""
+    pc = search.pc
+    meta = pc.manager.meta(node.key, node.tier, pc.bounds)
+    if meta is not None and not node.describes(meta):
+        pc.count("blocks_rejected")
+        return False
+    if meta is None:
+        block = _read(search, node, take=False, in_place=False)
+        meta = block.meta if block is not None else {}
+    chunk, _, until = meta.get(META_GRID, "").partition(":")
     return chunk == str(grid) and until.isdigit() and int(until) >= h
 
 

@@ -105,9 +105,9 @@ def split(plan: Plan, n: int, nodes: list[Node], grid: int,
           layout: str) -> Plan:
     """``plan``, or both at once up to ``n`` when predicted at most SPLIT_MARGIN of its time for
     those ``n`` tokens: the head ``h`` (a multiple of ``grid`` at a node's start) minimizing
-    ``first + max(h / p, io) + rest``: ``first`` the read of the node at ``h`` (read before, it
-    says how its rows were prefilled), ``io`` the reads of the OVERLAP_TIERS nodes after it and
-    ``rest`` the other reads after it (done after the prefill). Needs every estimate."""
+    ``max(h / p, io) + rest``: ``io`` the reads of the OVERLAP_TIERS nodes from ``h`` on (beside
+    the prefill), ``rest`` the other reads from ``h`` on (done after it). Needs every
+    estimate."""
     prefill, per_token = rates.prefill(model), rates.bytes_per_token(layout)
     tiers = {tier for _, _, tier in nodes}
     read = {tier: rates.read(tier) for tier in tiers}
@@ -117,15 +117,14 @@ def split(plan: Plan, n: int, nodes: list[Node], grid: int,
     before = n / prefill - (gain(kept, reads_of(kept), prefill, per_token, rates)
                             if kept else 0.0)
     best: tuple[float, int] | None = None
-    for start, tokens, tier in nodes:
+    for start, _, _ in nodes:
         if start and start % grid == 0:
-            first = tokens * per_token / read[tier]
-            io = sum(t * per_token / read[tr] for s, t, tr in nodes
-                     if s > start and tr in OVERLAP_TIERS)
-            rest = sum(t * per_token / read[tr] for s, t, tr in nodes
-                       if s > start and tr not in OVERLAP_TIERS)
+            io = sum(t * per_token / read[tier] for s, t, tier in nodes
+                     if s >= start and tier in OVERLAP_TIERS)
+            rest = sum(t * per_token / read[tier] for s, t, tier in nodes
+                       if s >= start and tier not in OVERLAP_TIERS)
             if io:
-                best = min(best or (math.inf, 0), (first + max(start / prefill, io) + rest, start))
+                best = min(best or (math.inf, 0), (max(start / prefill, io) + rest, start))
     if best is None or best[0] > SPLIT_MARGIN * before:
         return plan
     seconds, h = best

@@ -192,12 +192,21 @@ class PagedSSDCacheManager:
         finally:
             self._after()
 
+    def meta(self, key: str, tier: str, expect: Expected | None = None) -> dict[str, str] | None:
+        """``key``'s block meta from ``tier`` without its payload (Tier.meta), or None (read it)."""
+        found = self._lower_tier(key, tier)
+        return found.meta(key, expect) if found is not None else None
+
     def warm(self, key: str, tier: str) -> float:
         """Do the I/O of a read of ``key`` from ``tier`` (a label ``tiers_of`` gave) now, on the
         calling thread, so the read that follows does not wait for it (Tier.warm); seconds."""
+        found = self._lower_tier(key, tier)
+        return found.warm(key) if found is not None else 0.0
+
+    def _lower_tier(self, key: str, name: str) -> Tier | None:
+        """The tier below RAM called ``name`` (None: none, or closed), for an I/O on ``key``."""
         check_key(key)
-        found = next((t for t in self._lower if t.name == tier), None)
-        return found.warm(key) if found is not None and not self._closed else 0.0
+        return None if self._closed else next((t for t in self._lower if t.name == name), None)
 
     def read_in_place(self, blocks: Sequence[Any]) -> bool:
         """Read the ``StoredBlock``s among ``blocks`` into the places their rebuilds asked for,

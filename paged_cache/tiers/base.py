@@ -75,6 +75,11 @@ class Tier:
     def touch(self, key: str) -> None:
         """Mark ``key`` used now (a put found it held here)."""
 
+    def meta(self, key: str, expect: Expected | None = None) -> dict[str, str] | None:
+        """``key``'s block meta, verified, read without its payload where that is cheaper than
+        ``read``; None: not held, or no cheaper way (read it)."""
+        return None
+
     def warm(self, key: str) -> float:
         """Do now, off the caller's critical path, the I/O a read of ``key`` that follows
         would wait for (a fetch reads a prefix's tail while its head is prefilled); the seconds

@@ -340,6 +340,17 @@ class SSDTier(WriteBehind, Tier):
             time.sleep(block.nbytes / self.test_read_bytes_per_s)
         return None if block is None else (block, self.name)
 
+    def meta(self, key: str, expect: fmt.Expected | None = None) -> dict[str, str] | None:
+        """The block's meta from its file's verified header (the payload is not read)."""
+        pending = self._pending.get(key)
+        if pending is not None:
+            return dict(pending.meta)
+        stored = self._files.open_stored(key, expect)
+        if stored is None:
+            return None
+        stored.close()
+        return stored.meta
+
     def warm(self, key: str) -> float:
         """Read the block's file through the page cache (see Tier.warm); a queued block is in
         RAM already. Under ``test_read_bytes_per_s`` the slow read is paid here, not again."""
