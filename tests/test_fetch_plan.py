@@ -142,6 +142,15 @@ def _stored(tmp_path: Path, model, tokens: list[int]) -> CacheConfig:
                        test_ssd_read_bytes_per_s=SLOW_SSD, prefill_tokens_per_s=PREFILL)
 
 
+def _first_ssd_fetch(manager: PagedSSDCacheManager, model,
+                     tokens: list[int]) -> BlockAwarePrefixCache:
+    """The first fetch after a restart, of 3 stored blocks: restored (no read rate yet), exact,
+    and measuring the SSD tier."""
+    prefix = BlockAwarePrefixCache(manager, model)
+    assert assert_exact(model, prefix, tokens[:3 * BLOCK] + [7, 7]) == 3 * BLOCK
+    return prefix
+
+
 def test_slow_ssd_is_prefilled_once_measured_and_exact(tmp_path: Path) -> None:
     """The first SSD fetch after a restart restores (no read rate yet) and measures the tier;
     the next one prefills instead, counted, and both are exact."""
@@ -149,8 +158,7 @@ def test_slow_ssd_is_prefilled_once_measured_and_exact(tmp_path: Path) -> None:
     tokens = prompt(6 * BLOCK)
     config = _stored(tmp_path, model, tokens)
     with PagedSSDCacheManager(config) as manager:
-        prefix = BlockAwarePrefixCache(manager, model)
-        assert assert_exact(model, prefix, tokens[:3 * BLOCK] + [7, 7]) == 3 * BLOCK
+        prefix = _first_ssd_fetch(manager, model, tokens)
         assert prefix.last_fetch.tier == "ssd" and prefix.last_fetch.tokens_recomputed == 0
         rate = manager.stats()["read_bytes_per_s"]["ssd"]
         assert rate < 50e3  # measured as slow as the throttle makes it
@@ -249,7 +257,7 @@ def test_remote_reads_are_measured_and_weighed(url: str) -> None:
 # ---------------------------------------------------------------------- the saved estimates
 
 
-def test_a_restarted_manager_plans_with_the_saved_rates(tmp_path: Path, caplog) -> None:
+def test_a_restarted_manager_plans_with_the_saved_rates(tmp_path: Path) -> None:
     """A first process measures the slow SSD and the model's prefill; a restart (no
     prefill_tokens_per_s setting) plans with them from its first request: it prefills the
     blocks only the slow SSD holds, exactly. Its first sample replaces a saved estimate."""
@@ -257,8 +265,7 @@ def test_a_restarted_manager_plans_with_the_saved_rates(tmp_path: Path, caplog) 
     tokens = prompt(6 * BLOCK)
     config = _stored(tmp_path, model, tokens)
     with PagedSSDCacheManager(config) as manager:
-        prefix = BlockAwarePrefixCache(manager, model)
-        assert assert_exact(model, prefix, tokens[:3 * BLOCK] + [7, 7]) == 3 * BLOCK
+        prefix = _first_ssd_fetch(manager, model, tokens)
         prefix.record_prefill(int(PREFILL), 1.0)
         read = manager.stats()["read_bytes_per_s"]["ssd"]
     restart = CacheConfig(**{**{n: getattr(config, n) for n in config.explicit},
