@@ -7,8 +7,8 @@ The tier is made slow on purpose: the SSD tier's reads are throttled to each rat
 ``test_ssd_read_bytes_per_s`` (a real tier, real files), with a hot tier smaller than one block
 so that every hit reads every block from it. Two KV layouts (``SHAPES``): a tiny llama (2 layers
 x 2 KV heads x 32 dims, float32: 1 KiB of KV per token) and an 8B-shaped one (32 layers x 8 KV
-heads x 128 dims, float16: 128 KiB per token) with a 64-wide hidden size; on this CPU its
-attention alone makes the prefill slow (about 30 tokens/s), so it stores fewer tokens. Each
+heads x 128 dims, float16: 128 KiB per token) with a 64-wide hidden size; on a CPU its
+attention alone makes the prefill slow (tens of tokens/s), so it stores fewer tokens. Each
 cached way's manager first serves one miss of another prompt (the model's prefill rate) and one
 hit (the tier's read rate), then the timed requests run: the plan's steady state (before any
 estimate it restores, as restore-only does). Each repeat times every way in turn, each way first
