@@ -23,9 +23,9 @@ from paged_cache.tiers.files import READ_FLAGS, read_exact
 FILE_NAME = "rates.json"
 FORMAT = "paged-cache-rates"
 VERSION = 1
-MAX_FILE_BYTES = 256 * 1024  # a larger file is refused unread
+MAX_FILE_BYTES = 1 << 20     # a larger file is refused unread
 MAX_ENTRIES = 256            # models, and layouts, kept per map (the ones saved last win)
-MAX_NAME = 256               # characters of a model identity or a layout fingerprint
+MAX_NAME = 1024              # characters of a model identity or a layout fingerprint
 # Accepted ranges: far outside anything a machine does, so a value beyond them is damage.
 BOUNDS = {"prefill_tokens_per_s": (1e-3, 1e9), "read_bytes_per_s": (1.0, 1e13),
           "bytes_per_token": (1.0, float(1 << 30))}
@@ -47,11 +47,13 @@ class SavedRates:
                 "bytes_per_token": self.bytes_per_token}
 
     def over(self, older: "SavedRates") -> "SavedRates":
-        """These estimates, and those of ``older`` (another process's) for the names these lack;
-        at most MAX_ENTRIES per map, these first."""
+        """These estimates that a reader accepts (a model id with a control character or longer
+        than MAX_NAME, a rate beyond the bounds, is not kept), and those of ``older`` (another process's) for the
+        names these lack; at most MAX_ENTRIES per map, these first."""
         maps = {}
         for name in BOUNDS:
-            mine, theirs = getattr(self, name), getattr(older, name)
+            mine = {k: v for k, v in getattr(self, name).items() if _wrong(name, k, v) is None}
+            theirs = getattr(older, name)
             merged = {**mine, **{k: v for k, v in theirs.items() if k not in mine}}
             maps[name] = dict(list(merged.items())[:MAX_ENTRIES])
         return SavedRates(**maps)
@@ -101,22 +103,29 @@ def parse(obj: object) -> SavedRates:
     if unknown:
         raise BadRatesFile(f"unknown fields {sorted(unknown)!r:.100}")
     maps = {}
-    for name, (low, high) in BOUNDS.items():
+    for name in BOUNDS:
         got = obj.get(name, {})
         if not isinstance(got, dict) or len(got) > MAX_ENTRIES:
             raise BadRatesFile(f"{name}: expected an object of at most {MAX_ENTRIES} entries")
         for key, value in got.items():
-            if name == "read_bytes_per_s" and key not in READ_TIERS:
-                raise BadRatesFile(f"{name}: {key!r:.40} is not a tier ({', '.join(READ_TIERS)})")
-            if not 0 < len(key) <= MAX_NAME or not key.isascii() or not key.isprintable():
-                raise BadRatesFile(f"{name}: {key!r:.40} is not a name of 1-{MAX_NAME} "
-                                   "printable ASCII characters")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not math.isfinite(value) or not low <= value <= high:
-                raise BadRatesFile(f"{name}[{key!r:.40}]: expected a number in [{low:g}, "
-                                   f"{high:g}], got {value!r:.40}")
+            wrong = _wrong(name, key, value)
+            if wrong:
+                raise BadRatesFile(wrong)
         maps[name] = {k: float(v) for k, v in got.items()}
     return SavedRates(**maps)
+
+
+def _wrong(name: str, key: object, value: object) -> str | None:
+    """What is wrong with the entry ``key: value`` of the map ``name``, None when it fits."""
+    low, high = BOUNDS[name]
+    if name == "read_bytes_per_s" and key not in READ_TIERS:
+        return f"{name}: {key!r:.40} is not a tier ({', '.join(READ_TIERS)})"
+    if not isinstance(key, str) or not 0 < len(key) <= MAX_NAME or not key.isprintable():
+        return f"{name}: {key!r:.40} is not a name of 1-{MAX_NAME} printable characters"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or not low <= value <= high:
+        return f"{name}[{key!r:.40}]: expected a number in [{low:g}, {high:g}], got {value!r:.40}"
+    return None
 
 
 def save(directory: os.PathLike | str, rates: SavedRates) -> None:

@@ -305,7 +305,7 @@ BAD_FILES = {
     "a map of lists": b'{"format": "paged-cache-rates", "version": 1, "bytes_per_token": []}',
     "too many entries": ('{"format": "paged-cache-rates", "version": 1, "bytes_per_token": {'
                          + ",".join(f'"l{i}": 5' for i in range(300)) + "}}").encode(),
-    "too big": b'{"format": "paged-cache-rates", "version": 1}' + b" " * (300 * 1024),
+    "too big": b'{"format": "paged-cache-rates", "version": 1}' + b" " * (1 << 20),
     "deeply nested": b"[" * 100_000,
 }
 
@@ -360,3 +360,22 @@ def test_saved_rates_merge_with_another_process(tmp_path: Path) -> None:
     assert (ssd / FILE_NAME).stat().st_mode & 0o777 == 0o600
     with new_manager(None, block_size=BLOCK) as hot_only:   # no SSD directory: nothing read
         assert hot_only.stats()["rates_loaded"] == 0
+
+
+@pytest.mark.unit
+def test_a_save_leaves_out_what_a_reader_would_refuse(tmp_path: Path) -> None:
+    """A model id with a control character, a rate beyond the bounds: not saved, so the file
+    stays readable and the other estimates are kept."""
+    from paged_cache.rates_file import load
+
+    ssd = tmp_path / "ssd"
+    with new_manager(ssd, block_size=BLOCK, ssd_max_bytes="16MB") as manager:
+        manager.rates.add_prefill("id:model\n", 100, 1.0)
+        manager.rates.add_prefill("id:модель", 100, 1.0)
+        manager.rates.add_read("hot", 10**15, 1.0)
+        manager.rates.add_read("ssd", 1000, 1.0)
+    saved = load(ssd)
+    assert saved.prefill_tokens_per_s == {"id:модель": 100.0}
+    assert saved.read_bytes_per_s == {"ssd": 1000.0}
+    with new_manager(ssd, block_size=BLOCK, ssd_max_bytes="16MB") as manager:
+        assert (manager.stats()["rates_loaded"], manager.stats()["rates_rejected"]) == (1, 0)
