@@ -48,8 +48,8 @@ class SavedRates:
 
     def over(self, older: "SavedRates") -> "SavedRates":
         """These estimates that a reader accepts (a model id with a control character or longer
-        than MAX_NAME, a rate beyond the bounds, is not kept), and those of ``older`` (another process's) for the
-        names these lack; at most MAX_ENTRIES per map, these first."""
+        than MAX_NAME, a rate beyond the bounds, is not kept), and those of ``older`` (another
+        process's) for the names these lack; at most MAX_ENTRIES per map, these first."""
         maps = {}
         for name in BOUNDS:
             mine = {k: v for k, v in getattr(self, name).items() if _wrong(name, k, v) is None}
@@ -123,8 +123,9 @@ def _wrong(name: str, key: object, value: object) -> str | None:
     if not isinstance(key, str) or not 0 < len(key) <= MAX_NAME or not key.isprintable():
         return f"{name}: {key!r:.40} is not a name of 1-{MAX_NAME} printable characters"
     if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or not low <= value <= high:
-        return f"{name}[{key!r:.40}]: expected a number in [{low:g}, {high:g}], got {value!r:.40}"
+            or not low <= value <= high or not math.isfinite(value):  # an int of 400 digits too
+        return (f"{name}[{key!r:.40}]: expected a number in [{low:g}, {high:g}], got "
+                f"{value!r:.40}")
     return None
 
 

@@ -296,6 +296,8 @@ BAD_FILES = {
     "infinite": b'{"format": "paged-cache-rates", "version": 1, "read_bytes_per_s": {"ssd": 1e999}}',
     "negative": b'{"format": "paged-cache-rates", "version": 1, "prefill_tokens_per_s": {"m": -5}}',
     "zero": b'{"format": "paged-cache-rates", "version": 1, "bytes_per_token": {"l": 0}}',
+    "a huge integer": b'{"format": "paged-cache-rates", "version": 1, "bytes_per_token": {"l": 1'
+                      + b"0" * 400 + b"}}",
     "too large": b'{"format": "paged-cache-rates", "version": 1, "prefill_tokens_per_s": {"m": 1e12}}',
     "a string": b'{"format": "paged-cache-rates", "version": 1, "bytes_per_token": {"l": "9"}}',
     "a bool": b'{"format": "paged-cache-rates", "version": 1, "read_bytes_per_s": {"hot": true}}',
