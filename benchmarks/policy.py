@@ -1,30 +1,83 @@
 """Restore or prefill: time to first token through the Scheduler against the SSD tier's read rate,
-for a cold prefill, a restore whatever it costs (``fetch_policy="always-restore"``) and the fetch
-plan (``fetch_policy="cost"``, the default), goal: the plan within 1.1x of the better of the two.
+for each way a request can get it (``WAYS``: a cold prefill, a restore whatever it costs
+(``fetch_policy="always-restore"``) and the fetch plan (``fetch_policy="cost"``, the default)),
+goal: the plan within 1.1x of the better of cold and restore-only.
 
 The tier is made slow on purpose: the SSD tier's reads are throttled to each rate in turn by
 ``test_ssd_read_bytes_per_s`` (a real tier, real files), with a hot tier smaller than one block
-so that every hit reads every block from it. The model is a tiny llama (2 layers x 2 KV heads x
-32 dims, float32: 1 KiB of KV per token). The plan's manager first serves one miss of another
-prompt (its prefill rate) and one hit (the tier's read rate): the timed requests are the plan's
-steady state (before any estimate it restores, as restore-only does). Each repeat times cold,
-restore-only and the plan in turn, so a shared machine's load falls on the three alike.
+so that every hit reads every block from it. Two KV layouts (``SHAPES``): a tiny llama (2 layers
+x 2 KV heads x 32 dims, float32: 1 KiB of KV per token) and an 8B-shaped one (32 layers x 8 KV
+heads x 128 dims, float16: 128 KiB per token) with a 64-wide hidden size; on a CPU its
+attention alone makes the prefill slow (tens of tokens/s), so it stores fewer tokens. Each
+cached way's manager first serves one miss of another prompt (the model's prefill rate) and one
+hit (the tier's read rate), then the timed requests run: the plan's steady state (before any
+estimate it restores, as restore-only does). Each repeat times every way in turn, each way first
+in turn, so a shared machine's load falls on all alike; each rate has a directory of its own
+(estimates saved at another rate do not seed it).
 """
 
 from __future__ import annotations
 
 import random
 import shutil
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
-from benchmarks.common import (MIB, Context, Timing, figure, figures_by_name, kv_model,
+import mlx.core as mx
+
+from benchmarks.common import (IO_SHAPE, MIB, Context, Timing, figure, figures_by_name, kv_model,
                                line_plot, settle)
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
 from scheduler import Scheduler
 
 FAMILY = "policy"
-BLOCK = 256
 GOAL = 1.1  # plan TTFT <= 1.1x min(cold, restore-only)
+
+
+@dataclass(frozen=True)
+class Way:
+    """One line of the plot: how a request gets its first token; ``policy``: its manager's
+    fetch_policy (None: no cache, a cold prefill)."""
+
+    name: str
+    label: str
+    policy: str | None
+
+
+WAYS = (Way("cold", "cold prefill", None), Way("restore", "restore-only", "always-restore"),
+        Way("plan", "paged-cache plan", "cost"))
+BASELINES = ("cold", "restore")  # the plan is held to the better of these
+MEASURED = "plan"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A KV layout the family runs: its model, stored tokens and block size, the read rates
+    (bytes/s, 0: unthrottled) and repeats, each as (quick, full); ``suffix``: its figures' name
+    tail ("" for the tiny model, whose names came first)."""
+
+    key: str
+    title: str
+    model: Callable[[], Any]
+    tokens: tuple[int, int]
+    block: int
+    rates: tuple[list[int], list[int]]
+    repeats: tuple[int, int]
+    suffix: str
+
+
+SHAPES = (
+    Shape("tiny", "tiny llama, 1 KiB of KV per token",
+          lambda: kv_model(layers=2, kv_heads=2, head_dim=32), (1024, 2048), 256,
+          ([1 * MIB, 16 * MIB, 0], [1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, 0]), (3, 5), ""),
+    Shape("8b", "8B-shaped KV, 128 KiB per token",
+          lambda: kv_model(layers=IO_SHAPE["num_hidden_layers"],
+                           kv_heads=IO_SHAPE["num_key_value_heads"],
+                           head_dim=IO_SHAPE["head_dim"], dtype=mx.float16),
+          (128, 128), 32, ([2 * MIB, 0], [2 * MIB, 4 * MIB, 16 * MIB, 0]), (1, 3), ", 8B-shaped"),
+)
 
 
 def _ttft(sched: Scheduler, prompt: list[int]) -> tuple[float, int]:
@@ -33,79 +86,109 @@ def _ttft(sched: Scheduler, prompt: list[int]) -> tuple[float, int]:
     return result.ttft_s, result.cached_tokens
 
 
-def _config(ssd_dir: Path, rate: int, policy: str) -> CacheConfig:
-    return CacheConfig(block_size=BLOCK, ssd_dir=ssd_dir, hot_cache_max_bytes="64KiB",
+def _config(ssd_dir: Path, shape: Shape, rate: int, policy: str) -> CacheConfig:
+    return CacheConfig(block_size=shape.block, ssd_dir=ssd_dir, hot_cache_max_bytes="64KiB",
                        ssd_max_bytes="1GiB", test_ssd_read_bytes_per_s=rate, fetch_policy=policy)
 
 
-def _at_rate(model, ssd_dir: Path, prompt: list[int], other: list[int], rate: int,
-             repeats: int) -> dict:
-    """Cold, restore-only and plan TTFTs (and what the plan reused) at one read rate, each
-    repeat running the three in turn (the load of a shared machine hits all three alike), the
-    two cached ones through two managers on the same directory; ``other``: a prompt not stored
-    yet (the plan's miss)."""
-    with PagedSSDCacheManager(_config(ssd_dir, rate, "always-restore")) as restoring, \
-            PagedSSDCacheManager(_config(ssd_dir, rate, "cost")) as planning:
-        prefix = BlockAwarePrefixCache(planning, model)
-        restore, plan = Scheduler(model, BlockAwarePrefixCache(restoring, model)), Scheduler(model, prefix)
-        plan.generate(other, max_tokens=1)   # a miss: the model's prefill rate
-        planning.flush()
-        for sched in (restore, plan):        # a hit each: the tier's read rate, files opened once
-            sched.generate(prompt, max_tokens=1)
-        runs: dict[str, list] = {"cold": [], "restore": [], "plan": []}
-        for _ in range(repeats):
-            for name, sched in (("cold", Scheduler(model, None)), ("restore", restore),
-                                ("plan", plan)):
+def _at_rate(model: Any, shape: Shape, ssd_dir: Path, prompt: list[int],
+             others: dict[str, list[int]], rate: int, repeats: int) -> dict:
+    """Every way's TTFTs (and what the plan reused) at one read rate, each repeat running the
+    ways in turn (the load of a shared machine hits all alike), the cached ones through managers
+    on one directory; ``others``: per cached way, a prompt stored nowhere yet (its miss)."""
+    with ExitStack() as stack:
+        scheds, prefixes = {}, {}
+        for way in WAYS:
+            if way.policy is None:
+                scheds[way.name] = Scheduler(model, None)
+                continue
+            manager = stack.enter_context(PagedSSDCacheManager(
+                _config(ssd_dir, shape, rate, way.policy)))
+            prefixes[way.name] = BlockAwarePrefixCache(manager, model)
+            scheds[way.name] = Scheduler(model, prefixes[way.name])
+        for name, prefix in prefixes.items():  # a miss (prefill rate), a hit (the tier's rate)
+            scheds[name].generate(others[name], max_tokens=1)
+            prefix.manager.flush()
+            scheds[name].generate(prompt, max_tokens=1)
+        runs: dict[str, list] = {way.name: [] for way in WAYS}
+        for i in range(repeats):
+            for way in WAYS[i % len(WAYS):] + WAYS[:i % len(WAYS)]:  # each first in turn
                 settle()
-                runs[name].append(_ttft(sched, prompt))
-        read = planning.stats()["read_bytes_per_s"].get("ssd")
-        prefill = prefix.stats().get("prefill_tokens_per_s")
+                runs[way.name].append(_ttft(scheds[way.name], prompt))
+        plan = prefixes[MEASURED]
+        read = plan.manager.stats()["read_bytes_per_s"].get("ssd")
+        prefill = plan.stats().get("prefill_tokens_per_s")
     settle()
-    return dict(**{name: Timing.of([t for t, _ in got]) for name, got in runs.items()},
-                plan_cached=[c for _, c in runs["plan"]], read_estimate=read,
+    return dict(timings={name: Timing.of([t for t, _ in got]) for name, got in runs.items()},
+                plan_cached=[c for _, c in runs[MEASURED]], read_estimate=read,
                 prefill_estimate=prefill)
 
 
-def run(ctx: Context) -> dict:
-    size = ctx.pick(1024, 2048)
-    repeats = ctx.pick(3, 5)
-    rates = ctx.pick([1 * MIB, 16 * MIB, 0], [1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, 0])
-    model = kv_model(layers=2, kv_heads=2, head_dim=32)
+def _shape(ctx: Context, shape: Shape) -> list:
+    """The figures of one KV layout: one per read rate."""
+    size = ctx.pick(*shape.tokens)
+    model = shape.model()
     rng = random.Random(size)
     prompt = [rng.randrange(256) for _ in range(size + 1)]  # size stored tokens + one to feed
-    ssd_dir = ctx.scratch / "policy"
-    with PagedSSDCacheManager(_config(ssd_dir, 0, "always-restore")) as manager:
-        Scheduler(model, BlockAwarePrefixCache(manager, model)).generate(prompt, max_tokens=1)
     figures = []
-    for rate in rates:
-        other = [rng.randrange(256) for _ in range(size + 1)]
-        r = _at_rate(model, ssd_dir, prompt, other, rate, repeats)
+    for rate in ctx.pick(*shape.rates):
+        ssd_dir = ctx.scratch / f"policy-{shape.key}-{rate}"
+        with PagedSSDCacheManager(_config(ssd_dir, shape, 0, "always-restore")) as manager:
+            Scheduler(model, BlockAwarePrefixCache(manager, model)).generate(prompt, max_tokens=1)
+        others = {way.name: [rng.randrange(256) for _ in range(size + 1)]
+                  for way in WAYS if way.policy is not None}
+        r = _at_rate(model, shape, ssd_dir, prompt, others, rate, ctx.pick(*shape.repeats))
+        shutil.rmtree(ssd_dir, ignore_errors=True)
+        t = r["timings"]
         label = "unthrottled" if rate == 0 else f"{rate / MIB:g} MiB/s"
-        best = min(r["cold"].median, r["restore"].median)
         figures.append(figure(
-            FAMILY, f"plan TTFT vs better of cold and restore-only, SSD {label}",
-            measured=r["plan"], baseline=best, goal=GOAL, goal_op="<=",
-            meaning="plan TTFT / min(cold, restore-only) TTFT", tokens=size,
-            read_bytes_per_s=rate, cold_s=r["cold"].median, restore_s=r["restore"].median,
-            restore_runs=r["restore"].runs, cold_runs=r["cold"].runs,
+            FAMILY, f"plan TTFT vs better of cold and restore-only{shape.suffix}, SSD {label}",
+            measured=t[MEASURED], baseline=min(t[name].median for name in BASELINES),
+            goal=GOAL, goal_op="<=", meaning="plan TTFT / min(cold, restore-only) TTFT",
+            shape=shape.key, tokens=size, kv_bytes_per_token=_kv_bytes_per_token(model),
+            read_bytes_per_s=rate,
+            **{f"{way.name}_s": t[way.name].median for way in WAYS},
+            **{f"{name}_runs": t[name].runs for name in BASELINES},
             plan_cached=r["plan_cached"], read_estimate=r["read_estimate"],
             prefill_estimate=r["prefill_estimate"]))
-    shutil.rmtree(ssd_dir, ignore_errors=True)
+    return figures
+
+
+def _kv_bytes_per_token(model: Any) -> int:
+    """Bytes of KV one token takes in ``model``'s layers (keys and values)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=cache)
+    return sum(layer.keys.dtype.size * layer.keys.shape[1] * layer.keys.shape[3] * 2
+               for layer in cache)
+
+
+def run(ctx: Context) -> dict:
+    figures = [f for shape in SHAPES for f in _shape(ctx, shape)]
     notes = ["CPU backend; the SSD tier's reads throttled by test_ssd_read_bytes_per_s (0: the "
              "disk's own rate, page cache warm). plan_cached: the tokens each timed plan request "
-             "restored (0: it prefilled)."]
+             "restored (0: it prefilled). shape: tiny (1 KiB of KV per token) or 8b (128 KiB)."]
     return {"figures": figures, "notes": notes}
 
 
 def plots(data: dict, results: Path) -> list[str]:
-    """policy.png: TTFT against the SSD read rate, for cold, restore-only and the plan."""
-    figs = [f for f in figures_by_name(data).values() if f["details"]["read_bytes_per_s"]]
-    figs.sort(key=lambda f: f["details"]["read_bytes_per_s"])
-    xs = [f["details"]["read_bytes_per_s"] / MIB for f in figs]
-    series = {"cold prefill": (xs, [f["details"]["cold_s"] * 1e3 for f in figs]),
-              "restore-only": (xs, [f["details"]["restore_s"] * 1e3 for f in figs]),
-              "paged-cache plan": (xs, [f["measured"] * 1e3 for f in figs])}
-    tokens = figs[0]["details"]["tokens"] if figs else 0
-    path = line_plot(results / "policy.png", f"TTFT vs SSD read rate, {tokens} stored tokens "
-                     "(tiny llama, CPU)", series, "SSD read rate (MiB/s)", "TTFT (ms)", log=True)
-    return [path.name]
+    """policy.png (tiny llama) and policy_8b.png (8B-shaped KV): TTFT against the SSD read rate,
+    one line per way."""
+    drawn = []
+    for shape in SHAPES:
+        figs = [f for f in figures_by_name(data).values()
+                if f["details"].get("shape", "tiny") == shape.key
+                and f["details"]["read_bytes_per_s"]]
+        if not figs:
+            continue
+        figs.sort(key=lambda f: f["details"]["read_bytes_per_s"])
+        xs = [f["details"]["read_bytes_per_s"] / MIB for f in figs]
+        series = {way.label: (xs, [f["details"][f"{way.name}_s"] * 1e3 for f in figs])
+                  for way in WAYS}
+        name = "policy.png" if shape.key == "tiny" else f"policy_{shape.key}.png"
+        path = line_plot(results / name, f"TTFT vs SSD read rate, {figs[0]['details']['tokens']} "
+                         f"stored tokens ({shape.title}, CPU)", series, "SSD read rate (MiB/s)",
+                         "TTFT (ms)", log=True)
+        drawn.append(path.name)
+    return drawn

@@ -99,10 +99,27 @@ def _check_pipeline() -> list[str]:
     return [f"PipelineMixin.{n}" for n in _PIPELINE_NAMES if not hasattr(stack, n)]
 
 
+# BatchGenerator: the prompt tokens it processed and the seconds it took, counted in _next
+# (0.31.x: two attributes; 0.32: a counters object)
+_BATCH_COUNTERS = {True: ("self._prompt_tokens_counter", "self._prompt_time_counter"),
+                   False: ("self._counters.prompt_tokens", "self._counters.prompt_time")}
+
+
+def _check_batch_counters(before_0_32: bool) -> list[str]:
+    import inspect
+
+    from mlx_lm.generate import BatchGenerator
+
+    source = inspect.getsource(BatchGenerator._next)
+    return [f"BatchGenerator._next counting {name}" for name in _BATCH_COUNTERS[before_0_32]
+            if f"{name} +=" not in source]
+
+
 def _check_mlx_lm() -> None:
     from mlx_lm import server
 
     missing = _check_rotating() + _check_pipeline()
+    missing += _check_batch_counters(_version("mlx-lm") < (0, 32))
     missing += [f"mlx_lm.server.{n}" for n in _SERVER_NAMES if not hasattr(server, n)]
     missing += [f"mlx_lm.server.ResponseGenerator.{n}" for n in _GENERATOR_METHODS
                 if not hasattr(getattr(server, "ResponseGenerator", None), n)]
@@ -146,6 +163,19 @@ else:
 
         return {"samplers": [sampler],
                 "stop_sequences": [StopSequences([[t] for t in sorted(stop_tokens)] or None)]}
+
+
+if _BEFORE_0_32:
+    def prompt_work(generator: Any) -> tuple[int, float]:
+        """The prompt tokens a BatchGenerator has prefilled so far and the seconds it took (its
+        model calls and their evaluation)."""
+        return generator._prompt_tokens_counter, generator._prompt_time_counter
+else:
+    def prompt_work(generator: Any) -> tuple[int, float]:
+        """The prompt tokens a BatchGenerator has prefilled so far and the seconds it took (its
+        model calls and their evaluation)."""
+        counters = generator._counters
+        return counters.prompt_tokens, counters.prompt_time
 
 
 # ----------------------------------------------------------------------------- ChunkedKVCache

@@ -260,8 +260,8 @@ _FIELD_SPECS: dict[str, tuple[Any, str]] = {
                      "restore or prefill a stored prefix: cost (the faster by measured rates; "
                      "default) | always-restore | always-prefill"),
     "prefill_tokens_per_s": (_rate, "the model's prefill rate (tokens/s) the fetch plan assumes "
-                                    "until it has measured one (0 = none: restore until measured; "
-                                    "default 0)"),
+                                    "until it has measured or saved one (0 = none: restore until "
+                                    "measured; default 0)"),
     "test_ssd_read_bytes_per_s": (parse_size, "for tests and demonstrations only: SSD reads "
                                               "take as long as at this many bytes/s (size; 0 = "
                                               "off; default 0)"),

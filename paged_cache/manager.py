@@ -34,6 +34,7 @@ from paged_cache.block import Block, are_keys, check_key
 from paged_cache.chain_index import ChainNode
 from paged_cache.config import CacheConfig
 from paged_cache.hashing import ROOT_PARENT
+from paged_cache import rates_file
 from paged_cache.rates import READ_TIERS, Rates
 from paged_cache.tiers.base import Tier
 from paged_cache.tiers.direct import StoredBlock, read_stored
@@ -63,7 +64,8 @@ class PagedSSDCacheManager:
                              promotions=0, takes=0, discards=0, spills=0, evicted_dropped=0,
                              evicted_dropped_bytes=0, deferred_dropped=0,
                              deferred_dropped_bytes=0, admissions=0, probation_dropped=0,
-                             probation_dropped_bytes=0, nodes_rejected=0)
+                             probation_dropped_bytes=0, nodes_rejected=0, rates_loaded=0,
+                             rates_rejected=0, rates_save_errors=0)
         self._hits = dict.fromkeys(HIT_LABELS, 0)
         # hot blocks whose write to the keeping tier waits: key -> DEFERRED (flush / close write
         # it) or PROBATION (written at its first reuse); dropped when they leave RAM otherwise
@@ -76,8 +78,11 @@ class PagedSSDCacheManager:
         self._tiers = tuple(tiers)
         self._hot, self._lower = tiers[0], tiers[1:]  # RAM: live arrays, takes, evictions
         self._keeper = next((t for t in self._lower if t.keeps_evicted), None)
-        # the measured rates a fetch plan weighs (rates.py): each tier's reads, each model's prefill
-        self.rates = Rates(self.config.prefill_tokens_per_s or None)
+        # the measured rates a fetch plan weighs (rates.py): each tier's reads, each model's
+        # prefill; seeded by what the last process saved in the SSD directory (rates_file.py)
+        ssd = next((t for t in self._lower if t.name == "ssd"), None)
+        self._rates_dir = getattr(ssd, "directory", None)
+        self.rates = Rates(self.config.prefill_tokens_per_s or None, self._saved_rates())
         log.debug("opened: %s", self.config)
 
     # ------------------------------------------------------------------------------ writes
@@ -386,9 +391,39 @@ class PagedSSDCacheManager:
 
     # ------------------------------------------------------------------------------ lifecycle
 
+    def _saved_rates(self) -> rates_file.SavedRates | None:
+        """The estimates saved in the SSD directory; a file that cannot be used is a counted
+        (``rates_rejected``), logged miss."""
+        if self._rates_dir is None:
+            return None
+        try:
+            saved = rates_file.load(self._rates_dir)
+        except rates_file.BadRatesFile as exc:
+            self.counters["rates_rejected"] += 1
+            log.warning("ignoring the saved rates %s: it %s",
+                        self._rates_dir / rates_file.FILE_NAME, exc)
+            return None
+        if saved is not None:
+            self.counters["rates_loaded"] += 1
+        return saved
+
+    def _save_rates(self) -> None:
+        """Save the estimates in the SSD directory for the next process; an error is logged and
+        counted (``rates_save_errors``), never raised. Nothing measured: nothing written."""
+        measured = self.rates.measured()
+        if self._rates_dir is None or not any(measured.values()):
+            return
+        try:
+            rates_file.save(self._rates_dir, rates_file.SavedRates(**measured))
+        except OSError as exc:
+            with self._lock:
+                self.counters["rates_save_errors"] += 1
+            log.warning("could not save the measured rates in %s: %s", self._rates_dir, exc)
+
     def flush(self) -> None:
         """Wait until every tier's queue is written (slowest first), then write every hot block
-        without a copy in the tier keeping evicted blocks (no lock held while waiting or writing)."""
+        without a copy in the tier keeping evicted blocks (no lock held while waiting or writing),
+        and save the measured rates."""
         with self._lock:
             if self._closed:
                 return
@@ -397,6 +432,7 @@ class PagedSSDCacheManager:
                 tier.flush()
         if self._keeper is not None:
             self._flush()
+        self._save_rates()
 
     def _flush(self) -> None:
         keeper = self._keeper
@@ -413,13 +449,15 @@ class PagedSSDCacheManager:
         self._after()
 
     def close(self) -> None:
-        """Flush, stop the writers, release the hot tier's arrays; idempotent."""
+        """Flush (the rates saved too), stop the writers, release the hot tier's arrays;
+        idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True  # no new work from here on
         if self._keeper is not None:
             self._flush()
+        self._save_rates()
         for tier in self._lower:
             tier.close()
         self._hot.close()

@@ -5,13 +5,17 @@ tokens/s (sampled by the Scheduler's prefill chunks and the server's time to fir
 by the model's identity) and each tier's read rate in bytes/s (sampled by the fetches that
 restore from it: reads plus the copies into place, so the rate predicts a restore's time). The
 bytes a token's blocks take, per cache layout, come with them (learned from the blocks a fetch
-reads). Thread-safe: samples come from the generation thread and from HTTP threads.
+reads). Thread-safe: samples come from the generation thread and from HTTP threads. What a
+manager saved in its SSD directory (rates_file.py) seeds them at the next open.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from paged_cache.rates_file import SavedRates
 
 ALPHA = 0.25  # weight of a new sample: about the last 4-8 samples count
 READ_TIERS = ("hot", "ssd", "remote")  # tiers whose read rate is kept ("pending" reads are RAM)
@@ -20,10 +24,12 @@ READ_TIERS = ("hot", "ssd", "remote")  # tiers whose read rate is kept ("pending
 class Estimate:
     """A rate (amount per second) as the ratio of two moving averages, of the amounts and of the
     seconds, so a long sample counts more than a short one. ``seed``: the value until the first
-    sample (None: unknown)."""
+    sample (None: unknown); ``saved``: the seed was measured by an earlier process (kept when
+    saving again), not a setting."""
 
-    def __init__(self, seed: float | None = None) -> None:
+    def __init__(self, seed: float | None = None, *, saved: bool = False) -> None:
         self.seed = seed
+        self.saved = saved
         self.samples = 0
         self._amount = 0.0
         self._seconds = 0.0
@@ -44,6 +50,11 @@ class Estimate:
         """The rate now: the moving average, the seed before any sample, else None."""
         return self._amount / self._seconds if self.samples else self.seed
 
+    @property
+    def measured(self) -> float | None:
+        """The value worth saving: a measured one, or a saved seed no sample replaced yet."""
+        return self.value if self.samples or self.saved else None
+
 
 def tier_label(tier: str | None) -> str:
     """The read tier of a hit label: "ssd" and "remote" themselves, RAM (hot, a queued write) hot."""
@@ -52,14 +63,17 @@ def tier_label(tier: str | None) -> str:
 
 class Rates:
     """Every estimate of one manager: prefill per model, read per tier, bytes per token per
-    layout. ``prefill_seed``: the prefill rate of a model not measured yet (tokens/s; None)."""
+    layout. ``prefill_seed``: the prefill rate of a model not measured yet (tokens/s; None);
+    ``saved``: estimates an earlier process saved, each the seed of its own until a sample."""
 
-    def __init__(self, prefill_seed: float | None = None) -> None:
+    def __init__(self, prefill_seed: float | None = None, saved: SavedRates | None = None) -> None:
         self._lock = threading.Lock()
         self._prefill_seed = prefill_seed
-        self._prefill: dict[str, Estimate] = {}
-        self._read = {tier: Estimate() for tier in READ_TIERS}
-        self._bytes_per_token: dict[str, float] = {}
+        self._prefill = {model: Estimate(rate, saved=True) for model, rate in
+                         (saved.prefill_tokens_per_s.items() if saved else ())}
+        read = saved.read_bytes_per_s if saved else {}
+        self._read = {tier: Estimate(read.get(tier), saved=tier in read) for tier in READ_TIERS}
+        self._bytes_per_token: dict[str, float] = dict(saved.bytes_per_token) if saved else {}
 
     def add_prefill(self, model: str, tokens: int, seconds: float) -> None:
         """``model`` prefilled ``tokens`` in ``seconds``."""
@@ -92,6 +106,16 @@ class Rates:
         """Bytes a token's blocks take in ``layout``, or None before a block of it was read."""
         with self._lock:
             return self._bytes_per_token.get(layout)
+
+    def measured(self) -> dict[str, dict[str, float]]:
+        """What is worth saving (rates_file.SavedRates' fields): the estimates measured here or
+        saved before, not the ``prefill_tokens_per_s`` setting."""
+        with self._lock:
+            return {"prefill_tokens_per_s": {m: e.measured for m, e in self._prefill.items()
+                                             if e.measured is not None},
+                    "read_bytes_per_s": {t: e.measured for t, e in self._read.items()
+                                         if e.measured is not None},
+                    "bytes_per_token": dict(self._bytes_per_token)}
 
     def read_stats(self) -> dict[str, dict[str, Any]]:
         """``read_bytes_per_s`` by tier (the tiers measured so far) and ``read_samples`` by tier."""

@@ -142,6 +142,15 @@ def _stored(tmp_path: Path, model, tokens: list[int]) -> CacheConfig:
                        test_ssd_read_bytes_per_s=SLOW_SSD, prefill_tokens_per_s=PREFILL)
 
 
+def _first_ssd_fetch(manager: PagedSSDCacheManager, model,
+                     tokens: list[int]) -> BlockAwarePrefixCache:
+    """The first fetch after a restart, of 3 stored blocks: restored (no read rate yet), exact,
+    and measuring the SSD tier."""
+    prefix = BlockAwarePrefixCache(manager, model)
+    assert assert_exact(model, prefix, tokens[:3 * BLOCK] + [7, 7]) == 3 * BLOCK
+    return prefix
+
+
 def test_slow_ssd_is_prefilled_once_measured_and_exact(tmp_path: Path) -> None:
     """The first SSD fetch after a restart restores (no read rate yet) and measures the tier;
     the next one prefills instead, counted, and both are exact."""
@@ -149,8 +158,7 @@ def test_slow_ssd_is_prefilled_once_measured_and_exact(tmp_path: Path) -> None:
     tokens = prompt(6 * BLOCK)
     config = _stored(tmp_path, model, tokens)
     with PagedSSDCacheManager(config) as manager:
-        prefix = BlockAwarePrefixCache(manager, model)
-        assert assert_exact(model, prefix, tokens[:3 * BLOCK] + [7, 7]) == 3 * BLOCK
+        prefix = _first_ssd_fetch(manager, model, tokens)
         assert prefix.last_fetch.tier == "ssd" and prefix.last_fetch.tokens_recomputed == 0
         rate = manager.stats()["read_bytes_per_s"]["ssd"]
         assert rate < 50e3  # measured as slow as the throttle makes it
@@ -244,3 +252,132 @@ def test_remote_reads_are_measured_and_weighed(url: str) -> None:
         manager.trim_hot(0)  # the blocks it read were promoted into RAM: out again
         assert assert_exact(model, prefix, tokens + [1]) == 0
         assert prefix.last_fetch.tokens_recomputed == 4 * BLOCK
+
+
+# ---------------------------------------------------------------------- the saved estimates
+
+
+def test_a_restarted_manager_plans_with_the_saved_rates(tmp_path: Path) -> None:
+    """A first process measures the slow SSD and the model's prefill; a restart (no
+    prefill_tokens_per_s setting) plans with them from its first request: it prefills the
+    blocks only the slow SSD holds, exactly. Its first sample replaces a saved estimate."""
+    model = tiny_model("llama")
+    tokens = prompt(6 * BLOCK)
+    config = _stored(tmp_path, model, tokens)
+    with PagedSSDCacheManager(config) as manager:
+        prefix = _first_ssd_fetch(manager, model, tokens)
+        prefix.record_prefill(int(PREFILL), 1.0)
+        read = manager.stats()["read_bytes_per_s"]["ssd"]
+    restart = CacheConfig(**{**{n: getattr(config, n) for n in config.explicit},
+                             "prefill_tokens_per_s": 0})
+    with PagedSSDCacheManager(restart) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        stats = manager.stats()
+        assert stats["rates_loaded"] == 1 and stats["rates_rejected"] == 0
+        assert stats["read_bytes_per_s"]["ssd"] == pytest.approx(read)
+        assert stats["read_samples"]["ssd"] == 0
+        assert prefix.stats()["prefill_tokens_per_s"] == pytest.approx(PREFILL)
+        assert assert_exact(model, prefix, tokens + [1]) == 0
+        assert prefix.last_fetch.recompute_reason == "cost"
+        assert prefix.stats()["recomputed_cost_tokens"] == 6 * BLOCK
+        prefix.record_prefill(3000, 1.0)
+        assert prefix.stats()["prefill_tokens_per_s"] == 3000.0
+        assert prefix.stats()["prefill_samples"] == 1
+
+
+BAD_FILES = {
+    "not JSON": b"{not json",
+    "not UTF-8": b"\xff\xfe{}",
+    "a list": b"[]",
+    "another format": b'{"format": "other", "version": 1}',
+    "a newer version": b'{"format": "paged-cache-rates", "version": 2}',
+    "an unknown field": b'{"format": "paged-cache-rates", "version": 1, "x": {}}',
+    "NaN": b'{"format": "paged-cache-rates", "version": 1, "read_bytes_per_s": {"ssd": NaN}}',
+    "infinite": b'{"format": "paged-cache-rates", "version": 1, "read_bytes_per_s": {"ssd": 1e999}}',
+    "negative": b'{"format": "paged-cache-rates", "version": 1, "prefill_tokens_per_s": {"m": -5}}',
+    "zero": b'{"format": "paged-cache-rates", "version": 1, "bytes_per_token": {"l": 0}}',
+    "a huge integer": b'{"format": "paged-cache-rates", "version": 1, "bytes_per_token": {"l": 1'
+                      + b"0" * 400 + b"}}",
+    "too large": b'{"format": "paged-cache-rates", "version": 1, "prefill_tokens_per_s": {"m": 1e12}}',
+    "a string": b'{"format": "paged-cache-rates", "version": 1, "bytes_per_token": {"l": "9"}}',
+    "a bool": b'{"format": "paged-cache-rates", "version": 1, "read_bytes_per_s": {"hot": true}}',
+    "an unknown tier": b'{"format": "paged-cache-rates", "version": 1, "read_bytes_per_s": {"nfs": 5}}',
+    "a control character": b'{"format": "paged-cache-rates", "version": 1, '
+                           b'"bytes_per_token": {"a\\n": 5}}',
+    "a map of lists": b'{"format": "paged-cache-rates", "version": 1, "bytes_per_token": []}',
+    "too many entries": ('{"format": "paged-cache-rates", "version": 1, "bytes_per_token": {'
+                         + ",".join(f'"l{i}": 5' for i in range(300)) + "}}").encode(),
+    "too big": b'{"format": "paged-cache-rates", "version": 1}' + b" " * (1 << 20),
+    "deeply nested": b"[" * 100_000,
+}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("what", [*BAD_FILES, "a symlink", "a directory"])
+def test_a_bad_rates_file_is_ignored_and_counted(tmp_path: Path, what: str, caplog) -> None:
+    """Whatever the saved file holds, the manager opens, plans without saved estimates, counts
+    the file in ``rates_rejected`` and logs why."""
+    from paged_cache.rates_file import FILE_NAME
+
+    ssd = tmp_path / "ssd"
+    with new_manager(ssd, block_size=BLOCK, ssd_max_bytes="16MB"):
+        pass
+    path = ssd / FILE_NAME
+    if what == "a symlink":
+        target = tmp_path / "elsewhere.json"
+        target.write_text('{"format": "paged-cache-rates", "version": 1, '
+                          '"read_bytes_per_s": {"ssd": 5}}')
+        path.symlink_to(target)
+    elif what == "a directory":
+        path.mkdir()
+    else:
+        path.write_bytes(BAD_FILES[what])
+    with new_manager(ssd, block_size=BLOCK, ssd_max_bytes="16MB") as manager:
+        stats = manager.stats()
+        assert (stats["rates_rejected"], stats["rates_loaded"]) == (1, 0)
+        assert stats["read_bytes_per_s"] == {}
+        assert manager.rates.prefill("m") is None and manager.rates.bytes_per_token("l") is None
+    assert f"ignoring the saved rates {path}" in caplog.text
+
+
+@pytest.mark.unit
+def test_saved_rates_merge_with_another_process(tmp_path: Path) -> None:
+    """Two processes on one directory, each with its own model: both models' rates are kept;
+    what the later one measured for a shared name wins; a save replaces the file atomically."""
+    from paged_cache.rates_file import FILE_NAME, load
+
+    ssd = tmp_path / "ssd"
+    with new_manager(ssd, block_size=BLOCK, ssd_max_bytes="16MB") as first:
+        first.rates.add_prefill("a", 100, 1.0)
+        first.rates.add_read("ssd", 1000, 1.0)
+    with new_manager(ssd, block_size=BLOCK, ssd_max_bytes="16MB") as second:
+        second.rates.add_prefill("b", 200, 1.0)
+        second.rates.add_read("ssd", 3000, 1.0)
+        second.rates.learn_bytes_per_token("l", 512, 16)
+    saved = load(ssd)
+    assert saved.prefill_tokens_per_s == {"a": 100.0, "b": 200.0}
+    assert saved.read_bytes_per_s == {"ssd": 3000.0}
+    assert saved.bytes_per_token == {"l": 32.0}
+    assert sorted(p.name for p in ssd.iterdir() if p.name.startswith(FILE_NAME)) == [FILE_NAME]
+    assert (ssd / FILE_NAME).stat().st_mode & 0o777 == 0o600
+    with new_manager(None, block_size=BLOCK) as hot_only:   # no SSD directory: nothing read
+        assert hot_only.stats()["rates_loaded"] == 0
+
+
+@pytest.mark.unit
+def test_a_save_leaves_out_what_a_reader_would_refuse(tmp_path: Path) -> None:
+    """A model id with a control character, a rate beyond the bounds: not saved, so the file
+    stays readable and the other estimates are kept."""
+    from paged_cache.rates_file import load
+
+    ssd = tmp_path / "ssd"
+    with new_manager(ssd, block_size=BLOCK, ssd_max_bytes="16MB") as manager:
+        manager.rates.add_prefill("id:model\n", 100, 1.0)
+        manager.rates.add_prefill("id:модель", 100, 1.0)
+        manager.rates.add_read("hot", 10**15, 1.0)
+        manager.rates.add_read("ssd", 1000, 1.0)
+    saved = load(ssd)
+    assert saved.prefill_tokens_per_s == {"id:модель": 100.0}
+    assert saved.read_bytes_per_s == {"ssd": 1000.0}
+    with new_manager(ssd, block_size=BLOCK, ssd_max_bytes="16MB") as manager:
+        assert (manager.stats()["rates_loaded"], manager.stats()["rates_rejected"]) == (1, 0)

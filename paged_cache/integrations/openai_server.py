@@ -10,7 +10,10 @@ an ``OpenAIServerPromptCache`` bound to its model. Its batch scheduler, non-batc
 streaming, cancellation and sampling are unchanged. Tenants' cache salts (``tenants``) keep
 their prefixes apart, as in ``paged-cache serve``: the server process reads each request's salt
 (``SaltMiddleware``) and sends it with the request; the handler makes it current for the
-request's task and its batch scheduler carries it to the fetch (``openai_server_compat``).
+request's task and its batch scheduler carries it to the fetch (``openai_server_compat``). Both
+generation paths give the model's prefill rate samples (``prefill_samples``: each prefill step of
+the batch scheduler's BatchGenerator, each single request's reported prompt rate), so the fetch
+plan weighs a restore against the prefill it saves.
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ import logging
 import os
 import signal
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from paged_cache.config import CacheConfig, format_size
 from paged_cache.integrations import openai_server_compat as compat
+from paged_cache.integrations import prefill_samples
 from paged_cache.integrations.mlx_lm import ModelWithDraft, PagedPromptCache, model_id_for
 from paged_cache.integrations.tenants import CURRENT_SALT, salt_of_args
 from paged_cache.integrations.tenants_asgi import SaltMiddleware
@@ -73,6 +77,11 @@ class OpenAIServerPromptCache:
         """Store ``prompt_cache`` (positioned at ``len(tokens_ids)``, or one short) as blocks; the
         list is consumed. Errors are logged and counted, never raised."""
         self._cache.insert_cache(MODEL_KEY, tokens_ids, prompt_cache, cache_type=cache_type)
+
+    def record_prefill(self, tokens: int, seconds: float) -> None:
+        """The handler prefilled ``tokens`` (those the fetch did not cover) in ``seconds``: a
+        sample of the model's prefill rate."""
+        self._cache.record_prefill(tokens, seconds)
 
     def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
         self._cache.trim_to(n_sequences=n_sequences, n_bytes=n_bytes)
@@ -135,7 +144,27 @@ def paged_handler_class(base: type, manager: PagedSSDCacheManager) -> type:
             CURRENT_SALT.set(salt_of_args(request))
             return super().generate_text_response(request)
 
+    compat.observe_single_requests(PagedMLXLMHandler, _observe)
     return PagedMLXLMHandler
+
+
+def _meter(generator: Any, cache: Any) -> None:
+    """A batch scheduler's new BatchGenerator: its prefills become samples of the model's
+    prefill rate in ``cache`` (when it is paged-cache's), which the fetch plan weighs."""
+    if isinstance(cache, OpenAIServerPromptCache):
+        prefill_samples.metered(generator, cache.record_prefill)
+
+
+def _observe(handler: Any, returned: Any) -> Any:
+    """What the single-request path generated (a stream of responses or one response), giving
+    the handler's prompt cache the prefill sample it reports."""
+    cache = handler.prompt_cache
+    if not isinstance(cache, OpenAIServerPromptCache):
+        return returned
+    if isinstance(returned, Iterator):
+        return prefill_samples.from_responses(returned, cache.record_prefill)
+    prefill_samples.sample_response(returned, cache.record_prefill)
+    return returned
 
 
 def handler_worker(config: CacheConfig, *args: Any) -> None:
@@ -153,7 +182,7 @@ def handler_worker(config: CacheConfig, *args: Any) -> None:
     try:
         with PagedSSDCacheManager(config) as manager:
             compat.set_handler_class(paged_handler_class(compat.ORIGINAL_HANDLER, manager))
-            compat.salted_batches()
+            compat.paged_batches(_meter)
             compat.ORIGINAL_WORKER(*args)
         status = 0
     finally:

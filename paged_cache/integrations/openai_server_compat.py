@@ -15,9 +15,16 @@ application ``app.main.setup_server`` builds, and ``HandlerProcessProxy.generate
 ``generate_text_response`` put the request's salt on the request object they send to the
 handler process (``carry_salts``); there, each request runs in a task of its own
 (``_handler_worker`` starts one per request), and the ``BatchScheduler`` the handler builds
-takes the salt from submission to the fetch on its own thread (``salted_batches``: its admission
+takes the salt from submission to the fetch on its own thread (``paged_batches``: its admission
 queue is ``_admission_queue``, filled by ``submit_stream`` and drained by ``_admit_pending``
 right before it fetches).
+
+The handler process prefills what a fetch did not cover in two places, each timed for the fetch
+plan's prefill rate: the ``BatchGenerator`` the batch scheduler builds in ``_run`` (stored as
+``_batch_generator``; ``paged_batches`` hands it, with the scheduler's ``_prompt_cache``, to be
+measured) and, on the single-request path, mlx-lm's ``stream_generate`` called by the handler's
+``_stream_with_lock_and_cache_persist`` / ``_generate_with_lock_and_cache_persist``
+(``observe_single_requests`` passes what they return through an observer).
 """
 
 from __future__ import annotations
@@ -37,6 +44,10 @@ RANGE = (">=1.8.0", "<1.9")   # kept equal to the openai-server extra in pyproje
 EXTRA = "openai-server"   # paged-cache's extra that installs it
 TEXT_METHODS = ("generate_text_stream", "generate_text_response")  # a language model's requests
 QUEUE_NAME = "_admission_queue"   # BatchScheduler: requests submitted, not yet admitted
+GENERATOR_NAME = "_batch_generator"  # BatchScheduler: its BatchGenerator, built in _run
+CACHE_ATTR = "_prompt_cache"         # BatchScheduler: the prompt cache it fetches from
+# MLXLMHandler: its single-request path's generation (a stream, a whole response), self.model(...)
+SINGLE_METHODS = ("_stream_with_lock_and_cache_persist", "_generate_with_lock_and_cache_persist")
 
 
 def _version() -> tuple[int, ...]:
@@ -87,6 +98,12 @@ def _check() -> tuple[Any, Any, Any, Any, Any]:
             or f"self.{QUEUE_NAME}.get(" not in _source(batcher, "_admit_pending") \
             or "fetch_nearest_cache(" not in _source(batcher, "_admit_pending"):
         missing.append(f"BatchScheduler submitting through {QUEUE_NAME} and fetching on admission")
+    if f"self.{GENERATOR_NAME} = BatchGenerator(" not in _source(batcher, "_run") \
+            or f"self.{GENERATOR_NAME}.next()" not in _source(batcher, "_run") \
+            or f"self.{CACHE_ATTR} = " not in _source(batcher, "__init__"):
+        missing.append(f"BatchScheduler._run building self.{GENERATOR_NAME} = BatchGenerator(...)")
+    missing += [f"MLXLMHandler.{m} calling self.model(...)" for m in SINGLE_METHODS
+                if "self.model(" not in _source(handler, m)]
     factory = getattr(server, "create_handler_from_config", None)
     if factory is None or "MLXLMHandler(" not in inspect.getsource(factory):
         missing.append("app.server.create_handler_from_config making MLXLMHandler(...)")
@@ -178,17 +195,43 @@ class _SaltedQueue(queue.Queue):
         return item
 
 
-class SaltedBatchScheduler(ORIGINAL_BATCHER):  # type: ignore[misc, valid-type]
-    """mlx-openai-server's BatchScheduler whose admission queue carries salts."""
+def paged_batches(on_generator: Callable[[Any, Any], None]) -> None:
+    """Make batch schedulers built from now on (in this process) carry salts in their admission
+    queue, and hand the BatchGenerator each builds, with its prompt cache, to
+    ``on_generator(generator, prompt_cache)`` (which may wrap its methods) before it runs."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        setattr(self, QUEUE_NAME, _SaltedQueue(getattr(self, QUEUE_NAME).maxsize))
+    def get_generator(scheduler: Any) -> Any:
+        return scheduler.__dict__.get(GENERATOR_NAME)
+
+    def set_generator(scheduler: Any, generator: Any) -> None:
+        if generator is not None:
+            on_generator(generator, getattr(scheduler, CACHE_ATTR, None))
+        scheduler.__dict__[GENERATOR_NAME] = generator
+
+    class PagedBatchScheduler(ORIGINAL_BATCHER):  # type: ignore[misc, valid-type]
+        """mlx-openai-server's BatchScheduler whose admission queue carries salts and whose
+        BatchGenerator is handed to ``on_generator`` as ``_run`` builds it."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            setattr(self, QUEUE_NAME, _SaltedQueue(getattr(self, QUEUE_NAME).maxsize))
+
+    setattr(PagedBatchScheduler, GENERATOR_NAME, property(get_generator, set_generator))
+    _handlers.BatchScheduler = PagedBatchScheduler
 
 
-def salted_batches() -> None:
-    """Make batch schedulers built from now on (in this process) ``SaltedBatchScheduler``."""
-    _handlers.BatchScheduler = SaltedBatchScheduler
+def observe_single_requests(handler: type, observe: Callable[[Any, Any], Any]) -> None:
+    """Make ``handler`` (a subclass of MLXLMHandler) pass what its single-request path's
+    generation returns (a stream of responses, or one response) through
+    ``observe(handler_instance, returned)``, which returns what the handler gets instead."""
+    for name in SINGLE_METHODS:
+        original = getattr(handler, name)
+
+        def observed(self: Any, *args: Any, _original: Callable[..., Any] = original,
+                     **kwargs: Any) -> Any:
+            return observe(self, _original(self, *args, **kwargs))
+
+        setattr(handler, name, functools.wraps(original)(observed))
 
 
 def handler_model(handler: Any) -> tuple[Any, Any, Callable[[], list], str]:

@@ -6,7 +6,9 @@ The Scheduler keeps everything it does (BatchGenerator batching, sampling, strea
 its own store points); the cache behind those calls becomes block-shared, exact for every layout
 paged-cache supports, written to SSD (surviving restarts), optionally shared through
 the remote tier, and bounded by ``--cache-memory-mb`` in RAM. Tenants' cache salts
-(``tenants``) keep their prefixes apart, as in ``paged-cache serve``.
+(``tenants``) keep their prefixes apart, as in ``paged-cache serve``. Each prefill step of the
+Scheduler's BatchGenerator is a sample of the model's prefill rate (``prefill_samples``), so the
+fetch plan weighs a restore against the prefill it saves, as in ``paged-cache serve``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any, Callable, Sequence
 
 from paged_cache.config import CacheConfig, format_size
 from paged_cache.integrations import vllm_mlx_compat as compat
+from paged_cache.integrations import prefill_samples
 from paged_cache.integrations.mlx_lm import PagedPromptCache
 from paged_cache.integrations.tenants import CURRENT_SALT
 from paged_cache.integrations.tenants_asgi import SaltMiddleware
@@ -55,9 +58,17 @@ def install(manager: PagedSSDCacheManager, *, max_kv_size: int | None = None) ->
         raise ValueError(f"max_kv_size: expected an int >= 0 or None, got {max_kv_size!r}")
     _installed.update(manager=manager, max_kv_size=max_kv_size or None)
     compat.install(PagedPrefixCache, REFRESH_TOKENS)
+    compat.meter_prefill(_meter)
     compat.carry_salts(SaltMiddleware, _on_vision_path,
                        from_user=manager.config.cache_salt_from_user,
                        refusal=lambda: _installed.get("vision"))
+
+
+def _meter(generator: Any, cache: Any) -> None:
+    """A Scheduler's new BatchGenerator: its prefills become samples of the model's prefill
+    rate in ``cache`` (when it is paged-cache's), which the fetch plan weighs."""
+    if isinstance(cache, PagedPrefixCache):
+        prefill_samples.metered(generator, cache.record_prefill)
 
 
 def _on_vision_path() -> None:
@@ -130,6 +141,11 @@ class PagedPrefixCache:
         self._last_match_type = "prefix"
         self._last_matched_key = tuple(tokens[:len(tokens) - len(rest)])
         return cache, rest
+
+    def record_prefill(self, tokens: int, seconds: float) -> None:
+        """The Scheduler prefilled ``tokens`` (those its fetches did not cover) in ``seconds``: a
+        sample of the model's prefill rate."""
+        self._cache.record_prefill(tokens, seconds)
 
     def store(self, tokens: Sequence[int], cache: list, evict_prefixes: bool = True) -> bool:
         """Store ``cache`` (positioned at ``len(tokens)``, or one short of it) as blocks; the list

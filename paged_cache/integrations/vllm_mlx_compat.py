@@ -8,6 +8,8 @@ three more (``carry_salts``): a middleware on ``vllm_mlx.server.app``, the ``Req
 ``EngineCore.add_request`` builds (made in the HTTP request's task, so it can take the salt
 along) and ``Scheduler.add_request`` (which fetches the cache on the engine's worker thread);
 ``api.utils.resolve_mllm_route``, by which ``vllm-mlx serve`` picks the vision path, is watched.
+The Scheduler prefills in the BatchGenerator ``Scheduler._create_batch_generator`` builds, which
+is handed over with the Scheduler's ``memory_aware_cache`` to be measured (``meter_prefill``).
 This module is the only one that touches them: at import it checks that the installed vllm-mlx
 is in the supported range and still has each name (and that the code still reaches them:
 ``Scheduler.__init__`` constructs the cache through the first, ``EngineCore.add_request``
@@ -37,6 +39,8 @@ ADD_NAME = "add_request"                  # Scheduler: admits a request, fetchin
 FETCH_CALL = "memory_aware_cache.fetch("  # ... as it does in add_request
 REQUEST_NAME = "Request"                  # vllm_mlx.engine_core: what EngineCore builds
 ROUTE_NAME = "resolve_mllm_route"         # vllm_mlx.api.utils: text or vision path, at serve
+CREATE_NAME = "_create_batch_generator"   # Scheduler: builds the BatchGenerator that prefills
+CACHE_ATTR = "memory_aware_cache"         # Scheduler: the prefix cache it built (CACHE_NAME)
 
 
 def _version() -> tuple[int, ...]:
@@ -80,6 +84,13 @@ def _check() -> tuple[Any, Any, Any, Any]:
             missing.append(f"Scheduler.{BOUND_NAME}")
         if f"{CACHE_NAME}(" not in inspect.getsource(sched.__init__):
             missing.append(f"Scheduler.__init__ building its cache with {CACHE_NAME}(...)")
+        if f"self.{CACHE_ATTR} = {CACHE_NAME}(" not in inspect.getsource(sched.__init__):
+            missing.append(f"Scheduler.__init__ keeping its cache as self.{CACHE_ATTR}")
+        create = getattr(sched, CREATE_NAME, None)
+        if create is None or "BatchGenerator(" not in inspect.getsource(create) \
+                or f"self.batch_generator = self.{CREATE_NAME}(" not in inspect.getsource(
+                    getattr(sched, "_ensure_batch_generator", create)):
+            missing.append(f"Scheduler.{CREATE_NAME} building its BatchGenerator")
         add = getattr(sched, ADD_NAME, None)
         if add is None or FETCH_CALL not in inspect.getsource(add):
             missing.append(f"Scheduler.{ADD_NAME} fetching the cache ({FETCH_CALL}...)")
@@ -105,6 +116,7 @@ _scheduler, _engine_core, _server, _utils = _check()
 ORIGINAL_CACHE = getattr(_scheduler, CACHE_NAME)
 ORIGINAL_REFRESH = getattr(_scheduler.Scheduler, REFRESH_NAME)
 ORIGINAL_ADD = getattr(_scheduler.Scheduler, ADD_NAME)
+ORIGINAL_CREATE = getattr(_scheduler.Scheduler, CREATE_NAME)
 ORIGINAL_REQUEST: type = getattr(_engine_core, REQUEST_NAME)
 ORIGINAL_ROUTE: Callable[..., Any] = getattr(_utils, ROUTE_NAME)
 
@@ -133,6 +145,18 @@ def install(cache_class: type, refresh_tokens: int) -> None:
     its prompt snapshot once a prompt grew by ``refresh_tokens`` past what the cache served."""
     setattr(_scheduler, CACHE_NAME, cache_class)
     setattr(_scheduler.Scheduler, REFRESH_NAME, refresh_tokens)
+
+
+def meter_prefill(on_generator: Callable[[Any, Any], None]) -> None:
+    """Hand every BatchGenerator a Scheduler builds from now on, with that Scheduler's prefix
+    cache, to ``on_generator(generator, cache)`` (which may wrap its methods) before it runs."""
+
+    def create(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+        generator = ORIGINAL_CREATE(scheduler, *args, **kwargs)
+        on_generator(generator, getattr(scheduler, CACHE_ATTR, None))
+        return generator
+
+    setattr(_scheduler.Scheduler, CREATE_NAME, create)
 
 
 def carry_salts(middleware: type, on_vision: Callable[[], None], **options: Any) -> None:
@@ -167,9 +191,10 @@ def _drop_middleware() -> None:
 
 
 def uninstall() -> None:
-    """Put vllm-mlx's own cache class, snapshot interval, Request class and admission back, and
-    its application without the salt middleware."""
+    """Put vllm-mlx's own cache class, snapshot interval, Request class, admission and
+    BatchGenerator back, and its application without the salt middleware."""
     install(ORIGINAL_CACHE, ORIGINAL_REFRESH)
+    setattr(_scheduler.Scheduler, CREATE_NAME, ORIGINAL_CREATE)
     setattr(_engine_core, REQUEST_NAME, ORIGINAL_REQUEST)
     setattr(_scheduler.Scheduler, ADD_NAME, ORIGINAL_ADD)
     setattr(_utils, ROUTE_NAME, ORIGINAL_ROUTE)

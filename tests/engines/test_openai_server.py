@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from paged_cache import rates_file
 from paged_cache.testing.engines import ENGINES, EngineServer, chat, openai_client
 from helpers.tenants import PRIVATE, chat_ask, check_salts, check_user_salts
 from reuse import ARCHS, Reference, check_reuse, references, drop_a_stream, first_turns_together
@@ -52,10 +53,16 @@ def reference(models, tmp_path_factory) -> Reference:
 def test_reuse_at_least_own_cache_and_replies_equal_cold(arch, models, reference, tmp_path):
     """Two conversations of three turns sharing a system prompt: every reply equals the cold
     run's and every request reuses at least what mlx-openai-server's own cache reuses (as its
-    usage reports cached tokens); blocks reach the SSD tier."""
+    usage reports cached tokens); blocks reach the SSD tier. The handler's prefills (the batch
+    scheduler's, or the single-request path's) are samples of the model's prefill rate, saved in
+    the SSD directory when it stops."""
     cold, own = reference(arch)
     with paged(models[arch], arch, tmp_path, "--ssd-dir", str(tmp_path / "ssd")) as ours:
         turns = chat(ours.url, str(models[arch]))
+        assert ours.stop() == 0, ours.tail()
+    saved = rates_file.load(tmp_path / "ssd")
+    assert saved is not None and len(saved.prefill_tokens_per_s) == 1, ours.tail()
+    assert list(saved.prefill_tokens_per_s.values())[0] > 0
     total, _ = check_reuse(turns, own, cold)
     assert total > 0
     assert list((tmp_path / "ssd").rglob("*.safetensors")), "no block reached the SSD tier"

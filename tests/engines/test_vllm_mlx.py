@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from paged_cache import rates_file
 from paged_cache.testing.engines import ENGINES, EngineServer, Turn, chat, openai_client
 from paged_cache.testing.server import ValkeyServer
 from helpers.tenants import chat_ask, check_salts, check_user_salts
@@ -66,11 +67,18 @@ def test_reuse_at_least_own_cache_and_replies_equal_cold(arch, models, reference
     """Two conversations of three turns sharing a system prompt: every reply equals the cold
     run's; every request reuses at least what vllm-mlx's own cache reuses; on the hybrid and the
     sliding-window model strictly more in total (a snapshot on every turn, not every 4096
-    tokens)."""
+    tokens). The Scheduler's prefills are samples of the model's prefill rate (in stats, and
+    saved in the SSD directory at shutdown for the next start)."""
     cold, own = reference(arch)
     with paged(models[arch], tmp_path, "--ssd-dir", str(tmp_path / "ssd")) as ours:
         turns = run(ours, models[arch])
         stats = paged_stats(ours)
+        assert ours.stop() == 0, ours.tail()
+    assert stats["prefix"]["prefill_samples"] >= len(turns)
+    assert stats["prefix"]["prefill_tokens_per_s"] > 0
+    saved = rates_file.load(tmp_path / "ssd")
+    assert saved is not None and list(saved.prefill_tokens_per_s.values()) == [
+        pytest.approx(stats["prefix"]["prefill_tokens_per_s"])]
     total, own_total = check_reuse(turns, own, cold)
     assert total > 0
     if arch in SNAPSHOT_ARCHS:

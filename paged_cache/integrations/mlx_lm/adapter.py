@@ -388,9 +388,16 @@ class PagedPromptCache:
         ``seconds`` less the fetch of the open request ``prompt`` extends (none found: no
         sample, the fetch's share is unknown). Under the lock."""
         request = next((r for r in reversed(self._open) if r.covers(prompt, final=True)), None)
+        if request is not None:
+            self.record_prefill(prefilled, seconds - request.fetch_seconds)
+
+    def record_prefill(self, tokens: int, seconds: float) -> None:
+        """A sample of the loaded model's prefill rate: it prefilled ``tokens`` (those its
+        fetch did not cover) in ``seconds``, as the engine measured it; the fetch plan weighs it.
+        None before the first fetch loaded a model."""
         current = self._current
-        if request is not None and current is not None:
-            current[2][0].record_prefill(prefilled, seconds - request.fetch_seconds)
+        if current is not None:
+            current[2][0].record_prefill(tokens, seconds)
 
     @_serialized
     def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
