@@ -259,6 +259,9 @@ _FIELD_SPECS: dict[str, tuple[Any, str]] = {
     "fetch_policy": (lambda v, n: _choice(v, n, FETCH_POLICIES),
                      "restore or prefill a stored prefix: cost (the faster by measured rates; "
                      "default) | always-restore | always-prefill"),
+    "fetch_overlap": (parse_bool, "under fetch_policy cost, prefill the head of a stored prefix "
+                                  "while the rest is read from SSD when that is predicted faster "
+                                  "than either alone (default true)"),
     "prefill_tokens_per_s": (_rate, "the model's prefill rate (tokens/s) the fetch plan assumes "
                                     "until it has measured or saved one (0 = none: restore until "
                                     "measured; default 0)"),
@@ -291,6 +294,7 @@ _DEFAULTS: dict[str, Any] = {
     "cache_salt_from_user": False,
     "ssd_read_threads": READ_THREADS_DEFAULT,
     "fetch_policy": "cost",
+    "fetch_overlap": True,
     "prefill_tokens_per_s": 0.0,
     "test_ssd_read_bytes_per_s": 0,
 }
@@ -335,6 +339,7 @@ class CacheConfig:
     cache_salt_from_user: bool = UNSET
     ssd_read_threads: int = UNSET
     fetch_policy: str = UNSET
+    fetch_overlap: bool = UNSET
     prefill_tokens_per_s: float = UNSET
     test_ssd_read_bytes_per_s: int = UNSET
     origin: InitVar[Mapping[str, str] | None] = None

@@ -321,15 +321,17 @@ class BlockAwarePrefixCache:
         return grid
 
     def _check_chunk(self, prefill_chunk: Any) -> int:
-        """The prefill grid of a fetch (0: none; always 0 in a group, whose ranks would have to
-        prefill the same head together)."""
+        """The prefill grid of a fetch (0: none; always 0 with ``fetch_overlap`` off, and in a
+        group, whose ranks would have to prefill the same head together)."""
         if prefill_chunk is None:
             return 0
         if (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
                 or prefill_chunk < 1 or prefill_chunk % self.block_size):
             raise ValueError(f"prefill_chunk: expected a positive multiple of the block size "
                              f"{self.block_size}, got {prefill_chunk!r}")
-        return 0 if self._agreement is not None else prefill_chunk
+        if self._agreement is not None or not self.manager.config.fetch_overlap:
+            return 0
+        return prefill_chunk
 
     def _head_prefill(self, tokens: np.ndarray, grid: int) -> Callable[[int], list]:
         """The prefill of ``tokens[:h]`` into a fresh cache, in chunks ending on the absolute

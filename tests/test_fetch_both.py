@@ -246,3 +246,17 @@ def test_prefill_grid_is_checked() -> None:
             with pytest.raises(ValueError, match=r"prefill_grid: expected \(chunk, until\)"):
                 prefix.store(tokens, cache, prefill_grid=bad)
         assert prefix.stats()["stores"] == 0
+
+
+def test_fetch_overlap_off_chooses_one_way(tmp_path: Path) -> None:
+    """``fetch_overlap=false``: the same slow SSD and grid, one way (here: prefill all)."""
+    model = tiny_model("llama")
+    tokens = prompt(8 * BLOCK)
+    config = _slow_ssd(tmp_path, model, tokens)
+    off = CacheConfig(**{**{n: getattr(config, n) for n in config.explicit}, "fetch_overlap": False})
+    with PagedSSDCacheManager(off) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        _measure_ssd(model, prefix, tokens)
+        assert assert_exact(model, prefix, tokens + [1], prefill_chunk=BLOCK) == 0
+        assert prefix.last_fetch.tokens_recomputed == 8 * BLOCK
+        assert prefix.stats()["overlapped_fetches"] == 0
