@@ -173,19 +173,20 @@ def _plan(search: _Search, ends: list[int], grid: int) -> Plan:
 
 
 def _both(search: _Search, split: Split, prefill: Prefill, grid: int) -> Found | None:
-    """Both at once. The node at the head's end is read first: its rows must have been computed
-    after a prefill of the head on ``grid`` (META_GRID), else None (the plan without the split
-    follows). Then the files of the nodes after it are read through the page cache on another
-    thread (Tier.warm) while ``prefill`` computes the head, and the cache is rebuilt at the end
-    from the head (cut like a block) and those nodes. Where no choice of nodes rebuilds with the
-    head, the head's cache itself is the result (exact: a cold run to there)."""
+    """Both at once. The meta of the node at the head's end comes first: its rows must have been
+    computed after a prefill of the head on ``grid`` (META_GRID), else None (the plan without
+    the split follows). Then the files of the nodes from ``h`` on are read through the page cache
+    on another thread (Tier.warm) while ``prefill`` computes the head, and the cache is rebuilt
+    at the end from the head (cut like a block) and those nodes. Where no choice of nodes
+    rebuilds with the head, the head's cache itself is the result (exact: a cold run to there)."""
     pc, n, h = search.pc, split.end, split.head
     options = [[(node, used) for node, used in chosen if node.start >= h]
                for chosen in _nodes_for(search, n)]
-    first = next((node for node, _ in options[:1] and options[0] if node.start == h), None)
+    best = options[0] if options else []
+    first = next((node for node, _ in best if node.start == h), None)
     if first is None or not _on_grid(search, first, grid, h):
         return None
-    ahead = [(node.key, node.tier) for node, _ in options[0]
+    ahead = [(node.key, node.tier) for node, _ in best
              if node.tier in OVERLAP_TIERS and node.key not in search.blocks]
 
     def warm() -> None:
