@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from paged_cache.row_path import copies_on_host, evaluate, host_view, launch, to_device
-from paged_cache.tiers.direct import advance_all
+from paged_cache.tiers.direct import ReadAhead, advance_all
 from paged_cache.tiers.format import DTYPES, mx_dtype_name
 
 TOKEN_AXIS = 2  # every mlx-lm / mlx-vlm KV array is (B, heads, tokens, ...)
@@ -284,7 +284,8 @@ def _assemble_on_device(pieces: list[Piece], names: Sequence[str], moves: list[M
                         dtypes: dict) -> Arrays:
     """MLX ops: per name, one concatenate of the pieces' rows (zeros for rows none holds) or,
     when some rows are still on disk, one host staging buffer those rows are read into (with the
-    rest copied there) moved to the device once; the layer's buffers are evaluated together,
+    rest copied there) moved to the device once (inside ``rebuild_pipeline``, the files' next
+    layer is read on a reader thread meanwhile); the layer's buffers are evaluated together,
     once (waiting there frees each block's arrays as soon as they are written: an evaluation
     launched without waiting holds them while the next layers are built)."""
     stored = [name for name in names
@@ -292,8 +293,12 @@ def _assemble_on_device(pieces: list[Piece], names: Sequence[str], moves: list[M
     staging = {name: np.zeros(specs[name], dtype=_host_dtype(dtypes[name])) for name in stored}
     for name in stored:  # every stored row asked for first: one read per file for the layer
         _write_rows(pieces, name, moves, staging[name])
-    advance_all([piece.file for _, _, arrays, _ in pieces for piece in arrays.values()
-                 if hasattr(piece, "read_rows")])
+    files = [piece.file for _, _, arrays, _ in pieces for piece in arrays.values()
+             if hasattr(piece, "read_rows")]
+    if _AHEAD.reader is not None:  # the next layer's bytes are read while this one moves
+        _AHEAD.reader.advance(files)
+    else:
+        advance_all(files)
     out: Arrays = {}
     for name in names:
         if name in staging:
@@ -336,10 +341,11 @@ def _host_dtype(dtype: Any) -> np.dtype:
 
 class _Ahead(threading.local):
     """Per thread: inside ``rebuild_pipeline``, buffers allocated for the next layer (name ->
-    ((shape, dtype), array))."""
+    ((shape, dtype), array)) and the reader of the next layer's SSD payloads (device path)."""
 
     active = False
     buffers: dict | None = None
+    reader: ReadAhead | None = None
 
 
 _AHEAD = _Ahead()
@@ -347,16 +353,21 @@ _AHEAD = _Ahead()
 
 @contextmanager
 def rebuild_pipeline() -> Iterator[None]:
-    """Around the rebuild of a cache's layers: once a layer's rows of one name are written (and
-    handed-over blocks freed them), the buffer of that name for the next layer is allocated and
-    filled by MLX on its own thread while the copy goes on, assuming the next layer has the same
-    shapes (a mismatch drops it). The peak stays that of one layer at a time, plus padding;
-    what is left over goes when the block exits."""
-    _AHEAD.active, _AHEAD.buffers = True, {}
+    """Around the rebuild of a cache's layers (built in file order): on the host path, once a
+    layer's rows of one name are written (and handed-over blocks freed them), the buffer of
+    that name for the next layer is allocated and filled by MLX on its own thread while the
+    copy goes on, assuming the next layer has the same shapes (a mismatch drops it); on the
+    device path, the next layer's bytes of the SSD payloads are read on a reader thread while
+    this layer is moved to the device (``ReadAhead``). The peak stays that of one layer at a
+    time plus one layer ahead; what is left over goes when the block exits (after the reader
+    has finished)."""
+    _AHEAD.active, _AHEAD.buffers, _AHEAD.reader = True, {}, ReadAhead()
     try:
         yield
     finally:
-        _AHEAD.active, _AHEAD.buffers = False, None
+        reader = _AHEAD.reader
+        _AHEAD.active, _AHEAD.buffers, _AHEAD.reader = False, None, None
+        reader.close()
 
 
 def _allocate(specs: dict) -> Arrays:

@@ -7,8 +7,10 @@ one vectored read per file and several files at once, straight into those buffer
 decompressed piece by piece into them), and verifies each file's payload checksum over the same
 bytes. A rebuild that needs a layer's rows before the next layer is built (the device path,
 ``row_path``) reads each file's places so far with ``advance_all``; the file goes on from there.
-A file whose checksum fails makes ``read_stored`` return False: the rebuilt buffers hold damaged
-rows and must be dropped.
+``ReadAhead`` does the same and then reads the next layer's bytes of those files on a reader
+thread (hashed as they come) while the caller moves this layer to the device: one layer ahead
+at most. A file whose checksum fails makes ``read_stored`` return False: the rebuilt buffers hold
+damaged rows and must be dropped.
 """
 
 from __future__ import annotations
@@ -85,13 +87,20 @@ class StoredBlock:
     wanted: list[tuple[int, int, memoryview]] = field(default_factory=list)
     damage: str | None = None  # why the payload cannot be used (reported by ``read``)
     rereads: int = 0  # places asked for behind what was read already, read a second time
+    ahead_hits: int = 0  # places copied from bytes read ahead (``read_ahead``)
     _pos: int = 0  # data bytes read and hashed so far
     _digest: Any = field(default_factory=xxhash.xxh3_128)
     _lz4: "_Lz4Stream | None" = None
+    _ahead: tuple[int, memoryview] | None = None  # (offset, bytes read ahead up to ``_pos``)
 
     @property
     def nbytes(self) -> int:
         return self.data_bytes
+
+    @property
+    def ahead_bytes(self) -> int:
+        """Bytes read ahead and still held (``read_ahead``, until ``drop_ahead``)."""
+        return self._ahead[1].nbytes if self._ahead is not None else 0
 
     @property
     def begun(self) -> bool:
@@ -104,20 +113,30 @@ class StoredBlock:
             os.close(self.fd)
             self.fd = -1
         self.wanted.clear()
-        self.compressed = self._lz4 = None
+        self.compressed = self._lz4 = self._ahead = None
 
     def __del__(self) -> None:  # a fetch that gave up before reading: no fd outlives the block
         self.close()
 
     def advance(self) -> None:
         """Read the places asked for so far, the bytes before them into scratch (hashed too), so
-        the rows are there now; a place behind what was read already is read again directly."""
+        the rows are there now: a place inside the bytes read ahead is copied from them, one
+        behind what was read already is read again directly."""
         wanted = sorted(self.wanted, key=lambda w: w[0])
         self.wanted.clear()
         if self.damage is not None or not wanted:
             return
-        ahead = [w for w in wanted if w[0] >= self._pos]
-        behind = [w for w in wanted if w[0] < self._pos]
+        start, held = self._ahead if self._ahead is not None else (0, memoryview(b""))
+        ready, ahead, behind = [], [], []
+        for place in wanted:
+            offset, n, _ = place
+            if start <= offset and offset + n <= start + held.nbytes:
+                ready.append(place)
+            else:
+                (ahead if offset >= self._pos else behind).append(place)
+        for offset, n, view in ready:
+            _flat(view)[:] = held[offset - start:offset - start + n]
+            self.ahead_hits += 1
         try:
             if ahead:
                 self._consume(_tile(ahead, self._pos, ahead[-1][0] + ahead[-1][1]))
@@ -127,6 +146,37 @@ class StoredBlock:
                     self._read_again(offset, _flat(view))
         except OSError as exc:
             self.damage = f"read failed: {exc}"
+
+    def ahead_size(self) -> int:
+        """Bytes from what was read so far to the end of the next layer's tensors in the file
+        (the first layer with a tensor that starts there or later), 0 when none is left: what
+        ``read_ahead`` should take. Called on the caller's thread (``arrays`` may change there)."""
+        following = [(t.begin, t.begin + t.nbytes, layer[0]) for name, t in self.arrays.items()
+                     if isinstance(t, StoredTensor) and t.begin >= self._pos
+                     and (layer := fmt.layer_of(name)) is not None]
+        if self.damage is not None or not following:
+            return 0
+        nxt = min(following)[2]
+        return max(end for _, end, layer in following if layer == nxt) - self._pos
+
+    def read_ahead(self, nbytes: int) -> None:
+        """Read (and hash) the next ``nbytes`` of the data section into a buffer of their own,
+        which ``advance`` copies places from until ``drop_ahead``; safe on another thread while
+        the caller leaves this block alone."""
+        if self.damage is not None or nbytes <= 0:
+            return
+        start, held = self._pos, memoryview(bytearray(nbytes))
+        try:
+            self._consume([held])
+        except OSError as exc:
+            self.damage = f"read failed: {exc}"
+        if self.damage is None:
+            self._ahead = (start, held)
+
+    def drop_ahead(self) -> None:
+        """Free the bytes read ahead (hashed already: a place among them asked for later is
+        read again)."""
+        self._ahead = None
 
     def read(self) -> bool:
         """Read the rest of the data section into the asked-for places (the rest into scratch)
@@ -265,6 +315,57 @@ def advance_all(blocks: Sequence[Any]) -> None:
     for block in blocks:
         if isinstance(block, StoredBlock) and block.wanted:
             block.advance()
+
+
+class ReadAhead:
+    """Reads a layer's places of its block files, then the next layer's bytes of the same files
+    on one reader thread while the caller works on this layer (disk reads release the GIL):
+    the disk and the device work at once, with at most one layer read ahead. ``close`` waits
+    for the reader and frees what it read."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Any = None  # the reader's Future, until waited for
+        self._blocks: list[StoredBlock] = []  # read ahead by the last round
+
+    def advance(self, blocks: Sequence[Any]) -> None:
+        """``advance`` every ``StoredBlock`` among ``blocks`` (after the reader has finished the
+        bytes read ahead for them), free the last round's bytes read ahead, and start reading
+        the next layer's bytes of these files."""
+        unique = list({id(b): b for b in blocks if isinstance(b, StoredBlock)}.values())
+        self._wait()
+        advance_all(unique)
+        for block in self._blocks:
+            block.drop_ahead()
+        sizes = [(b, n) for b in unique if (n := b.ahead_size()) > 0]
+        self._blocks = [b for b, _ in sizes]
+        if sizes:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="paged-cache-read-ahead")
+            self._pending = self._pool.submit(_read_ahead, sizes)
+
+    def close(self) -> None:
+        """Wait for the reader, free what it read, end its thread."""
+        try:
+            self._wait()
+        finally:
+            for block in self._blocks:
+                block.drop_ahead()
+            self._blocks = []
+            if self._pool is not None:
+                self._pool.shutdown()
+                self._pool = None
+
+    def _wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+
+def _read_ahead(sizes: list[tuple[StoredBlock, int]]) -> None:
+    """The reader thread's work: each block's next ``n`` bytes, one file after another."""
+    for block, nbytes in sizes:
+        block.read_ahead(nbytes)
 
 
 def read_stored(blocks: Sequence[Any], threads: int) -> bool:
