@@ -163,9 +163,9 @@ def _damage(tmp_path: Path, key: str, compression: str) -> None:
 
 @pytest.mark.parametrize("compression", ["none", "lz4"])
 def test_the_next_layer_is_read_ahead_and_still_verified(tmp_path: Path, compression: str) -> None:
-    """``ReadAhead`` reads a layer's places, then the next layer's bytes on its reader thread:
-    that layer's places are copied from them (none read twice, nothing left held), and the
-    checksum still covers every byte: damage among the bytes read ahead fails the read."""
+    """The device path reads a layer's rows, then starts the next layer's (the same names'
+    tensors next in the file) on ``ReadAhead``'s reader thread: they land in place, none is read
+    twice, and the checksum still covers every byte: damage among them fails the read."""
     block = _block(2)
     rows = (slice(None), slice(None), slice(2, 7))
     want = {n: np.asarray(a) for n, a in block.arrays.items()}
@@ -176,16 +176,20 @@ def test_the_next_layer_is_read_ahead_and_still_verified(tmp_path: Path, compres
                 _damage(tmp_path, block.key, compression)
             stored = tier.open_stored(block.key)
             out = {n: np.zeros((1, 6, 8, 4), np.float16) for n in block.arrays}
+            for name in ("l0.keys", "l0.values"):
+                stored.arrays[name].read_rows(rows, out[name][rows])
+            stored.advance()
+            nxt = {name: stored.arrays[f"l0.{name}"].next_layer() for name in ("keys", "values")}
+            assert all(nxt[name] is stored.arrays[f"l1.{name}"] for name in nxt)
+            assert nxt["keys"].next_layer() is None
             reader = ReadAhead()
             try:
-                for layer in ("l0", "l1"):
-                    for name in (f"{layer}.keys", f"{layer}.values"):
-                        stored.arrays[name].read_rows(rows, out[name][rows])
-                    reader.advance([stored, stored])  # a file once however often it is named
-                    assert stored.ahead_hits == (0 if layer == "l0" else 12)  # 6 heads, 2 arrays
+                reader.start([(stored, [p for t in nxt.values()
+                                        for p in t.places(rows, out[t.name][rows])])], "l1")
+                assert reader.claim() == "l1" and reader.claim() is None
             finally:
                 reader.close()
-            assert stored.rereads == 0 and stored.ahead_bytes == 0
+            assert stored.rereads == 0
             assert read_stored([stored], threads=1) is not damaged
             if not damaged:
                 assert all(np.array_equal(out[n][rows], want[n][rows]) for n in block.arrays)

@@ -7,10 +7,10 @@ one vectored read per file and several files at once, straight into those buffer
 decompressed piece by piece into them), and verifies each file's payload checksum over the same
 bytes. A rebuild that needs a layer's rows before the next layer is built (the device path,
 ``row_path``) reads each file's places so far with ``advance_all``; the file goes on from there.
-``ReadAhead`` does the same and then reads the next layer's bytes of those files on a reader
-thread (hashed as they come) while the caller moves this layer to the device: one layer ahead
-at most. A file whose checksum fails makes ``read_stored`` return False: the rebuilt buffers hold
-damaged rows and must be dropped.
+``ReadAhead`` reads places of block files on a reader thread (in file order, hashed as they
+come) while the caller works: the device path reads the next layer's rows into its staging
+buffers while this layer moves to the device. A file whose checksum fails makes ``read_stored``
+return False: the rebuilt buffers hold damaged rows and must be dropped.
 """
 
 from __future__ import annotations
@@ -30,12 +30,15 @@ from paged_cache.tiers import format as fmt
 IOV_MAX = 1024  # Linux's bound on the buffers of one preadv
 LZ4_CHUNK = 64 << 10  # compressed bytes decompressed at a time (output at most ~255x that)
 
+Place = tuple[int, int, memoryview]  # (offset in the data section, bytes, destination)
+
 
 @dataclass
 class StoredTensor:
     """One tensor of a block file, not read yet: where its bytes lie in the data section."""
 
     file: "StoredBlock"
+    name: str  # the block array name (``l<layer>.<name>``)
     kind: fmt.DType
     shape: tuple[int, ...]
     begin: int
@@ -55,15 +58,33 @@ class StoredTensor:
         """Have ``self[take]`` (a slice on its last indexed axis, whole axes before and after)
         land in ``into`` (a numpy view of that shape, C-contiguous from that axis on) when the
         block's file is read."""
+        self.file.wanted.extend(self.places(take, into))
+
+    def places(self, take: tuple[slice, ...], into: np.ndarray) -> list[Place]:
+        """The places (data offset, bytes, destination) that put ``self[take]`` in ``into``
+        (as ``read_rows``), for ``StoredBlock.read_places``."""
         axis = len(take) - 1
         lo, hi = take[axis].start, take[axis].stop
+        if not 0 <= lo <= hi <= self.shape[axis]:
+            raise ValueError(f"read_rows: rows [{lo}, {hi}) outside {self.name}'s {self.shape[axis]}")
         size = self.kind.itemsize * math.prod(self.shape[axis + 1:])
+        out = []
         for i, index in enumerate(np.ndindex(*self.shape[:axis])):
             piece = into[index]
             if not piece.flags.c_contiguous or piece.nbytes != (hi - lo) * size:
                 raise ValueError("read_rows: destination rows must be contiguous")
             offset = self.begin + (i * self.shape[axis] + lo) * size
-            self.file.wanted.append((offset, piece.nbytes, memoryview(piece).cast("B")))
+            out.append((offset, piece.nbytes, memoryview(piece).cast("B")))
+        return out
+
+    def next_layer(self) -> "StoredTensor | None":
+        """The tensor of the same name in the next layer of the file (file order: the order a
+        rebuild builds layers in), or None."""
+        own = fmt.layer_of(self.name)
+        later = [t for n, t in self.file.arrays.items()
+                 if isinstance(t, StoredTensor) and t.begin > self.begin and own is not None
+                 and (layer := fmt.layer_of(n)) is not None and layer[1] == own[1]]
+        return min(later, key=lambda t: t.begin) if later else None
 
 
 @dataclass
@@ -84,23 +105,16 @@ class StoredBlock:
     on_damage: Callable[[str], None]
     compressed: bytes | None = None  # lz4: the whole file, read when the header was checked
     arrays: dict[str, Any] = field(default_factory=dict)
-    wanted: list[tuple[int, int, memoryview]] = field(default_factory=list)
+    wanted: list[Place] = field(default_factory=list)
     damage: str | None = None  # why the payload cannot be used (reported by ``read``)
     rereads: int = 0  # places asked for behind what was read already, read a second time
-    ahead_hits: int = 0  # places copied from bytes read ahead (``read_ahead``)
     _pos: int = 0  # data bytes read and hashed so far
     _digest: Any = field(default_factory=xxhash.xxh3_128)
     _lz4: "_Lz4Stream | None" = None
-    _ahead: tuple[int, memoryview] | None = None  # (offset, bytes read ahead up to ``_pos``)
 
     @property
     def nbytes(self) -> int:
         return self.data_bytes
-
-    @property
-    def ahead_bytes(self) -> int:
-        """Bytes read ahead and still held (``read_ahead``, until ``drop_ahead``)."""
-        return self._ahead[1].nbytes if self._ahead is not None else 0
 
     @property
     def begun(self) -> bool:
@@ -113,30 +127,24 @@ class StoredBlock:
             os.close(self.fd)
             self.fd = -1
         self.wanted.clear()
-        self.compressed = self._lz4 = self._ahead = None
+        self.compressed = self._lz4 = None
 
     def __del__(self) -> None:  # a fetch that gave up before reading: no fd outlives the block
         self.close()
 
     def advance(self) -> None:
-        """Read the places asked for so far, the bytes before them into scratch (hashed too), so
-        the rows are there now: a place inside the bytes read ahead is copied from them, one
-        behind what was read already is read again directly."""
-        wanted = sorted(self.wanted, key=lambda w: w[0])
-        self.wanted.clear()
+        """Read the places asked for so far (``read_places``)."""
+        wanted, self.wanted = self.wanted, []
+        self.read_places(wanted)
+
+    def read_places(self, places: Sequence[Place]) -> None:
+        """Read ``places`` now, the bytes before them into scratch (hashed too); a place behind
+        what was read already is read again directly."""
+        wanted = sorted(places, key=lambda w: w[0])
         if self.damage is not None or not wanted:
             return
-        start, held = self._ahead if self._ahead is not None else (0, memoryview(b""))
-        ready, ahead, behind = [], [], []
-        for place in wanted:
-            offset, n, _ = place
-            if start <= offset and offset + n <= start + held.nbytes:
-                ready.append(place)
-            else:
-                (ahead if offset >= self._pos else behind).append(place)
-        for offset, n, view in ready:
-            _flat(view)[:] = held[offset - start:offset - start + n]
-            self.ahead_hits += 1
+        ahead = [w for w in wanted if w[0] >= self._pos]
+        behind = [w for w in wanted if w[0] < self._pos]
         try:
             if ahead:
                 self._consume(_tile(ahead, self._pos, ahead[-1][0] + ahead[-1][1]))
@@ -146,37 +154,6 @@ class StoredBlock:
                     self._read_again(offset, _flat(view))
         except OSError as exc:
             self.damage = f"read failed: {exc}"
-
-    def ahead_size(self) -> int:
-        """Bytes from what was read so far to the end of the next layer's tensors in the file
-        (the first layer with a tensor that starts there or later), 0 when none is left: what
-        ``read_ahead`` should take. Called on the caller's thread (``arrays`` may change there)."""
-        following = [(t.begin, t.begin + t.nbytes, layer[0]) for name, t in self.arrays.items()
-                     if isinstance(t, StoredTensor) and t.begin >= self._pos
-                     and (layer := fmt.layer_of(name)) is not None]
-        if self.damage is not None or not following:
-            return 0
-        nxt = min(following)[2]
-        return max(end for _, end, layer in following if layer == nxt) - self._pos
-
-    def read_ahead(self, nbytes: int) -> None:
-        """Read (and hash) the next ``nbytes`` of the data section into a buffer of their own,
-        which ``advance`` copies places from until ``drop_ahead``; safe on another thread while
-        the caller leaves this block alone."""
-        if self.damage is not None or nbytes <= 0:
-            return
-        start, held = self._pos, memoryview(bytearray(nbytes))
-        try:
-            self._consume([held])
-        except OSError as exc:
-            self.damage = f"read failed: {exc}"
-        if self.damage is None:
-            self._ahead = (start, held)
-
-    def drop_ahead(self) -> None:
-        """Free the bytes read ahead (hashed already: a place among them asked for later is
-        read again)."""
-        self._ahead = None
 
     def read(self) -> bool:
         """Read the rest of the data section into the asked-for places (the rest into scratch)
@@ -292,7 +269,7 @@ class _Lz4Stream:
         return None
 
 
-def _tile(wanted: list[tuple[int, int, memoryview]], start: int, end: int) -> list[memoryview]:
+def _tile(wanted: list[Place], start: int, end: int) -> list[memoryview]:
     """Views covering ``[start, end)`` of the data section in order: the asked-for destinations
     (sorted, none before ``start``), scratch for the gaps (every byte is read: the checksum
     covers them all)."""
@@ -318,54 +295,46 @@ def advance_all(blocks: Sequence[Any]) -> None:
 
 
 class ReadAhead:
-    """Reads a layer's places of its block files, then the next layer's bytes of the same files
-    on one reader thread while the caller works on this layer (disk reads release the GIL):
-    the disk and the device work at once, with at most one layer read ahead. ``close`` waits
-    for the reader and frees what it read."""
+    """One reader thread reading places of block files into their destinations while the
+    caller works on something else (file reads release the GIL); ``claim`` waits for it and
+    hands back what the caller attached to the work. The caller leaves those files alone until
+    then; ``close`` waits and ends the thread."""
 
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
-        self._pending: Any = None  # the reader's Future, until waited for
-        self._blocks: list[StoredBlock] = []  # read ahead by the last round
+        self._pending: Any = None  # the reader's Future, until claimed
+        self._attached: Any = None
 
-    def advance(self, blocks: Sequence[Any]) -> None:
-        """``advance`` every ``StoredBlock`` among ``blocks`` (after the reader has finished the
-        bytes read ahead for them), free the last round's bytes read ahead, and start reading
-        the next layer's bytes of these files."""
-        unique = list({id(b): b for b in blocks if isinstance(b, StoredBlock)}.values())
-        self._wait()
-        advance_all(unique)
-        for block in self._blocks:
-            block.drop_ahead()
-        sizes = [(b, n) for b in unique if (n := b.ahead_size()) > 0]
-        self._blocks = [b for b, _ in sizes]
-        if sizes:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="paged-cache-read-ahead")
-            self._pending = self._pool.submit(_read_ahead, sizes)
+    def start(self, work: Sequence[tuple["StoredBlock", list[Place]]], attached: Any) -> None:
+        """Read each block's places (``read_places``) on the reader thread; ``claim`` returns
+        ``attached`` once they are read."""
+        self.claim()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="paged-cache-read-ahead")
+        self._pending = self._pool.submit(_read_all, list(work))
+        self._attached = attached
+
+    def claim(self) -> Any:
+        """Wait for the reader; what the last ``start`` attached (None when nothing runs)."""
+        pending, attached, self._pending, self._attached = self._pending, self._attached, None, None
+        if pending is not None:
+            pending.result()
+        return attached
 
     def close(self) -> None:
-        """Wait for the reader, free what it read, end its thread."""
+        """Wait for the reader, end its thread."""
         try:
-            self._wait()
+            self.claim()
         finally:
-            for block in self._blocks:
-                block.drop_ahead()
-            self._blocks = []
             if self._pool is not None:
                 self._pool.shutdown()
                 self._pool = None
 
-    def _wait(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
 
-
-def _read_ahead(sizes: list[tuple[StoredBlock, int]]) -> None:
-    """The reader thread's work: each block's next ``n`` bytes, one file after another."""
-    for block, nbytes in sizes:
-        block.read_ahead(nbytes)
+def _read_all(work: list[tuple[StoredBlock, list[Place]]]) -> None:
+    """The reader thread's work: each block's places, one file after another."""
+    for block, places in work:
+        block.read_places(places)
 
 
 def read_stored(blocks: Sequence[Any], threads: int) -> bool:
