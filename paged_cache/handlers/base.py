@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from paged_cache.row_path import copies_on_host, evaluate, host_view, launch, to_device
-from paged_cache.tiers.direct import ReadAhead, advance_all
+from paged_cache.tiers.direct import advance_all
 from paged_cache.tiers.format import DTYPES, mx_dtype_name
 
 TOKEN_AXIS = 2  # every mlx-lm / mlx-vlm KV array is (B, heads, tokens, ...)
@@ -284,91 +284,27 @@ def _assemble_on_device(pieces: list[Piece], names: Sequence[str], moves: list[M
                         dtypes: dict) -> Arrays:
     """MLX ops: per name, one concatenate of the pieces' rows (zeros for rows none holds) or,
     when some rows are still on disk, one host staging buffer those rows are read into (with the
-    rest copied there) moved to the device once (inside ``rebuild_pipeline``, the next layer's
-    rows are read into its own staging buffers on a reader thread meanwhile: ``_stage_next``);
-    the layer's buffers are evaluated together, once (waiting there frees each block's arrays
-    as soon as they are written: an evaluation launched without waiting holds them while the
-    next layers are built)."""
-    sources = {name: [pieces[k][2][name] for k, *_ in moves] for name in names}
-    stored = [name for name in names if any(_on_disk(sources[name]))]
-    staging = _staged(moves, specs, dtypes, sources, stored)
-    if staging is None:
-        staging = {name: np.zeros(specs[name], dtype=_host_dtype(dtypes[name])) for name in stored}
-        for name in stored:  # every stored row asked for first: one read per file for the layer
-            _write_rows(sources[name], moves, staging[name])
-        advance_all([s.file for name in stored for s in _on_disk(sources[name]) if s is not None])
-    else:  # the rows on disk are there already: only those held in RAM are copied
-        for name in stored:
-            held = [(s, m) for s, m in zip(sources[name], moves) if not hasattr(s, "read_rows")]
-            _write_rows([s for s, _ in held], [m for _, m in held], staging[name])
-    _stage_next(moves, specs, dtypes, sources, stored)
+    rest copied there) moved to the device once; the layer's buffers are evaluated together,
+    once (waiting there frees each block's arrays as soon as they are written: an evaluation
+    launched without waiting holds them while the next layers are built)."""
+    stored = [name for name in names
+              if any(hasattr(pieces[k][2][name], "read_rows") for k, *_ in moves)]
+    staging = {name: np.zeros(specs[name], dtype=_host_dtype(dtypes[name])) for name in stored}
+    for name in stored:  # every stored row asked for first: one read per file for the layer
+        _write_rows(pieces, name, moves, staging[name])
+    advance_all([piece.file for _, _, arrays, _ in pieces for piece in arrays.values()
+                 if hasattr(piece, "read_rows")])
     out: Arrays = {}
     for name in names:
         if name in staging:
             out[name] = to_device(staging.pop(name), dtypes[name])
         else:
-            out[name] = _concatenated(sources[name], moves, specs[name], dtypes[name])
-        del sources[name]
+            out[name] = _concatenated([pieces[k][2][name] for k, *_ in moves], moves,
+                                      specs[name], dtypes[name])
         for _, _, arrays, _ in pieces:  # the name's arrays go once written
             arrays.pop(name, None)
     evaluate(list(out.values()))
     return out
-
-
-def _on_disk(sources: list[Any]) -> list[Any]:
-    """Per source: itself when its rows are still on disk (a stored tensor), else None."""
-    return [s if hasattr(s, "read_rows") else None for s in sources]
-
-
-@dataclass
-class _Staged:
-    """A layer's staging buffers read ahead on the device path (``_stage_next``): the moves,
-    shapes and stored tensors (per name, per move) they were read for."""
-
-    moves: list[Move]
-    specs: dict
-    tensors: dict[str, list[Any]]
-    buffers: dict[str, np.ndarray]
-
-
-def _staged(moves: list[Move], specs: dict, dtypes: dict, sources: dict,
-            stored: list[str]) -> dict | None:
-    """Inside ``rebuild_pipeline``: once the reader has finished, this layer's staging buffers
-    when they were read ahead for exactly these moves and stored tensors, else None (what was
-    read ahead is dropped; a row of it asked for again is read again from its file)."""
-    staged = _AHEAD.reader.claim() if _AHEAD.reader is not None else None
-    if staged is None or staged.moves != moves or list(staged.tensors) != stored:
-        return None
-    for name in stored:
-        if (staged.specs[name] != specs[name]
-                or staged.buffers[name].dtype != _host_dtype(dtypes[name])
-                or any(a is not b for a, b in zip(staged.tensors[name], _on_disk(sources[name])))):
-            return None
-    return staged.buffers
-
-
-def _stage_next(moves: list[Move], specs: dict, dtypes: dict, sources: dict,
-                stored: list[str]) -> None:
-    """Inside ``rebuild_pipeline``: start reading the next layer's rows on disk (each stored
-    tensor's successor in its file, the order layers are built in) into new staging buffers on
-    the reader thread, assuming the next layer has this one's moves and shapes (``_staged``
-    checks): the disk works while this layer moves to the device, one layer ahead at most."""
-    if _AHEAD.reader is None or not stored:
-        return
-    disk = {name: _on_disk(sources[name]) for name in stored}
-    tensors = {name: [s.next_layer() if s is not None else None for s in disk[name]]
-               for name in stored}
-    if any((s is None) != (t is None) or (s is not None and (s.shape, s.kind) != (t.shape, t.kind))
-           for name in stored for s, t in zip(disk[name], tensors[name])):
-        return  # a stored tensor is the last of its name in its file, or unlike the next one
-    buffers = {name: np.zeros(specs[name], dtype=_host_dtype(dtypes[name])) for name in stored}
-    work: dict[int, tuple[Any, list]] = {}
-    for name in stored:
-        for tensor, (_, into, count, take) in zip(tensors[name], moves):
-            if tensor is not None:
-                places = tensor.places(_rows(take, count), buffers[name][_rows(into, count)])
-                work.setdefault(id(tensor.file), (tensor.file, []))[1].extend(places)
-    _AHEAD.reader.start(list(work.values()), _Staged(moves, specs, tensors, buffers))
 
 
 def _concatenated(sources: list[Any], moves: list[Move], shape: tuple[int, ...],
@@ -400,11 +336,10 @@ def _host_dtype(dtype: Any) -> np.dtype:
 
 class _Ahead(threading.local):
     """Per thread: inside ``rebuild_pipeline``, buffers allocated for the next layer (name ->
-    ((shape, dtype), array)) and the reader of the next layer's SSD payloads (device path)."""
+    ((shape, dtype), array))."""
 
     active = False
     buffers: dict | None = None
-    reader: ReadAhead | None = None
 
 
 _AHEAD = _Ahead()
@@ -412,21 +347,16 @@ _AHEAD = _Ahead()
 
 @contextmanager
 def rebuild_pipeline() -> Iterator[None]:
-    """Around the rebuild of a cache's layers (built in file order): on the host path, once a
-    layer's rows of one name are written (and handed-over blocks freed them), the buffer of
-    that name for the next layer is allocated and filled by MLX on its own thread while the
-    copy goes on, assuming the next layer has the same shapes (a mismatch drops it); on the
-    device path, the next layer's rows on disk are read into its staging buffers on a reader
-    thread (``ReadAhead``) while this layer moves to the device (``_stage_next``). The peak
-    stays that of one layer at a time plus one layer ahead; what is left over goes when the
-    block exits (after the reader has finished)."""
-    _AHEAD.active, _AHEAD.buffers, _AHEAD.reader = True, {}, ReadAhead()
+    """Around the rebuild of a cache's layers: once a layer's rows of one name are written (and
+    handed-over blocks freed them), the buffer of that name for the next layer is allocated and
+    filled by MLX on its own thread while the copy goes on, assuming the next layer has the same
+    shapes (a mismatch drops it). The peak stays that of one layer at a time, plus padding;
+    what is left over goes when the block exits."""
+    _AHEAD.active, _AHEAD.buffers = True, {}
     try:
         yield
     finally:
-        reader = _AHEAD.reader
-        _AHEAD.active, _AHEAD.buffers, _AHEAD.reader = False, None, None
-        reader.close()
+        _AHEAD.active, _AHEAD.buffers = False, None
 
 
 def _allocate(specs: dict) -> Arrays:
@@ -454,17 +384,18 @@ def _copy_on_host(pieces: list[Piece], names: Sequence[str], moves: list[Move], 
     disk, see tiers/direct.py) is asked to land its rows there when its file is read."""
     launch(list(buffers.values()))
     for name in names:
-        _write_rows([pieces[k][2][name] for k, *_ in moves], moves, host_view(buffers[name]))
+        _write_rows(pieces, name, moves, host_view(buffers[name]))
         for _, _, arrays, _ in pieces:  # the name's arrays go once written
             arrays.pop(name, None)
         _allocate_ahead(name, specs[name])
 
 
-def _write_rows(sources: list[Any], moves: list[Move], dst: np.ndarray) -> None:
-    """Every move's rows from its source (one per move) into ``dst`` (host memory) by numpy; a
-    stored tensor (a block payload still on disk, see tiers/direct.py) is asked to land its
-    rows there when its file is read."""
-    for src, (_, into, count, take) in zip(sources, moves):
+def _write_rows(pieces: list[Piece], name: str, moves: list[Move], dst: np.ndarray) -> None:
+    """Every move's rows of ``name`` into ``dst`` (host memory) by numpy; a stored tensor (a
+    block payload still on disk, see tiers/direct.py) is asked to land its rows there when its
+    file is read."""
+    for k, into, count, take in moves:
+        src = pieces[k][2][name]
         if hasattr(src, "read_rows"):
             src.read_rows(_rows(take, count), dst[_rows(into, count)])
         else:

@@ -146,7 +146,7 @@ class BlockFiles:
                             header.meta.get(fmt.META_CHECKSUM, ""),
                             lambda why: self._damaged_later(key, name, st.st_ino, why),
                             compressed=whole)
-        block.arrays = {n: StoredTensor(block, n, dtype, shape, begin)
+        block.arrays = {n: StoredTensor(block, dtype, shape, begin)
                         for n, dtype, shape, begin, _ in header.tensors}
         return block
 

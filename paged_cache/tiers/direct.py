@@ -7,10 +7,8 @@ one vectored read per file and several files at once, straight into those buffer
 decompressed piece by piece into them), and verifies each file's payload checksum over the same
 bytes. A rebuild that needs a layer's rows before the next layer is built (the device path,
 ``row_path``) reads each file's places so far with ``advance_all``; the file goes on from there.
-``ReadAhead`` reads places of block files on a reader thread (in file order, hashed as they
-come) while the caller works: the device path reads the next layer's rows into its staging
-buffers while this layer moves to the device. A file whose checksum fails makes ``read_stored``
-return False: the rebuilt buffers hold damaged rows and must be dropped.
+A file whose checksum fails makes ``read_stored`` return False: the rebuilt buffers hold damaged
+rows and must be dropped.
 """
 
 from __future__ import annotations
@@ -30,15 +28,12 @@ from paged_cache.tiers import format as fmt
 IOV_MAX = 1024  # Linux's bound on the buffers of one preadv
 LZ4_CHUNK = 64 << 10  # compressed bytes decompressed at a time (output at most ~255x that)
 
-Place = tuple[int, int, memoryview]  # (offset in the data section, bytes, destination)
-
 
 @dataclass
 class StoredTensor:
     """One tensor of a block file, not read yet: where its bytes lie in the data section."""
 
     file: "StoredBlock"
-    name: str  # the block array name (``l<layer>.<name>``)
     kind: fmt.DType
     shape: tuple[int, ...]
     begin: int
@@ -58,33 +53,15 @@ class StoredTensor:
         """Have ``self[take]`` (a slice on its last indexed axis, whole axes before and after)
         land in ``into`` (a numpy view of that shape, C-contiguous from that axis on) when the
         block's file is read."""
-        self.file.wanted.extend(self.places(take, into))
-
-    def places(self, take: tuple[slice, ...], into: np.ndarray) -> list[Place]:
-        """The places (data offset, bytes, destination) that put ``self[take]`` in ``into``
-        (as ``read_rows``), for ``StoredBlock.read_places``."""
         axis = len(take) - 1
         lo, hi = take[axis].start, take[axis].stop
-        if not 0 <= lo <= hi <= self.shape[axis]:
-            raise ValueError(f"read_rows: rows [{lo}, {hi}) outside {self.name}'s {self.shape[axis]}")
         size = self.kind.itemsize * math.prod(self.shape[axis + 1:])
-        out = []
         for i, index in enumerate(np.ndindex(*self.shape[:axis])):
             piece = into[index]
             if not piece.flags.c_contiguous or piece.nbytes != (hi - lo) * size:
                 raise ValueError("read_rows: destination rows must be contiguous")
             offset = self.begin + (i * self.shape[axis] + lo) * size
-            out.append((offset, piece.nbytes, memoryview(piece).cast("B")))
-        return out
-
-    def next_layer(self) -> "StoredTensor | None":
-        """The tensor of the same name in the next layer of the file (file order: the order a
-        rebuild builds layers in), or None."""
-        own = fmt.layer_of(self.name)
-        later = [t for n, t in self.file.arrays.items()
-                 if isinstance(t, StoredTensor) and t.begin > self.begin and own is not None
-                 and (layer := fmt.layer_of(n)) is not None and layer[1] == own[1]]
-        return min(later, key=lambda t: t.begin) if later else None
+            self.file.wanted.append((offset, piece.nbytes, memoryview(piece).cast("B")))
 
 
 @dataclass
@@ -105,7 +82,7 @@ class StoredBlock:
     on_damage: Callable[[str], None]
     compressed: bytes | None = None  # lz4: the whole file, read when the header was checked
     arrays: dict[str, Any] = field(default_factory=dict)
-    wanted: list[Place] = field(default_factory=list)
+    wanted: list[tuple[int, int, memoryview]] = field(default_factory=list)
     damage: str | None = None  # why the payload cannot be used (reported by ``read``)
     rereads: int = 0  # places asked for behind what was read already, read a second time
     _pos: int = 0  # data bytes read and hashed so far
@@ -133,14 +110,10 @@ class StoredBlock:
         self.close()
 
     def advance(self) -> None:
-        """Read the places asked for so far (``read_places``)."""
-        wanted, self.wanted = self.wanted, []
-        self.read_places(wanted)
-
-    def read_places(self, places: Sequence[Place]) -> None:
-        """Read ``places`` now, the bytes before them into scratch (hashed too); a place behind
-        what was read already is read again directly."""
-        wanted = sorted(places, key=lambda w: w[0])
+        """Read the places asked for so far, the bytes before them into scratch (hashed too), so
+        the rows are there now; a place behind what was read already is read again directly."""
+        wanted = sorted(self.wanted, key=lambda w: w[0])
+        self.wanted.clear()
         if self.damage is not None or not wanted:
             return
         ahead = [w for w in wanted if w[0] >= self._pos]
@@ -269,7 +242,7 @@ class _Lz4Stream:
         return None
 
 
-def _tile(wanted: list[Place], start: int, end: int) -> list[memoryview]:
+def _tile(wanted: list[tuple[int, int, memoryview]], start: int, end: int) -> list[memoryview]:
     """Views covering ``[start, end)`` of the data section in order: the asked-for destinations
     (sorted, none before ``start``), scratch for the gaps (every byte is read: the checksum
     covers them all)."""
@@ -292,49 +265,6 @@ def advance_all(blocks: Sequence[Any]) -> None:
     for block in blocks:
         if isinstance(block, StoredBlock) and block.wanted:
             block.advance()
-
-
-class ReadAhead:
-    """One reader thread reading places of block files into their destinations while the
-    caller works on something else (file reads release the GIL); ``claim`` waits for it and
-    hands back what the caller attached to the work. The caller leaves those files alone until
-    then; ``close`` waits and ends the thread."""
-
-    def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
-        self._pending: Any = None  # the reader's Future, until claimed
-        self._attached: Any = None
-
-    def start(self, work: Sequence[tuple["StoredBlock", list[Place]]], attached: Any) -> None:
-        """Read each block's places (``read_places``) on the reader thread; ``claim`` returns
-        ``attached`` once they are read."""
-        self.claim()
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="paged-cache-read-ahead")
-        self._pending = self._pool.submit(_read_all, list(work))
-        self._attached = attached
-
-    def claim(self) -> Any:
-        """Wait for the reader; what the last ``start`` attached (None when nothing runs)."""
-        pending, attached, self._pending, self._attached = self._pending, self._attached, None, None
-        if pending is not None:
-            pending.result()
-        return attached
-
-    def close(self) -> None:
-        """Wait for the reader, end its thread."""
-        try:
-            self.claim()
-        finally:
-            if self._pool is not None:
-                self._pool.shutdown()
-                self._pool = None
-
-
-def _read_all(work: list[tuple[StoredBlock, list[Place]]]) -> None:
-    """The reader thread's work: each block's places, one file after another."""
-    for block, places in work:
-        block.read_places(places)
 
 
 def read_stored(blocks: Sequence[Any], threads: int) -> bool:
