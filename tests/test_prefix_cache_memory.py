@@ -8,6 +8,7 @@ over and writes them into one buffer per layer (<= 0.1); mlx-lm's LRUPromptCache
 from __future__ import annotations
 
 import gc
+import tracemalloc
 from pathlib import Path
 
 import mlx.core as mx
@@ -163,6 +164,43 @@ def test_one_copy_over_a_multi_turn_conversation(tmp_path: Path, tier: str) -> N
     manager.close()
     assert all(t == used for t, used in taken)
     assert max(ratios) <= 0.1
+
+
+# KV wide enough (4 MiB a layer) that a layer's buffers dwarf the fetch's Python objects
+WIDE = tiny_model("llama", num_hidden_layers=8, num_key_value_heads=8, num_attention_heads=8,
+                  head_dim=64)
+
+
+def test_ssd_fetch_stages_one_layer_at_a_time(tmp_path: Path, rows_moved_by: str) -> None:
+    """From SSD after a restart, the device path reads each layer's rows into host staging
+    buffers and moves them to the device before the next layer is read: host memory (numpy
+    buffers and read scratch, as tracemalloc sees them) peaks at one staged layer; the host
+    path reads into the cache's own buffers and stages nothing."""
+    tokens = prompt(TOKENS + 1, seed=5)
+    with PagedSSDCacheManager(CacheConfig(block_size=BLOCK, ssd_dir=tmp_path)) as manager:
+        prefix = BlockAwarePrefixCache(manager, WIDE)
+        cache = prefix.make_cache()
+        prefill(WIDE, cache, tokens[:TOKENS], 0, BLOCK)
+        prefix.store(tokens[:TOKENS], cache)
+        rows = cache[0].keys[..., :TOKENS, :].nbytes + cache[0].values[..., :TOKENS, :].nbytes
+        del cache
+    with PagedSSDCacheManager(CacheConfig(block_size=BLOCK, ssd_dir=tmp_path,
+                                          hot_cache_max_bytes=0)) as manager:
+        prefix = BlockAwarePrefixCache(manager, WIDE)
+        tracemalloc.start()
+        try:
+            cache, n = prefix.fetch(tokens)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert n == TOKENS and prefix.last_fetch.tier == "ssd"
+        staged = cache[0].keys.nbytes + cache[0].values.nbytes  # one layer's buffers
+    print(f"\n{rows_moved_by}: host peak {peak / staged:.2f} layers "
+          f"({peak >> 10} KiB, a layer {staged >> 10} KiB, its rows on disk {rows >> 10} KiB)")
+    if rows_moved_by == "device":
+        assert 0.9 * rows <= peak <= staged + staged // 4, (peak, staged, rows)
+    else:
+        assert peak <= staged // 2, (peak, staged)
 
 
 @pytest.mark.parametrize("consume", [False, True])

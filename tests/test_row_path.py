@@ -1,7 +1,8 @@
 """The row path: chosen once per process (forced by PAGED_CACHE_ROW_PATH), and the work a fetch or
 a store asks of MLX, counted: one evaluation per layer or fewer, never one per block, on both
 paths; on the device path no host views of a RAM hit and one upload per array per layer from SSD.
-On a GPU those counts are the cost; this is what CI sees of it."""
+On a GPU those counts are the cost; this is what CI sees of it. From SSD the kernel is asked to
+read each file's next layer while a layer moves to the device."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.direct import read_stored
+from paged_cache.tiers.direct import advance_all, read_stored
 from paged_cache.tiers.ssd import SSDTier
 
 from helpers.prefix import assert_exact, prefill, prompt
@@ -152,3 +153,32 @@ def test_a_stored_block_is_read_in_steps_front_to_back(tmp_path: Path, compressi
         assert stored.damage is None  # nothing wrong in what was read so far
         assert not read_stored([stored], threads=1)
         assert tier.stats()["damaged"] == 1 and not tier.contains(block.key)
+
+
+@pytest.mark.parametrize("compression", ["none", "lz4"])
+def test_the_next_layer_is_hinted_to_the_kernel(tmp_path: Path, compression: str) -> None:
+    """Once a layer's rows are read (``advance_all``), the span hinted to the kernel runs from
+    what was read to the end of the next layer's tensors in the file, and none is left after
+    the last layer; the rows and the checksum are those of a plain read."""
+    block = _block(3)
+    rows = (slice(None), slice(None), slice(2, 7))
+    with SSDTier(tmp_path, max_bytes=1 << 30, compression=compression) as tier:
+        assert tier.write_sync(block.key, fmt.raw_tensors(block), block.meta)
+        stored = tier.open_stored(block.key)
+        ends = {layer: max(t.begin + t.nbytes for n, t in stored.arrays.items()
+                           if n.startswith(f"{layer}."))
+                for layer in ("l0", "l1")}
+        assert stored.next_layer_span() == (0, ends["l0"])
+        out = {n: np.zeros((1, 6, 8, 4), np.float16) for n in block.arrays}
+        for layer in ("l0", "l1"):
+            for name in (f"{layer}.keys", f"{layer}.values"):
+                stored.arrays[name].read_rows(rows, out[name][rows])
+            advance_all([stored, stored])  # hints once read (lz4: in memory, nothing to hint)
+            span = stored.next_layer_span()
+            if layer == "l0":  # from l0's last row not asked for (4 float16) to l1's end
+                assert span == (ends["l0"] - 4 * 2, ends["l1"])
+            else:
+                assert span is None
+        assert read_stored([stored], threads=1) and stored.rereads == 0
+        want = {n: np.asarray(a) for n, a in block.arrays.items()}
+        assert all(np.array_equal(out[n][rows], want[n][rows]) for n in block.arrays)

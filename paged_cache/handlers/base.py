@@ -284,7 +284,8 @@ def _assemble_on_device(pieces: list[Piece], names: Sequence[str], moves: list[M
                         dtypes: dict) -> Arrays:
     """MLX ops: per name, one concatenate of the pieces' rows (zeros for rows none holds) or,
     when some rows are still on disk, one host staging buffer those rows are read into (with the
-    rest copied there) moved to the device once; the layer's buffers are evaluated together,
+    rest copied there) moved to the device once (the kernel reads the files' next layer into
+    its page cache meanwhile: ``advance_all``); the layer's buffers are evaluated together,
     once (waiting there frees each block's arrays as soon as they are written: an evaluation
     launched without waiting holds them while the next layers are built)."""
     stored = [name for name in names

@@ -6,13 +6,15 @@ buffer (``read_rows``); ``read_stored`` then reads every asked-for file once, in
 one vectored read per file and several files at once, straight into those buffers (lz4 files are
 decompressed piece by piece into them), and verifies each file's payload checksum over the same
 bytes. A rebuild that needs a layer's rows before the next layer is built (the device path,
-``row_path``) reads each file's places so far with ``advance_all``; the file goes on from there.
+``row_path``) reads each file's places so far with ``advance_all``; the file goes on from there,
+and the kernel is asked to start reading each file's next layer meanwhile (``hint_next_layer``).
 A file whose checksum fails makes ``read_stored`` return False: the rebuilt buffers hold damaged
 rows and must be dropped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -127,6 +129,31 @@ class StoredBlock:
                     self._read_again(offset, _flat(view))
         except OSError as exc:
             self.damage = f"read failed: {exc}"
+
+    def next_layer_span(self) -> tuple[int, int] | None:
+        """Data offsets ``[start, end)`` from what was read so far to the end of the next layer's
+        tensors in the file (the first layer with a tensor that starts there or later), or None
+        when no layer is left."""
+        following = [(t.begin, t.begin + t.nbytes, layer[0]) for name, t in self.arrays.items()
+                     if isinstance(t, StoredTensor) and t.begin >= self._pos
+                     and (layer := fmt.layer_of(name)) is not None]
+        if not following:
+            return None
+        nxt = min(following)[2]
+        return self._pos, max(end for _, end, layer in following if layer == nxt)
+
+    def hint_next_layer(self) -> None:
+        """Ask the kernel to start reading ``next_layer_span`` into its page cache
+        (``POSIX_FADV_WILLNEED``, where the platform has it): the disk reads it while the caller
+        moves this layer to the device, with no thread of ours and no memory of the process.
+        Only a hint: an error is ignored; an lz4 file is in memory already."""
+        span = self.next_layer_span()
+        if (span is None or self.compressed is not None or self.fd < 0
+                or not hasattr(os, "posix_fadvise")):
+            return
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(self.fd, self.data_start + span[0], span[1] - span[0],
+                             os.POSIX_FADV_WILLNEED)
 
     def read(self) -> bool:
         """Read the rest of the data section into the asked-for places (the rest into scratch)
@@ -261,10 +288,16 @@ def _tile(wanted: list[tuple[int, int, memoryview]], start: int, end: int) -> li
 
 
 def advance_all(blocks: Sequence[Any]) -> None:
-    """``advance`` every ``StoredBlock`` among ``blocks`` with places asked for."""
+    """``advance`` every ``StoredBlock`` among ``blocks`` with places asked for, then hint each
+    one's next layer to the kernel (``hint_next_layer``): the device path builds layers in file
+    order, so the disk reads the next layer while this one is moved to the device."""
+    advanced = []
     for block in blocks:
         if isinstance(block, StoredBlock) and block.wanted:
             block.advance()
+            advanced.append(block)
+    for block in advanced:
+        block.hint_next_layer()
 
 
 def read_stored(blocks: Sequence[Any], threads: int) -> bool:
