@@ -287,6 +287,17 @@ class BlockAwarePrefixCache:
                      n, total, self.last_fetch.tier, self.last_fetch.blocks, seconds * 1e3)
         return (found.cache, n) if n else (None, 0)
 
+    def count_whole_hit(self, tokens_requested: int, n: int, seconds: float) -> None:
+        """Count a fetch its caller served from a whole cache of this layout it had not stored
+        yet (``PagedPromptCache``'s deferred inserts) as a RAM hit of ``n`` tokens."""
+        st = self._stats
+        st["tokens_requested"] += tokens_requested
+        st["hits"] += 1
+        st["tokens_matched"] += n
+        st["tokens_saved"] += n
+        st["restore_seconds"] += seconds
+        self.last_fetch = FetchInfo(tokens_requested, n, "hot", seconds, 0, n)
+
     def _find(self, tokens: np.ndarray, limit: int | None = None) -> Found | None:
         """This rank's longest rebuild of ``tokens`` (at most ``limit`` tokens), or None. In a
         group an error is a miss (logged, counted): a rank must never leave the collective."""
