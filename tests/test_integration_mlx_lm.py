@@ -428,24 +428,33 @@ def test_deferred_inserts_are_served_whole_then_cut(tmp_path, model):
 
 
 def test_deferred_inserts_cut_in_order_and_bounded(tmp_path, model):
-    """A layout that cannot be trimmed (recurrent state): a fetch cuts the deferred inserts it
-    needs, a request's prompt insert before its final one, and leaves the others whole; beyond
-    MAX_DEFERRED inserts the oldest is cut at once."""
+    """A layout that cannot be trimmed (recurrent state): a deferred insert whose tokens start
+    the request is served whole (a deep copy, exact); a fetch it cannot serve that way (a branch
+    inside it) cuts the deferred inserts that reach further than the stored blocks, a request's
+    prompt insert before its final one, and leaves the others whole; beyond MAX_DEFERRED
+    inserts the oldest is cut at once."""
     hybrid = tiny_model("qwen3_next")
     manager, paged = make(tmp_path, hybrid, defer_stores=True)
     with manager:
-        a = tokens_of(40, seed=3)
+        pc = paged.prefix_cache(KEY)
+        a, b = tokens_of(40, seed=3), tokens_of(30, seed=4)
         paged.insert_cache(KEY, a[:20], prefill(hybrid, a[:20]), cache_type="user")
         paged.insert_cache(KEY, a, prefill(hybrid, a), cache_type="assistant")
-        b = tokens_of(30, seed=4)
         paged.insert_cache(KEY, b, prefill(hybrid, b), cache_type="assistant")
         assert paged.deferred == 3 and paged.counters["stores_superseded"] == 0
         got, rest = paged.fetch_nearest_cache(KEY, a + [7])
-        assert rest == [7] and paged.deferred == 1 and len(paged) == 1   # b stays whole
+        assert rest == [7] and paged.deferred == 3 and pc.last_fetch.blocks == 0
         want = last_logits(hybrid, prefill(hybrid, a), 7)
         assert mx.abs(last_logits(hybrid, got, 7) - want).max().item() == 0.0
-        others = [tokens_of(18, seed=10 + i) for i in range(MAX_DEFERRED + 1)]
+        branch = a[:36] + [9, 9]     # a's final insert reaches further: both of a's are cut
+        got, rest = paged.fetch_nearest_cache(KEY, branch)
+        assert paged.deferred == 1 and len(paged) == 2 and pc.last_fetch.blocks > 0  # b whole
+        n = len(branch) - len(rest)
+        assert n == 20   # the prompt insert's state (the final one's is at 40)
+        want = last_logits(hybrid, prefill(hybrid, branch[:n]), branch[n])
+        assert mx.abs(last_logits(hybrid, got, branch[n]) - want).max().item() == 0.0
+        others = [tokens_of(18, seed=10 + i) for i in range(MAX_DEFERRED)]
         for tokens in others:
             paged.insert_cache(KEY, tokens, prefill(hybrid, tokens), cache_type="assistant")
-        assert paged.deferred == MAX_DEFERRED   # b and others[0] were cut
-        assert paged.fetch_nearest_cache(KEY, others[0] + [1])[1] == [1]   # cut, not deferred
+        assert paged.deferred == MAX_DEFERRED   # b was cut
+        assert paged.counters["inserts"] == 3

@@ -383,36 +383,41 @@ class PagedPromptCache:
 
     def _from_deferred(self, tokens: list[int],
                        prefixes: list[BlockAwarePrefixCache]) -> tuple[list, int] | None:
-        """A fetch of ``tokens`` and the deferred inserts (of ``prefixes``' layouts and tenant):
-        those that reach further into ``tokens`` than what is stored are needed. The longest
-        needed one a fetch may copy (every layer trimmable: LRUPromptCache's copy and trim) is
-        served whole, ``(cache, tokens)``, cut later; else every needed one is cut now, in order,
-        and None returned (the fetch rebuilds from blocks). The others stay deferred: their store
-        changes nothing this fetch can rebuild."""
+        """A fetch of ``tokens`` and the deferred inserts (of ``prefixes``' layouts and tenant)
+        that may reach further into ``tokens`` than the stored nodes (``_reach``). The longest
+        of them is served whole, ``(cache, tokens)``, as LRUPromptCache serves an entry (a deep
+        copy, trimmed to the request where every layer trims), when neither a stored node nor
+        another of them once cut reaches as far; it stays deferred. Else every one of them is cut now, in order, and None returned:
+        the fetch rebuilds from blocks. The others stay deferred: their store changes nothing
+        this fetch can rebuild."""
         t0 = time.perf_counter()
         ids = np.asarray(tokens, dtype=np.int64)
         limit = len(tokens) - 1
-        reach: dict[int, int] = {}   # per prefix cache: how far the stored nodes reach
+        reach: dict[int, tuple[int, int]] = {}   # per prefix cache: see _reach
         needed: list[_Deferred] = []
         best: tuple[_Deferred, int] | None = None
+        furthest = 0   # the most tokens a needed insert could give once cut
         for d in self._deferred:
             if not any(d.prefix is p for p in prefixes):
                 continue
             shared = shared_prefix(d.ids, ids)
             if id(d.prefix) not in reach:
                 reach[id(d.prefix)] = _reach(d.prefix, tokens, ids)
-            if shared <= reach[id(d.prefix)]:
+            if shared <= reach[id(d.prefix)][0]:
                 continue
             needed.append(d)
             n = min(shared, limit, d.covered)
-            if d.copyable and n > 0 and (best is None or n > best[1]):
+            furthest = max(furthest, n)
+            if 0 < n and (n == d.covered or d.copyable) and (best is None or n > best[1]):
                 best = (d, n)
-        if best is not None and best[1] >= min(reach[id(best[0].prefix)], limit):
+        if best is not None and best[1] >= max(furthest,
+                                                 min(reach[id(best[0].prefix)][1], limit)):
             from mlx_lm.models.cache import trim_prompt_cache
 
             d, n = best
             cache = copy.deepcopy(d.cache)
-            trim_prompt_cache(cache, d.covered - n)
+            if n < d.covered:
+                trim_prompt_cache(cache, d.covered - n)
             d.prefix.count_whole_hit(len(tokens), n, time.perf_counter() - t0)
             return cache, n
         for d in needed:
@@ -688,20 +693,19 @@ def _covered(cache: list, n_tokens: int) -> int:
     return n_tokens - 1 if offsets == {n_tokens - 1} else n_tokens
 
 
-def _reach(prefix: BlockAwarePrefixCache, tokens: list[int], ids: np.ndarray) -> int:
-    """How far into ``tokens`` what ``prefix`` stores can rebuild, at most: for a layout whose
-    layers keep their whole history, the held full blocks and the longest node after them;
-    for any other, the held full blocks only (a deferred insert past them may leave a state
-    there that no stored node has)."""
+def _reach(prefix: BlockAwarePrefixCache, tokens: list[int], ids: np.ndarray) -> tuple[int, int]:
+    """How far into ``tokens`` what ``prefix`` stores reaches: ``(needs, rows)``. ``rows``: the
+    held full blocks and the longest node after them (no rebuild from blocks goes further);
+    ``needs``: a deferred insert reaching past it may add what a fetch can use: ``rows`` for a
+    layout whose layers keep their whole history, else the held full blocks only (an insert
+    past them may leave a state there that no stored node has)."""
     if prefix.fingerprint is None:
-        return 0
+        return 0, 0
     bs = prefix.block_size
     keys = chain_keys(prefix.fingerprint, prefix.namespace, tokens[:len(tokens) - len(tokens) % bs], bs)
-    if not prefix.layout.full_history:
-        tiers = prefix.manager.tiers_of(keys)
-        return bs * (tiers.index(None) if None in tiers else len(tiers))
     tiers, kids = prefix.manager.chain(keys, prefix.fingerprint, prefix.namespace)
-    held = tiers.index(None) if None in tiers else len(tiers)
-    after = kids.get(keys[held - 1] if held else ROOT_PARENT, ())
-    return held * bs + max((shared_prefix(k.token_ids, ids[held * bs:]) for k in after
-                            if not k.checkpoint), default=0)
+    held = bs * (tiers.index(None) if None in tiers else len(tiers))
+    after = kids.get(keys[held // bs - 1] if held else ROOT_PARENT, ())
+    rows = held + max((shared_prefix(k.token_ids, ids[held:]) for k in after
+                       if not k.checkpoint), default=0)
+    return (rows if prefix.layout.full_history else held), rows
