@@ -427,12 +427,11 @@ def test_deferred_inserts_are_served_whole_then_cut(tmp_path, model):
         assert paged.stats()["requests"]["stores_deferred"] == 3
 
 
-def test_deferred_inserts_cut_in_order_and_bounded(tmp_path, model):
-    """A layout that cannot be trimmed (recurrent state): a deferred insert whose tokens start
-    the request is served whole (a deep copy, exact); a fetch it cannot serve that way (a branch
-    inside it) cuts the deferred inserts that reach further than the stored blocks, a request's
-    prompt insert before its final one, and leaves the others whole; beyond MAX_DEFERRED
-    inserts the oldest is cut at once."""
+def test_deferred_inserts_of_a_recurrent_layout_and_their_bound(tmp_path, model):
+    """A layout that cannot be trimmed (recurrent state): a deferred insert whose tokens all
+    start the request is served whole (a deep copy, exact), the longest such one (a branch
+    inside the final insert gets the prompt insert's state); beyond MAX_DEFERRED inserts the
+    oldest are cut at once, in order, and the blocks then give what the whole insert gave."""
     hybrid = tiny_model("qwen3_next")
     manager, paged = make(tmp_path, hybrid, defer_stores=True)
     with manager:
@@ -442,19 +441,17 @@ def test_deferred_inserts_cut_in_order_and_bounded(tmp_path, model):
         paged.insert_cache(KEY, a, prefill(hybrid, a), cache_type="assistant")
         paged.insert_cache(KEY, b, prefill(hybrid, b), cache_type="assistant")
         assert paged.deferred == 3 and paged.counters["stores_superseded"] == 0
-        got, rest = paged.fetch_nearest_cache(KEY, a + [7])
-        assert rest == [7] and paged.deferred == 3 and pc.last_fetch.blocks == 0
-        want = last_logits(hybrid, prefill(hybrid, a), 7)
-        assert mx.abs(last_logits(hybrid, got, 7) - want).max().item() == 0.0
-        branch = a[:36] + [9, 9]     # a's final insert reaches further: both of a's are cut
-        got, rest = paged.fetch_nearest_cache(KEY, branch)
-        assert paged.deferred == 1 and len(paged) == 2 and pc.last_fetch.blocks > 0  # b whole
-        n = len(branch) - len(rest)
-        assert n == 20   # the prompt insert's state (the final one's is at 40)
-        want = last_logits(hybrid, prefill(hybrid, branch[:n]), branch[n])
-        assert mx.abs(last_logits(hybrid, got, branch[n]) - want).max().item() == 0.0
-        others = [tokens_of(18, seed=10 + i) for i in range(MAX_DEFERRED)]
-        for tokens in others:
+        branch = a[:36] + [9, 9]
+        for prompt, n in ((a + [7], 40), (branch, 20)):
+            got, rest = paged.fetch_nearest_cache(KEY, prompt)
+            assert len(prompt) - len(rest) == n and pc.last_fetch.blocks == 0
+            want = last_logits(hybrid, prefill(hybrid, prompt[:n]), prompt[n])
+            assert mx.abs(last_logits(hybrid, got, prompt[n]) - want).max().item() == 0.0
+        assert paged.deferred == 3
+        for i in range(MAX_DEFERRED):
+            tokens = tokens_of(18, seed=10 + i)
             paged.insert_cache(KEY, tokens, prefill(hybrid, tokens), cache_type="assistant")
-        assert paged.deferred == MAX_DEFERRED   # b was cut
-        assert paged.counters["inserts"] == 3
+        assert paged.deferred == MAX_DEFERRED and paged.counters["inserts"] == 3
+        assert len(paged) == 3    # each insert its sequence (LRUPromptCache keeps them too)
+        got, rest = paged.fetch_nearest_cache(KEY, branch)
+        assert len(branch) - len(rest) == 20 and pc.last_fetch.blocks > 0

@@ -6,10 +6,10 @@ Every fetch returns a freshly rebuilt cache list, so the server may mutate it (g
 to it, BatchGenerator merges it) without touching what is stored. Byte and sequence limits apply to
 the hot (RAM) tier: demoted blocks move to SSD, or are dropped with ``hot_cache_only``.
 
-With ``defer_stores`` an insert keeps the handed-over cache whole, as LRUPromptCache does, and
-cuts it into blocks later on the same thread (``store_deferred``: the server calls it while its
-generation thread would wait idle), or first in a fetch it could serve, so the time a store takes
-leaves the requests' prefill and time to first token.
+With ``defer_stores`` an insert keeps the handed-over cache whole, as LRUPromptCache does (a
+fetch it reaches furthest for gets a copy of it), and cuts it into blocks later on the same
+thread (``store_deferred``: the server calls it while its generation thread would wait idle), so
+the time a store takes leaves the requests' prefill and time to first token.
 """
 
 from __future__ import annotations
@@ -365,7 +365,7 @@ class PagedPromptCache:
         (``store_errors``)."""
         done = 0
         while self._deferred and (limit is None or done < limit):
-            self._store_in_order(self._deferred[0])
+            self._store_one(self._deferred.popleft())
             done += 1
         if idle:
             self.counters["stores_idle"] += done
@@ -383,60 +383,35 @@ class PagedPromptCache:
 
     def _from_deferred(self, tokens: list[int],
                        prefixes: list[BlockAwarePrefixCache]) -> tuple[list, int] | None:
-        """A fetch of ``tokens`` and the deferred inserts (of ``prefixes``' layouts and tenant)
-        that may reach further into ``tokens`` than the stored nodes (``_reach``). The longest
-        of them is served whole, ``(cache, tokens)``, as LRUPromptCache serves an entry (a deep
-        copy, trimmed to the request where every layer trims), when neither a stored node nor
-        another of them once cut reaches as far; it stays deferred. Else every one of them is cut now, in order, and None returned:
-        the fetch rebuilds from blocks. The others stay deferred: their store changes nothing
-        this fetch can rebuild."""
+        """``(cache, tokens)`` from the deferred insert (of ``prefixes``' layouts and tenant)
+        that reaches furthest into ``tokens``, served as LRUPromptCache serves an entry: a deep
+        copy, trimmed to the request where every layer trims (else only an insert whose tokens
+        all start the request: a state exists at its end only). None when none reaches as far
+        as the stored nodes can (the fetch rebuilds from blocks). Either way every insert stays
+        deferred: once cut, one reaches no further than served whole."""
         t0 = time.perf_counter()
         ids = np.asarray(tokens, dtype=np.int64)
-        limit = len(tokens) - 1
-        reach: dict[int, tuple[int, int]] = {}   # per prefix cache: see _reach
-        needed: list[_Deferred] = []
         best: tuple[_Deferred, int] | None = None
-        furthest = 0   # the most tokens a needed insert could give once cut
         for d in self._deferred:
-            if not any(d.prefix is p for p in prefixes):
-                continue
-            shared = shared_prefix(d.ids, ids)
-            if id(d.prefix) not in reach:
-                reach[id(d.prefix)] = _reach(d.prefix, tokens, ids)
-            if shared <= reach[id(d.prefix)][0]:
-                continue
-            needed.append(d)
-            n = min(shared, limit, d.covered)
-            furthest = max(furthest, n)
-            if 0 < n and (n == d.covered or d.copyable) and (best is None or n > best[1]):
-                best = (d, n)
-        if best is not None and best[1] >= max(furthest,
-                                                 min(reach[id(best[0].prefix)][1], limit)):
-            from mlx_lm.models.cache import trim_prompt_cache
+            if any(d.prefix is p for p in prefixes):
+                n = min(shared_prefix(d.ids, ids), len(tokens) - 1, d.covered)
+                if n > 0 and (n == d.covered or d.copyable) and (best is None or n > best[1]):
+                    best = (d, n)
+        if best is None:
+            return None
+        d, n = best
+        stored = _stored_reach(d.prefix, tokens, ids)
+        if n < min(stored, len(tokens) - 1):
+            logger.debug("fetch: the stored nodes reach %d tokens, a deferred insert %d", stored, n)
+            return None
+        from mlx_lm.models.cache import trim_prompt_cache
 
-            d, n = best
-            cache = copy.deepcopy(d.cache)
-            if n < d.covered:
-                trim_prompt_cache(cache, d.covered - n)
-            d.prefix.count_whole_hit(len(tokens), n, time.perf_counter() - t0)
-            return cache, n
-        for d in needed:
-            if d in self._deferred:
-                self._store_in_order(d)
-        return None
-
-    def _store_in_order(self, d: _Deferred) -> None:
-        """Store ``d`` after the older deferred inserts whose tokens it extends (its request's
-        earlier inserts: the later store supersedes them, as at insert time)."""
-        for older in list(self._deferred):
-            if older is d:
-                break
-            if (older.prefix is d.prefix and len(older.ids) <= len(d.ids)
-                    and shared_prefix(older.ids, d.ids) == len(older.ids)):
-                self._deferred.remove(older)
-                self._store_one(older)
-        self._deferred.remove(d)
-        self._store_one(d)
+        cache = copy.deepcopy(d.cache)
+        if n < d.covered:
+            trim_prompt_cache(cache, d.covered - n)
+        d.prefix.count_whole_hit(len(tokens), n, time.perf_counter() - t0)
+        logger.debug("fetch: %d tokens from a deferred insert of %d", n, len(d.tokens))
+        return cache, n
 
     def _store(self, locate: Callable[[], BlockAwarePrefixCache | None], tokens: list[int],
                prompt_cache: list, cache_type: str, request: _Request | None) -> None:
@@ -693,19 +668,15 @@ def _covered(cache: list, n_tokens: int) -> int:
     return n_tokens - 1 if offsets == {n_tokens - 1} else n_tokens
 
 
-def _reach(prefix: BlockAwarePrefixCache, tokens: list[int], ids: np.ndarray) -> tuple[int, int]:
-    """How far into ``tokens`` what ``prefix`` stores reaches: ``(needs, rows)``. ``rows``: the
-    held full blocks and the longest node after them (no rebuild from blocks goes further);
-    ``needs``: a deferred insert reaching past it may add what a fetch can use: ``rows`` for a
-    layout whose layers keep their whole history, else the held full blocks only (an insert
-    past them may leave a state there that no stored node has)."""
+def _stored_reach(prefix: BlockAwarePrefixCache, tokens: list[int], ids: np.ndarray) -> int:
+    """How far into ``tokens`` the rows ``prefix`` stores reach: its held full blocks and the
+    longest node after them (no rebuild from blocks goes further)."""
     if prefix.fingerprint is None:
-        return 0, 0
+        return 0
     bs = prefix.block_size
     keys = chain_keys(prefix.fingerprint, prefix.namespace, tokens[:len(tokens) - len(tokens) % bs], bs)
     tiers, kids = prefix.manager.chain(keys, prefix.fingerprint, prefix.namespace)
     held = bs * (tiers.index(None) if None in tiers else len(tiers))
     after = kids.get(keys[held // bs - 1] if held else ROOT_PARENT, ())
-    rows = held + max((shared_prefix(k.token_ids, ids[held:]) for k in after
+    return held + max((shared_prefix(k.token_ids, ids[held:]) for k in after
                        if not k.checkpoint), default=0)
-    return (rows if prefix.layout.full_history else held), rows
