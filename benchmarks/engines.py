@@ -9,6 +9,12 @@ same conversations sharing a system prompt. Figures per engine: the mean TTFT of
 after each conversation's first turn (paged-cache vs its own cache) and the cached prompt tokens
 over the workload (paged-cache vs its own), as the engine reports them. Replies are compared with
 the cold run's (greedy; recorded).
+
+Then the ``load`` family's concurrent workload through each engine (``paged_cache.testing.load``:
+N openai clients at once, streamed greedy chats over one ~2.4k-token system prompt), its own
+cache against paged-cache: TTFT p50 and wall time (paged-cache over own, goal <= 1.0) and the
+cached prompt tokens of the whole load (goal >= 1.0; from the engine's statistics where its
+replies do not report them).
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from typing import Any
 
 from benchmarks.common import Context, Timing, bar_plot, figure
 from paged_cache.testing import write_model_dir
-from paged_cache.testing.engines import ENGINES, Turn, chat, engine_python
+from paged_cache.testing.engines import (ENGINES, Engine, StatsSaved, Turn, chat,
+                                         engine_python)
+from paged_cache.testing.load import concurrent_chats
 
 FAMILY = "engines"
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,6 +40,7 @@ SYSTEM = ("You are the assistant of a cache benchmark. Keep every answer to one 
 
 def run(ctx: Context) -> dict[str, Any]:
     conversations, turns = ctx.pick((2, 3), (3, 4))
+    clients, load_turns = ctx.pick((4, 2), (8, 3))
     model = write_model_dir(ctx.scratch / "model", ARCH, printable_replies=True, seed=3)
     results: dict[str, dict[str, Any]] = {}
     notes: list[str] = []
@@ -54,14 +63,40 @@ def run(ctx: Context) -> dict[str, Any]:
                                    turns=turns, system=SYSTEM, cached=engine.cached(server))
             time.sleep(1.0)
         results[name] = _summary(runs)
+        results[name]["load"] = concurrent(ctx, name, engine, python, model, clients=clients,
+                                           turns=load_turns)
         r = results[name]
         print(f"   {name}: hit TTFT own {r['own']['hit_ttft_ms']:.0f} ms, paged-cache "
               f"{r['paged-cache']['hit_ttft_ms']:.0f} ms (cold {r['cold']['hit_ttft_ms']:.0f}); "
               f"cached own {r['own']['cached_total']}, paged-cache "
-              f"{r['paged-cache']['cached_total']} of {r['paged-cache']['prompt_total']}",
-              flush=True)
+              f"{r['paged-cache']['cached_total']} of {r['paged-cache']['prompt_total']}; "
+              f"concurrent TTFT p50 own {r['load']['own']['ttft_p50'] * 1e3:.0f} ms, "
+              f"paged-cache {r['load']['paged-cache']['ttft_p50'] * 1e3:.0f} ms", flush=True)
     return _report(ctx, results, notes, dict(arch=ARCH, conversations=conversations,
-                                             turns=turns, system_chars=len(SYSTEM)))
+                                             turns=turns, system_chars=len(SYSTEM),
+                                             load_clients=clients, load_turns=load_turns))
+
+
+def concurrent(ctx: Context, name: str, engine: Engine, python: str, model: Path, *,
+               clients: int, turns: int) -> dict[str, Any]:
+    """The load family's concurrent chats through ``engine``: its own cache, then paged-cache
+    (SSD tier). Per side: TTFT p50 / p95, wall time, the prompt and cached tokens of the whole
+    load (cached: the growth of the engine's statistics where its replies do not report them)."""
+    out: dict[str, Any] = {}
+    replies = []
+    for label in ("own", "paged-cache"):
+        work = ctx.scratch / name / f"load-{label}"
+        server = (engine.paged(python, model, work, "--ssd-dir", str(work / "ssd"))
+                  if label == "paged-cache" else engine.own(python, model, work, name=label))
+        with server:
+            saved = StatsSaved(server, *engine.stats) if engine.stats is not None else None
+            played = concurrent_chats(server.url, str(model), clients=clients, turns=turns)
+            cached = played.cached if saved is None else saved(None) or 0
+        out[label] = dict(played.to_dict(), cached=cached)
+        replies.append(played.replies())
+        time.sleep(1.0)
+    out["same_replies"] = replies[0] == replies[1]
+    return out
 
 
 def _summary(runs: dict[str, list[Turn]]) -> dict[str, Any]:
@@ -100,6 +135,19 @@ def _report(ctx: Context, results: dict, notes: list[str], workload: dict) -> di
             meaning="paged-cache cached tokens / own-cache cached tokens (whole workload)",
             goal=1.0, goal_op=">=", per_request=ours["cached"], baseline_per_request=own["cached"],
             prompt_tokens=ours["prompt_total"]))
+        load = r["load"]
+        lo, lp = load["own"], load["paged-cache"]
+        for key, label in (("ttft_p50", "TTFT p50"), ("wall", "wall time")):
+            figures.append(figure(
+                FAMILY, f"{name}: concurrent {label}, paged-cache vs its own cache",
+                measured=lp[key], baseline=lo[key], goal=1.0, goal_op="<=",
+                meaning=f"paged-cache {label} / own cache's, {workload['load_clients']} clients "
+                        "at once (lower is better)"))
+        figures.append(figure(
+            FAMILY, f"{name}: concurrent cached prompt tokens, paged-cache vs its own cache",
+            unit="tokens", measured=lp["cached"], baseline=lo["cached"], goal=1.0, goal_op=">=",
+            meaning="paged-cache cached prompt tokens / own cache's, the whole concurrent load",
+            prompt_tokens=lp["prompt"], same_replies=load["same_replies"]))
     table = {n: {label: {k: (v.__dict__ if isinstance(v, Timing) else v)
                          for k, v in r[label].items()} for label in r} for n, r in results.items()}
     out = {"figures": figures, "notes": notes, "workload": workload, "engines": table}

@@ -30,8 +30,9 @@ MLX_VLM_RANGE = (">=0.7.9", "<0.8")      # the turboquant extra's requirement
 _ROTATING_METHODS = ("_temporal_order", "_update_concat", "_update_in_place")
 # mlx_lm.server: the generation object and the function that starts the HTTP server.
 _SERVER_NAMES = ("ResponseGenerator", "_run_http_server", "APIHandler", "ThreadingHTTPServer")
-# ResponseGenerator: the step of the generation thread right before a request's cache fetch.
-_GENERATOR_METHODS = ("_tokenize",)
+# ResponseGenerator: the step of the generation thread right before a request's cache fetch, its
+# poll of the request queue (where it would wait idle) and its loop (whose end runs on that thread).
+_GENERATOR_METHODS = ("_tokenize", "_next_request", "_generate")
 
 
 class IncompatibleVersion(ImportError):

@@ -347,6 +347,17 @@ class BlockAwarePrefixCache:
             return cache
         return prefill
 
+    def count_whole_hit(self, tokens_requested: int, n: int, seconds: float) -> None:
+        """Count a fetch its caller served from a whole cache of this layout it had not stored
+        yet (``PagedPromptCache``'s deferred inserts) as a RAM hit of ``n`` tokens."""
+        st = self._stats
+        st["tokens_requested"] += tokens_requested
+        st["hits"] += 1
+        st["tokens_matched"] += n
+        st["tokens_saved"] += n
+        st["restore_seconds"] += seconds
+        self.last_fetch = FetchInfo(tokens_requested, n, "hot", seconds, 0, n)
+
     def _find(self, tokens: np.ndarray, limit: int | None = None,
               prefill: Callable[[int], list] | None = None, grid: int = 0) -> Found | None:
         """This rank's longest rebuild of ``tokens`` (at most ``limit`` tokens), or None. In a

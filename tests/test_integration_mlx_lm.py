@@ -12,8 +12,8 @@ from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 from paged_cache import BlockAwarePrefixCache
 from paged_cache.config import CacheConfig
 from paged_cache.hashing import chain_keys
-from paged_cache.integrations.mlx_lm import (MAX_OPEN_REQUESTS, ModelBinding, PagedPromptCache,
-                                             model_id_for)
+from paged_cache.integrations.mlx_lm import (MAX_DEFERRED, MAX_OPEN_REQUESTS, ModelBinding,
+                                             PagedPromptCache, model_id_for)
 from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.testing import tiny_model, write_model_dir
 
@@ -392,3 +392,66 @@ def test_draft_model_layout_and_any_model_key_shape(tmp_path, model):
             for part, lo, hi in ((model, 0, pair.split), (draft, pair.split, 3)):
                 diff = mx.abs(last_logits(part, got[lo:hi], 4) - last_logits(part, cold[lo:hi], 4))
                 assert diff.max().item() == 0.0
+
+
+def test_deferred_inserts_are_served_whole_then_cut(tmp_path, model):
+    """defer_stores: an insert is kept whole; a fetch it reaches furthest for is served a copy of
+    it trimmed to the request, exactly (LRUPromptCache's copy and trim), and it stays whole;
+    store_deferred cuts it. A conversation's prompt insert is never cut once its final insert
+    extends it (a full-history layout: the final cache holds its rows)."""
+    manager, paged = make(tmp_path, model, defer_stores=True)
+    with manager:
+        pc = paged.prefix_cache(KEY)
+        held = lambda tokens: [manager.tier_of(k) for k in  # noqa: E731
+                               chain_keys(pc.fingerprint, pc.namespace, tokens, BLOCK)]
+        a, b = tokens_of(40, seed=1), tokens_of(40, seed=2)
+        paged.insert_cache(KEY, a[:20], prefill(model, a[:20]), cache_type="user")
+        paged.insert_cache(KEY, a, prefill(model, a), cache_type="assistant")
+        paged.insert_cache(KEY, b, prefill(model, b), cache_type="assistant")
+        assert paged.deferred == 2 and paged.counters["stores_superseded"] == 1
+        assert held(a) == [None] * 3 and paged.nbytes > 0   # kept whole, counted in RAM
+        for prompt, n in ((a + [7, 8], 40), (a[:30] + [9, 9], 30)):   # a longer prompt, a branch
+            got, rest = paged.fetch_nearest_cache(KEY, prompt)
+            assert rest == prompt[n:] and pc.last_fetch.tier == "hot"
+            want = last_logits(model, prefill(model, prompt[:n]), prompt[n])
+            assert mx.abs(last_logits(model, got, prompt[n]) - want).max().item() == 0.0
+            got[0].keys[...] = 0.0      # the server's copy: what is kept stays intact
+        assert paged.deferred == 2 and held(a) == [None] * 3
+        assert pc.stats()["tokens_matched"] == paged.counters["cached_tokens"] == 70
+        assert paged.store_deferred() == 2 and paged.deferred == 0
+        assert None not in held(a) + held(b) and len(paged) == 2   # one sequence each
+        got, rest = paged.fetch_nearest_cache(KEY, a + [7, 8])      # now from the blocks
+        assert rest == [7, 8] and pc.last_fetch.blocks > 0
+        want = last_logits(model, prefill(model, a), 7)
+        assert mx.abs(last_logits(model, got, 7) - want).max().item() == 0.0
+        assert paged.stats()["requests"]["stores_deferred"] == 3
+
+
+def test_deferred_inserts_of_a_recurrent_layout_and_their_bound(tmp_path, model):
+    """A layout that cannot be trimmed (recurrent state): a deferred insert whose tokens all
+    start the request is served whole (a deep copy, exact), the longest such one (a branch
+    inside the final insert gets the prompt insert's state); beyond MAX_DEFERRED inserts the
+    oldest are cut at once, in order, and the blocks then give what the whole insert gave."""
+    hybrid = tiny_model("qwen3_next")
+    manager, paged = make(tmp_path, hybrid, defer_stores=True)
+    with manager:
+        pc = paged.prefix_cache(KEY)
+        a, b = tokens_of(40, seed=3), tokens_of(30, seed=4)
+        paged.insert_cache(KEY, a[:20], prefill(hybrid, a[:20]), cache_type="user")
+        paged.insert_cache(KEY, a, prefill(hybrid, a), cache_type="assistant")
+        paged.insert_cache(KEY, b, prefill(hybrid, b), cache_type="assistant")
+        assert paged.deferred == 3 and paged.counters["stores_superseded"] == 0
+        branch = a[:36] + [9, 9]
+        for prompt, n in ((a + [7], 40), (branch, 20)):
+            got, rest = paged.fetch_nearest_cache(KEY, prompt)
+            assert len(prompt) - len(rest) == n and pc.last_fetch.blocks == 0
+            want = last_logits(hybrid, prefill(hybrid, prompt[:n]), prompt[n])
+            assert mx.abs(last_logits(hybrid, got, prompt[n]) - want).max().item() == 0.0
+        assert paged.deferred == 3
+        for i in range(MAX_DEFERRED):
+            tokens = tokens_of(18, seed=10 + i)
+            paged.insert_cache(KEY, tokens, prefill(hybrid, tokens), cache_type="assistant")
+        assert paged.deferred == MAX_DEFERRED and paged.counters["inserts"] == 3
+        assert len(paged) == 3    # each insert its sequence (LRUPromptCache keeps them too)
+        got, rest = paged.fetch_nearest_cache(KEY, branch)
+        assert len(branch) - len(rest) == 20 and pc.last_fetch.blocks > 0

@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -84,6 +85,14 @@ def test_serve_matches_plain_server_and_reuses_across_restart(model_dir, tmp_pat
                       "--log-level", "DEBUG")
     with server(argv, log) as (c, proc, url):
         paged = conversation(c)
+        # The inserts were kept whole and cut later: the last one once the generation thread
+        # is idle. Every one was cut or, extended by a newer one, dropped.
+        deadline = time.monotonic() + 30
+        while live_stats(url)["requests"]["deferred"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        requests = live_stats(url)["requests"]
+        assert requests["deferred"] == 0 and requests["stores_idle"] > 0, requests
+        assert requests["stores_deferred"] == requests["inserts"] + requests["stores_superseded"]
         check_live_stats(url, paged)
         assert live_stats(url)["manager"]["hot"]["demote_evictions"] > 0   # the byte limit bit
     assert proc.returncode == 0, log.read_text()[-3000:]

@@ -2,14 +2,14 @@
 becomes a model binding (``binding``) and the patch point plus ``paged-cache serve`` (``server``).
 See docs/integration.md."""
 
-from paged_cache.integrations.mlx_lm.adapter import (CACHE_TYPES, MAX_OPEN_REQUESTS,
-                                                     PagedPromptCache)
+from paged_cache.integrations.mlx_lm.adapter import (CACHE_TYPES, MAX_DEFERRED,
+                                                     MAX_OPEN_REQUESTS, PagedPromptCache)
 from paged_cache.integrations.mlx_lm.binding import (ModelBinding, ModelWithDraft, Resolver,
                                                      model_id_for, provider_binding,
                                                      provider_resolver)
 from paged_cache.integrations.mlx_lm.server import (ServeError, check_address, patch_server,
                                                     serve_main)
 
-__all__ = ["CACHE_TYPES", "MAX_OPEN_REQUESTS", "ModelBinding", "ModelWithDraft",
+__all__ = ["CACHE_TYPES", "MAX_DEFERRED", "MAX_OPEN_REQUESTS", "ModelBinding", "ModelWithDraft",
            "PagedPromptCache", "Resolver", "ServeError", "check_address", "model_id_for",
            "patch_server", "provider_binding", "provider_resolver", "serve_main"]

@@ -5,21 +5,29 @@ with ``cache_type``, ``trim_to``, ``nbytes``, ``__len__``, ``stats_by_type``) pl
 Every fetch returns a freshly rebuilt cache list, so the server may mutate it (generation appends
 to it, BatchGenerator merges it) without touching what is stored. Byte and sequence limits apply to
 the hot (RAM) tier: demoted blocks move to SSD, or are dropped with ``hot_cache_only``.
+
+With ``defer_stores`` an insert keeps the handed-over cache whole, as LRUPromptCache does (a
+fetch it reaches furthest for gets a copy of it), and cuts it into blocks later on the same
+thread (``store_deferred``: the server calls it while its generation thread would wait idle), so
+the time a store takes leaves the requests' prefill and time to first token.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Iterator, Sequence
 
+import numpy as np
+
 from paged_cache.config import format_size
 from paged_cache.distributed import WORLD, resolve_group
-from paged_cache.hashing import ROOT_PARENT, block_key, chain_keys
+from paged_cache.hashing import ROOT_PARENT, block_key, chain_keys, shared_prefix
 from paged_cache.integrations.tenants import salted_namespace
 from paged_cache.integrations.mlx_lm.binding import (ModelBinding, Resolver, plain_layout,
                                                      quantized_layout)
@@ -37,6 +45,9 @@ MAX_OPEN_REQUESTS = 256
 # A request prefilling at least this many tokens times the server's prefill rate: below it the
 # time to first token is mostly the first decode step, not prefill.
 PREFILL_SAMPLE_TOKENS = 64
+# Deferred stores (``defer_stores``) held at most: beyond this many, or beyond a quarter of the
+# hot tier's budget in bytes, the oldest is stored at once.
+MAX_DEFERRED = 32
 
 
 def _serialized(method: Callable) -> Callable:
@@ -77,6 +88,32 @@ class _Request:
         return len(tokens) <= len(self.tokens) and self.tokens[:len(tokens)] == tokens
 
 
+@dataclass(eq=False)
+class _Deferred:
+    """An insert not cut into blocks yet: the cache as the server handed it over, for the prefix
+    cache (layout, tenant) it goes to; ``finishes`` its request (the final insert)."""
+
+    prefix: BlockAwarePrefixCache
+    tokens: list[int]
+    cache: list
+    cache_type: str
+    request: _Request | None
+    finishes: bool
+    nbytes: int
+    ids: np.ndarray = field(init=False)  # the tokens as an array: compared with each fetch's
+    covered: int = field(init=False)     # tokens the cache holds (``_covered``)
+    copyable: bool = field(init=False)   # a fetch may copy and trim it, as LRUPromptCache does
+
+    def __post_init__(self) -> None:
+        from mlx_lm.models.cache import can_trim_prompt_cache
+
+        self.ids = np.asarray(self.tokens, dtype=np.int64)
+        self.covered = _covered(self.cache, len(self.tokens))
+        offsets = {getattr(layer, "offset", None) for layer in self.cache}
+        self.copyable = (self.prefix.layout.full_history and offsets == {self.covered}
+                         and can_trim_prompt_cache(self.cache))
+
+
 class PagedPromptCache:
     """LRUPromptCache's interface over ``BlockAwarePrefixCache`` + ``PagedSSDCacheManager``.
 
@@ -84,12 +121,13 @@ class PagedPromptCache:
     treated as a miss / not stored); ``bind`` replaces it. ``max_size`` bounds the sequences whose
     blocks stay in the hot tier and ``max_bytes`` the hot tier's bytes, like LRUPromptCache's
     limits; the sequences losing their hot blocks first are chosen by cache type as
-    LRUPromptCache does (``_victim``).
+    LRUPromptCache does (``_victim``). ``defer_stores``: see the module doc; only for a caller
+    that runs ``store_deferred`` on the thread that inserts (MLX arrays stay on that thread).
     """
 
     def __init__(self, manager: PagedSSDCacheManager, resolve: Resolver, *,
                  max_size: int | None = None, max_bytes: int | None = None,
-                 group: Any = WORLD) -> None:
+                 group: Any = WORLD, defer_stores: bool = False) -> None:
         if not isinstance(manager, PagedSSDCacheManager):
             raise TypeError(f"manager: expected a PagedSSDCacheManager, got {type(manager).__name__}")
         if not callable(resolve):
@@ -103,6 +141,9 @@ class PagedPromptCache:
         self.group = resolve_group(group)  # a sharded model's ranks (mlx.launch): see scaling.md
         self.max_size = max_size
         self.max_bytes = max_bytes
+        # not in a group of ranks: every rank must hold the same blocks when its fetch agrees
+        self.defer_stores = bool(defer_stores) and self.group is None
+        self._deferred: deque[_Deferred] = deque()  # oldest first
         self._resolve = resolve
         # The loaded model's prefix caches: the plain layout first, then the quantized one.
         self._current: tuple[Hashable, ModelBinding, list[BlockAwarePrefixCache]] | None = None
@@ -115,7 +156,8 @@ class PagedPromptCache:
                              fetch_seconds=0.0, inserts=0, store_errors=0, store_seconds=0.0,
                              demote_evictions=0, cache_errors=0, ttft_requests=0,
                              ttft_seconds=0.0, prefill_tokens=0, prefill_seconds=0.0,
-                             requests_salted=0, inserts_unattributed=0)
+                             requests_salted=0, inserts_unattributed=0, stores_deferred=0,
+                             stores_idle=0, stores_superseded=0)
         self._salt: str | None = None   # the salt of the next fetch (``next_salt``)
         self._salted = False            # a salted request was seen: an insert must have its owner
         self._tenants: OrderedDict[tuple, list[BlockAwarePrefixCache]] = OrderedDict()
@@ -212,9 +254,13 @@ class PagedPromptCache:
         t0 = time.perf_counter()
         cache, n, tier = None, 0, "miss"
         try:
+            prefixes = self._prefixes(model, salt)
+            whole = self._from_deferred(tokens, prefixes) if self._deferred else None
+            if whole is not None:
+                cache, n, tier = *whole, "hot"
             # The quantized layout first: a quantized cache covers more tokens than a plain one
             # (the server quantizes once a cache reaches --quantized-kv-start).
-            for prefix in reversed(self._prefixes(model, salt)):
+            for prefix in reversed(prefixes if whole is None else []):
                 cache, n = prefix.fetch(tokens)
                 if cache is not None:
                     tier = prefix.last_fetch.tier
@@ -252,24 +298,127 @@ class PagedPromptCache:
         if cache_type not in CACHE_TYPES:
             raise ValueError(f"cache_type: expected one of {', '.join(CACHE_TYPES)}, got {cache_type!r}")
         tokens = as_tokens(tokens)
-        request, attributed = self._request_of(tokens, final=cache_type == "assistant")
+        final = cache_type == "assistant"
+        request, attributed = self._request_of(tokens, final=final)
+        deferred = False
         try:
             if attributed:
-                self._store(model, tokens, prompt_cache, cache_type, request)
+                salt = None if request is None else request.salt
+                deferred = self.defer_stores and self._defer(model, tokens, prompt_cache,
+                                                             cache_type, request, final)
+                if not deferred:
+                    self._store(lambda: self._layout_of(model, prompt_cache, salt), tokens,
+                                prompt_cache, cache_type, request)
             else:  # tenants' requests it could belong to, or none while tenants are served
                 self.counters["inserts_unattributed"] += 1
                 logger.debug("insert_cache: not stored (%s): no single request's tenant owns "
                              "these %d tokens", cache_type, len(tokens))
         finally:
-            if request is not None and cache_type == "assistant":
+            if request is not None and final:
                 self._open.remove(request)
-                self._finish(request)
+                if not deferred:
+                    self._finish(request)
 
-    def _store(self, model: Hashable, tokens: list[int], prompt_cache: list, cache_type: str,
-               request: _Request | None) -> None:
-        t0 = time.perf_counter()
+    def _defer(self, model: Hashable, tokens: list[int], prompt_cache: list, cache_type: str,
+               request: _Request | None, finishes: bool) -> bool:
+        """Keep an insert whole for ``store_deferred``; False when it must be stored now (its
+        layout cannot be found: the store reports why). The oldest deferred inserts are stored
+        at once beyond MAX_DEFERRED or a quarter of the hot budget's bytes."""
         try:
             prefix = self._layout_of(model, prompt_cache, None if request is None else request.salt)
+            nbytes = sum(layer.nbytes for layer in prompt_cache)
+        except Exception:  # noqa: BLE001 - stored now, the store logs and counts it
+            return False
+        if prefix is None:
+            return False
+        d = _Deferred(prefix, tokens, prompt_cache, cache_type, request, finishes, nbytes)
+        if prefix.fingerprint is not None and prefix.layout.full_history:  # (learns the layout)
+            self._supersede(d)
+        self._deferred.append(d)
+        self.counters["stores_deferred"] += 1
+        budget = self.manager.config.hot_cache_max_bytes // 4
+        while len(self._deferred) > MAX_DEFERRED or (
+                len(self._deferred) > 1 and self._deferred_bytes() > budget):
+            self._store_one(self._deferred.popleft())
+        return True
+
+    def _supersede(self, d: _Deferred) -> None:
+        """Drop the deferred inserts of ``d``'s prefix cache whose tokens ``d`` extends, never
+        cut: every layer of this layout keeps its whole history, so ``d``'s cache holds their
+        rows (their blocks are ``d``'s), and its store would drop their partial tails and stop
+        counting their sequences anyway."""
+        for older in [o for o in self._deferred if o.prefix is d.prefix
+                      and len(o.ids) <= len(d.ids) and shared_prefix(o.ids, d.ids) == len(o.ids)]:
+            self._deferred.remove(older)
+            self.counters["stores_superseded"] += 1
+            if older.finishes and older.request is not None:
+                self._finish(older.request)
+
+    def _deferred_bytes(self) -> int:
+        return sum(d.nbytes for d in self._deferred)
+
+    @_serialized
+    def store_deferred(self, limit: int | None = None, *, idle: bool = False) -> int:
+        """Cut the oldest deferred inserts into blocks (at most ``limit``; None: all); returns
+        how many (counted in ``stores_idle`` when the caller says its thread is ``idle``). Call
+        it on the thread that inserts. Errors are logged and counted, never raised
+        (``store_errors``)."""
+        done = 0
+        while self._deferred and (limit is None or done < limit):
+            self._store_one(self._deferred.popleft())
+            done += 1
+        if idle:
+            self.counters["stores_idle"] += done
+        return done
+
+    @property
+    def deferred(self) -> int:
+        """Inserts kept whole, not cut into blocks yet."""
+        return len(self._deferred)
+
+    def _store_one(self, d: _Deferred) -> None:
+        self._store(lambda: d.prefix, d.tokens, d.cache, d.cache_type, d.request)
+        if d.finishes and d.request is not None:
+            self._finish(d.request)
+
+    def _from_deferred(self, tokens: list[int],
+                       prefixes: list[BlockAwarePrefixCache]) -> tuple[list, int] | None:
+        """``(cache, tokens)`` from the deferred insert (of ``prefixes``' layouts and tenant)
+        that reaches furthest into ``tokens``, served as LRUPromptCache serves an entry: a deep
+        copy, trimmed to the request where every layer trims (else only an insert whose tokens
+        all start the request: a state exists at its end only). None when none reaches as far
+        as the stored nodes can (the fetch rebuilds from blocks). Either way every insert stays
+        deferred: once cut, one reaches no further than served whole."""
+        t0 = time.perf_counter()
+        ids = np.asarray(tokens, dtype=np.int64)
+        best: tuple[_Deferred, int] | None = None
+        for d in self._deferred:
+            if any(d.prefix is p for p in prefixes):
+                n = min(shared_prefix(d.ids, ids), len(tokens) - 1, d.covered)
+                if n > 0 and (n == d.covered or d.copyable) and (best is None or n > best[1]):
+                    best = (d, n)
+        if best is None:
+            return None
+        d, n = best
+        stored = _stored_reach(d.prefix, tokens, ids)
+        if n < min(stored, len(tokens) - 1):
+            logger.debug("fetch: the stored nodes reach %d tokens, a deferred insert %d", stored, n)
+            return None
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        cache = copy.deepcopy(d.cache)
+        if n < d.covered:
+            trim_prompt_cache(cache, d.covered - n)
+        d.prefix.count_whole_hit(len(tokens), n, time.perf_counter() - t0)
+        logger.debug("fetch: %d tokens from a deferred insert of %d", n, len(d.tokens))
+        return cache, n
+
+    def _store(self, locate: Callable[[], BlockAwarePrefixCache | None], tokens: list[int],
+               prompt_cache: list, cache_type: str, request: _Request | None) -> None:
+        """Store an insert into the prefix cache ``locate()`` gives (None: not stored)."""
+        t0 = time.perf_counter()
+        try:
+            prefix = locate()
             tokens = tokens[:_covered(prompt_cache, len(tokens))]
             if prefix is None or not tokens:
                 return
@@ -281,7 +430,7 @@ class PagedPromptCache:
                 self._forget_prefixes(prefix, tokens, keys)
             self._sequences.pop(keys[-1], None)
             self._sequences[keys[-1]] = _Sequence(cache_type, keys, len(tokens))
-            self.trim_to(n_sequences=self.max_size, n_bytes=self.max_bytes)
+            self._trim(self.max_size, self.max_bytes)
         except Exception as error:  # noqa: BLE001
             # The server's generation thread dies on an exception: a cache that cannot be
             # stored is logged and skipped, like the Scheduler does; nothing stored is touched.
@@ -404,7 +553,12 @@ class PagedPromptCache:
         """Demote hot blocks of the least recently inserted sequences until at most
         ``n_sequences`` sequences hold hot blocks and the hot tier holds at most ``n_bytes``
         (then, if blocks of no tracked sequence remain above it, the least recently used ones).
-        An error is logged and counted (``cache_errors``), never raised."""
+        Deferred inserts are stored first. An error is logged and counted (``cache_errors``),
+        never raised."""
+        self.store_deferred()
+        self._trim(n_sequences, n_bytes)
+
+    def _trim(self, n_sequences: int | None, n_bytes: int | None) -> None:
         try:
             self._prune()
             if n_sequences is not None:
@@ -421,13 +575,14 @@ class PagedPromptCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of KV held in RAM (the hot tier); SSD bytes are not counted."""
-        return self.manager.hot_bytes
+        """Bytes of KV held in RAM (the hot tier and the deferred inserts); SSD bytes are not
+        counted."""
+        return self.manager.hot_bytes + self._deferred_bytes()
 
     # stats(): the levels (gauges) of every section; every other number counts
     STAT_GAUGES = (nested_gauges("manager", PagedSSDCacheManager.STAT_GAUGES)
                    | nested_gauges("prefix", BlockAwarePrefixCache.STAT_GAUGES)
-                   | nested_gauges("requests", ("requests_open", "sequences")))
+                   | nested_gauges("requests", ("requests_open", "sequences", "deferred")))
 
     def stats(self) -> dict[str, Any]:
         """Sections for `paged-cache stats`: ``manager`` and ``prefix`` (the loaded model's prefix
@@ -435,7 +590,7 @@ class PagedPromptCache:
         Reads counters only, so an HTTP thread may call it while the generation thread runs."""
         current = self._current
         requests = dict(self.counters, requests_open=len(self._open),
-                        sequences=len(self._sequences))
+                        sequences=len(self._sequences), deferred=len(self._deferred))
         prefix: dict[str, Any] = {}
         for layout in current[2] if current is not None else []:  # summed over the layouts
             for name, value in layout.stats().items():
@@ -518,3 +673,17 @@ def _covered(cache: list, n_tokens: int) -> int:
     offsets = {getattr(layer, "offset", None) for layer in cache}
     offsets.discard(None)
     return n_tokens - 1 if offsets == {n_tokens - 1} else n_tokens
+
+
+def _stored_reach(prefix: BlockAwarePrefixCache, tokens: list[int], ids: np.ndarray) -> int:
+    """How far into ``tokens`` the rows ``prefix`` stores reach: its held full blocks and the
+    longest node after them (no rebuild from blocks goes further)."""
+    if prefix.fingerprint is None:
+        return 0
+    bs = prefix.block_size
+    keys = chain_keys(prefix.fingerprint, prefix.namespace, tokens[:len(tokens) - len(tokens) % bs], bs)
+    tiers, kids = prefix.manager.chain(keys, prefix.fingerprint, prefix.namespace)
+    held = bs * (tiers.index(None) if None in tiers else len(tiers))
+    after = kids.get(keys[held // bs - 1] if held else ROOT_PARENT, ())
+    return held + max((shared_prefix(k.token_ids, ids[held:]) for k in after
+                       if not k.checkpoint), default=0)

@@ -80,8 +80,25 @@ def patch_server(manager: PagedSSDCacheManager | Callable[[Any], PagedSSDCacheMa
                 # Kept under its own name: the generation thread deletes `prompt_cache` on exit.
                 self.paged_cache = PagedPromptCache(
                     opened[0], resolve, max_size=getattr(args, "prompt_cache_size", None),
-                    max_bytes=getattr(args, "prompt_cache_bytes", None))
+                    max_bytes=getattr(args, "prompt_cache_bytes", None), defer_stores=True)
             super().__init__(model_provider, self.paged_cache)
+
+        def _next_request(self, timeout: float | None = None) -> Any:
+            """The generation thread's poll of the request queue. When it would wait (no batch
+            running: mlx_lm.server passes a timeout) and no request is queued, the deferred
+            inserts are cut into blocks first, one at a time, while that lasts."""
+            cache = self.paged_cache
+            while timeout is not None and cache.deferred and self.requests.empty():
+                cache.store_deferred(1, idle=True)
+            return super()._next_request(timeout)
+
+        def _generate(self) -> None:
+            """The generation loop; the inserts still deferred when it ends are stored on its
+            thread (the manager is flushed and closed after it)."""
+            try:
+                super()._generate()
+            finally:
+                self.paged_cache.store_deferred()
 
         def generate(self, request: Any, generation_args: Any, *args: Any,
                      **kwargs: Any) -> tuple[Any, Iterator[Any]]:
