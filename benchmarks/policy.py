@@ -84,7 +84,7 @@ SHAPES = (
           lambda: kv_model(layers=IO_SHAPE["num_hidden_layers"],
                            kv_heads=IO_SHAPE["num_key_value_heads"],
                            head_dim=IO_SHAPE["head_dim"], dtype=mx.float16),
-          (128, 128), 32, 32, ([2 * MIB, 0], [2 * MIB, 4 * MIB, 16 * MIB, 0]), (1, 3), ", 8B-shaped"),
+          (128, 128), 16, 16, ([2 * MIB, 0], [2 * MIB, 4 * MIB, 16 * MIB, 0]), (1, 3), ", 8B-shaped"),
 )
 
 
