@@ -106,8 +106,8 @@ def split(plan: Plan, n: int, nodes: list[Node], grid: int,
     """``plan``, or both at once up to ``n`` when predicted at most SPLIT_MARGIN of its time for
     those ``n`` tokens: the head ``h`` (a multiple of ``grid`` at a node's start) minimizing
     ``max(h / p, io) + rest``: ``io`` the reads of the OVERLAP_TIERS nodes from ``h`` on (beside
-    the prefill), ``rest`` the other reads from ``h`` on (done after it). Needs every
-    estimate."""
+    the prefill), ``rest`` the other reads from ``h`` on (done after it). ``nodes`` in the order
+    of their starts. Needs every estimate."""
     prefill, per_token = rates.prefill(model), rates.bytes_per_token(layout)
     tiers = {tier for _, _, tier in nodes}
     read = {tier: rates.read(tier) for tier in tiers}
@@ -117,14 +117,15 @@ def split(plan: Plan, n: int, nodes: list[Node], grid: int,
     before = n / prefill - (gain(kept, reads_of(kept), prefill, per_token, rates)
                             if kept else 0.0)
     best: tuple[float, int] | None = None
-    for start, _, _ in nodes:
-        if start and start % grid == 0:
-            io = sum(t * per_token / read[tier] for s, t, tier in nodes
-                     if s >= start and tier in OVERLAP_TIERS)
-            rest = sum(t * per_token / read[tier] for s, t, tier in nodes
-                       if s >= start and tier not in OVERLAP_TIERS)
-            if io:
-                best = min(best or (math.inf, 0), (max(start / prefill, io) + rest, start))
+    io = rest = 0.0  # the reads from ``start`` on: summed from the last node back, O(nodes)
+    for start, tokens, tier in reversed(nodes):
+        seconds = tokens * per_token / read[tier]
+        if tier in OVERLAP_TIERS:
+            io += seconds
+        else:
+            rest += seconds
+        if start and start % grid == 0 and io:
+            best = min(best or (math.inf, 0), (max(start / prefill, io) + rest, start))
     if best is None or best[0] > SPLIT_MARGIN * before:
         return plan
     seconds, h = best
