@@ -237,10 +237,10 @@ MAX_OPTIONS = 16  # node choices tried per position (tails x states), best first
 def _on_grid(search: _Search, node: ChainNode, grid: int, h: int) -> bool:
     """True when ``node``'s rows were computed by a request that prefilled at least ``[0, h)``
     itself on ``grid`` (its META_GRID), so a head prefilled so has the rows it was computed
-    after. Its meta is read from its file's header where the tier can (Tier.meta), else the
+    after. Its meta is read from its file's header where the tier can (Tier.header), else the
     node is read (and kept for the rebuild)."""
     pc = search.pc
-    meta = pc.manager.meta(node.key, node.tier, pc.bounds)
+    meta = pc.manager.header(node.key, node.tier, pc.bounds)
     if meta is not None and not node.describes(meta):
         pc.count("blocks_rejected")
         return False

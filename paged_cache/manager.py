@@ -80,8 +80,7 @@ class PagedSSDCacheManager:
         self._keeper = next((t for t in self._lower if t.keeps_evicted), None)
         # the measured rates a fetch plan weighs (rates.py): each tier's reads, each model's
         # prefill; seeded by what the last process saved in the SSD directory (rates_file.py)
-        ssd = next((t for t in self._lower if t.name == "ssd"), None)
-        self._rates_dir = getattr(ssd, "directory", None)
+        self._rates_dir = getattr(self._named("ssd"), "directory", None)
         self.rates = Rates(self.config.prefill_tokens_per_s or None, self._saved_rates())
         log.debug("opened: %s", self.config)
 
@@ -197,10 +196,11 @@ class PagedSSDCacheManager:
         finally:
             self._after()
 
-    def meta(self, key: str, tier: str, expect: Expected | None = None) -> dict[str, str] | None:
-        """``key``'s block meta from ``tier`` without its payload (Tier.meta), or None (read it)."""
+    def header(self, key: str, tier: str, expect: Expected | None = None) -> dict[str, str] | None:
+        """``key``'s block meta from ``tier`` without its payload (Tier.header), or None (read
+        it)."""
         found = self._lower_tier(key, tier)
-        return found.meta(key, expect) if found is not None else None
+        return found.header(key, expect) if found is not None else None
 
     def warm(self, key: str, tier: str) -> float:
         """Do the I/O of a read of ``key`` from ``tier`` (a label ``tiers_of`` gave) now, on the
@@ -209,9 +209,14 @@ class PagedSSDCacheManager:
         return found.warm(key) if found is not None else 0.0
 
     def _lower_tier(self, key: str, name: str) -> Tier | None:
-        """The tier below RAM called ``name`` (None: none, or closed), for an I/O on ``key``."""
+        """The tier called ``name`` (None: none, or closed), for an I/O on ``key`` (the RAM
+        tier has none: its ``header`` and ``warm`` are Tier's)."""
         check_key(key)
-        return None if self._closed else next((t for t in self._lower if t.name == name), None)
+        return None if self._closed else self._named(name)
+
+    def _named(self, name: str) -> Tier | None:
+        """The open tier called ``name``, or None."""
+        return next((t for t in self._tiers if t.name == name), None)
 
     def read_in_place(self, blocks: Sequence[Any]) -> bool:
         """Read the ``StoredBlock``s among ``blocks`` into the places their rebuilds asked for,
@@ -331,9 +336,9 @@ class PagedSSDCacheManager:
     def tier(self, name: str) -> Tier:
         """The open tier called ``name`` ("hot", "ssd", "remote": its section in ``stats()``),
         for inspection; ValueError naming the open ones otherwise."""
-        for tier in self._tiers:
-            if tier.name == name:
-                return tier
+        found = self._named(name)
+        if found is not None:
+            return found
         raise ValueError(f"tier: no open tier is called {name!r}; the open ones are "
                          f"{', '.join(t.name for t in self._tiers)}")
 

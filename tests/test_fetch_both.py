@@ -260,3 +260,31 @@ def test_fetch_overlap_off_chooses_one_way(tmp_path: Path) -> None:
         assert assert_exact(model, prefix, tokens + [1], prefill_chunk=BLOCK) == 0
         assert prefix.last_fetch.tokens_recomputed == 8 * BLOCK
         assert prefix.stats()["overlapped_fetches"] == 0
+
+
+def test_header_of_a_remote_or_hot_node_is_read_from_the_node(url: str) -> None:
+    """Only the SSD tier reads a header without its payload; the remote tier (whose own ``meta``
+    is a listing's) and RAM answer None, so the node is read whole to check its mark."""
+    model = tiny_model("llama")
+    tokens = prompt(2 * BLOCK)
+    with PagedSSDCacheManager(CacheConfig(block_size=BLOCK, hot_cache_only=True, remote_url=url,
+                                          remote_timeout=5.0)) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        store_prompt(model, prefix, tokens)
+        manager.flush()
+        key = chain_keys(prefix.fingerprint, "", tokens, BLOCK)[0]
+        assert manager.header(key, "remote", prefix.bounds) is None
+        assert manager.header(key, "hot", prefix.bounds) is None
+
+
+def test_header_of_an_ssd_node_is_its_verified_meta(tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    tokens = prompt(2 * BLOCK)
+    with new_manager(tmp_path, block_size=BLOCK, ssd_max_bytes="64MB") as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        store_prompt(model, prefix, tokens)
+        manager.flush()
+        key = chain_keys(prefix.fingerprint, "", tokens, BLOCK)[0]
+        header = manager.header(key, "ssd", prefix.bounds)
+        assert header[META_GRID] == f"{BLOCK}:{2 * BLOCK}"
+        assert header == {k: v for k, v in manager.get(key).meta.items() if k in header}

@@ -75,9 +75,9 @@ class Tier:
     def touch(self, key: str) -> None:
         """Mark ``key`` used now (a put found it held here)."""
 
-    def meta(self, key: str, expect: Expected | None = None) -> dict[str, str] | None:
-        """``key``'s block meta, verified, read without its payload where that is cheaper than
-        ``read``; None: not held, or no cheaper way (read it)."""
+    def header(self, key: str, expect: Expected | None = None) -> dict[str, str] | None:
+        """``key``'s block meta from its verified header, read without its payload where that is
+        cheaper than ``read``; None: not held, or no cheaper way (read it)."""
         return None
 
     def warm(self, key: str) -> float:

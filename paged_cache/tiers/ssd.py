@@ -340,7 +340,7 @@ class SSDTier(WriteBehind, Tier):
             time.sleep(block.nbytes / self.test_read_bytes_per_s)
         return None if block is None else (block, self.name)
 
-    def meta(self, key: str, expect: fmt.Expected | None = None) -> dict[str, str] | None:
+    def header(self, key: str, expect: fmt.Expected | None = None) -> dict[str, str] | None:
         """The block's meta from its file's verified header (the payload is not read)."""
         pending = self._pending.get(key)
         if pending is not None:
