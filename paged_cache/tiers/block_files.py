@@ -63,34 +63,18 @@ class BlockFiles:
 
     def warm(self, key: str) -> int:
         """Read the block's file through the page cache without keeping it (a read of it that
-        follows finds it in memory); the bytes read, 0 when it has none. Not verified here: the
-        read that follows verifies what it uses."""
-        check_key(key)
-        fan_fd = self.open_fan(key, create=False)
-        if fan_fd is None:
-            return 0
-        try:
-            for comp in self.compression_order():
-                try:
-                    fd = os.open(key + fmt.SUFFIXES[comp], READ_FLAGS, dir_fd=fan_fd)
-                except OSError:
-                    continue
-                try:
-                    return drain(fd)
-                except OSError:
-                    return 0
-                finally:
-                    os.close(fd)
-            return 0
-        finally:
-            os.close(fan_fd)
+        follows finds it in memory); the bytes read, 0 when it has none (not counted: that read
+        counts it). Not verified here: the read that follows verifies what it uses."""
+        return self._with_file(key, _drain_open_file, missing=lambda key: None) or 0
 
-    def _with_file(self, key: str, use: Any) -> Any:
-        """``use(fan_fd, fd, name, key)`` on the block's file (which ``use`` closes), or None."""
+    def _with_file(self, key: str, use: Any, missing: Callable[[str], None] | None = None) -> Any:
+        """``use(fan_fd, fd, name, key)`` on the block's file (which ``use`` closes), or None;
+        ``missing(key)`` when it has none (default ``_missing``)."""
         check_key(key)
+        missing = missing or self._missing
         fan_fd = self.open_fan(key, create=False)
         if fan_fd is None:
-            self._missing(key)
+            missing(key)
             return None
         try:
             for comp in self.compression_order():
@@ -105,7 +89,7 @@ class BlockFiles:
                 return use(fan_fd, fd, name, key)
         finally:
             os.close(fan_fd)
-        self._missing(key)
+        missing(key)
         return None
 
     def _missing(self, key: str) -> None:
@@ -291,3 +275,13 @@ class BlockFiles:
             return open_private_dir(self.root_fd, name)
         except CacheDirError as exc:
             raise CacheDirError(self.directory / name, exc.reason) from None
+
+
+def _drain_open_file(fan_fd: int, fd: int, name: str, key: str) -> int:
+    """``BlockFiles.warm``'s use of an open block file: read it through, then close it."""
+    try:
+        return drain(fd)
+    except OSError:
+        return 0
+    finally:
+        os.close(fd)
