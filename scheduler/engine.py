@@ -289,7 +289,7 @@ class Scheduler:
                 cache, n = None, 0
         req.cache = cache if cache is not None else self._make_cache()
         req.covered = req.last_capture = n
-        req.grid_until, req.on_grid = 0, n == 0
+        req.grid_until = 0  # below ``covered`` (a restore) it never grows: not from 0
         # a head the fetch prefilled itself (both at once) was computed, not reused
         req.cached_tokens = n - (getattr(self.prefix_cache.last_fetch, "tokens_prefilled", 0)
                                  if n else 0)
@@ -315,10 +315,11 @@ class Scheduler:
             mx.eval([c.state for c in req.cache])
             if self.caching:  # a sample of the prefill rate the fetch plan weighs
                 self.prefix_cache.record_prefill(end - req.covered, time.perf_counter() - t0)
+            # how the rows were cut, for a later fetch that would prefill a head of them: on the
+            # grid from 0 while every chunk so far ended on it
+            if req.grid_until == req.covered and end % self.prefill_chunk_size == 0:
+                req.grid_until = end
             req.covered = end
-            # how the rows were cut, for a later fetch that would prefill a head of them
-            req.on_grid = req.on_grid and end % self.prefill_chunk_size == 0
-            req.grid_until = end if req.on_grid else req.grid_until
             if end % self.block_size == 0 or end in req.checkpoints:
                 self._capture(req, req.cache, pinned=end in req.checkpoints)
             mx.clear_cache()

@@ -60,7 +60,6 @@ class Request:
     covered: int = 0              # tokens of ``sequence`` whose KV is in ``cache``
     last_capture: int = 0         # boundary of the newest snapshot (or the fetched length)
     grid_until: int = 0           # prefilled from 0 in chunks on the chunk grid up to here
-    on_grid: bool = False         # ... and still so (no chunk has ended off the grid yet)
     checkpoints: list[int] = field(default_factory=list)  # prompt positions to capture and store
     stored_tokens: int = 0
     finish_reason: Optional[str] = None
