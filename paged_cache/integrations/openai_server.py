@@ -148,13 +148,6 @@ def paged_handler_class(base: type, manager: PagedSSDCacheManager) -> type:
     return PagedMLXLMHandler
 
 
-def _meter(generator: Any, cache: Any) -> None:
-    """A batch scheduler's new BatchGenerator: its prefills become samples of the model's
-    prefill rate in ``cache`` (when it is paged-cache's), which the fetch plan weighs."""
-    if isinstance(cache, OpenAIServerPromptCache):
-        prefill_samples.metered(generator, cache.record_prefill)
-
-
 def _observe(handler: Any, returned: Any) -> Any:
     """What the single-request path generated (a stream of responses or one response), giving
     the handler's prompt cache the prefill sample it reports."""
@@ -182,7 +175,7 @@ def handler_worker(config: CacheConfig, *args: Any) -> None:
     try:
         with PagedSSDCacheManager(config) as manager:
             compat.set_handler_class(paged_handler_class(compat.ORIGINAL_HANDLER, manager))
-            compat.paged_batches(_meter)
+            compat.paged_batches(prefill_samples.meter_for(OpenAIServerPromptCache))
             compat.ORIGINAL_WORKER(*args)
         status = 0
     finally:

@@ -46,6 +46,16 @@ def metered(generator: Any, record: Record) -> Any:
     return generator
 
 
+def meter_for(cache_type: type) -> Callable[[Any, Any], None]:
+    """An engine's hook for each new BatchGenerator and the prompt cache it serves: when that
+    cache is a ``cache_type`` (paged-cache's adapter, with ``record_prefill``), the generator's
+    prefills become its samples (``metered``); another cache is left alone."""
+    def meter(generator: Any, cache: Any) -> None:
+        if isinstance(cache, cache_type):
+            metered(generator, cache.record_prefill)
+    return meter
+
+
 def sample_response(response: Any, record: Record) -> None:
     """The prefill sample of one mlx-lm generation response: its prompt tokens (those the fetch
     left) over its prompt rate; none below PREFILL_SAMPLE_TOKENS tokens (mostly the first decode

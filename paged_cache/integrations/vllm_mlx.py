@@ -58,17 +58,10 @@ def install(manager: PagedSSDCacheManager, *, max_kv_size: int | None = None) ->
         raise ValueError(f"max_kv_size: expected an int >= 0 or None, got {max_kv_size!r}")
     _installed.update(manager=manager, max_kv_size=max_kv_size or None)
     compat.install(PagedPrefixCache, REFRESH_TOKENS)
-    compat.meter_prefill(_meter)
+    compat.meter_prefill(prefill_samples.meter_for(PagedPrefixCache))
     compat.carry_salts(SaltMiddleware, _on_vision_path,
                        from_user=manager.config.cache_salt_from_user,
                        refusal=lambda: _installed.get("vision"))
-
-
-def _meter(generator: Any, cache: Any) -> None:
-    """A Scheduler's new BatchGenerator: its prefills become samples of the model's prefill
-    rate in ``cache`` (when it is paged-cache's), which the fetch plan weighs."""
-    if isinstance(cache, PagedPrefixCache):
-        prefill_samples.metered(generator, cache.record_prefill)
 
 
 def _on_vision_path() -> None:
