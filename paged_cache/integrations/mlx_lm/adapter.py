@@ -14,12 +14,11 @@ the time a store takes leaves the requests' prefill and time to first token.
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Iterator, Sequence
 
@@ -27,10 +26,12 @@ import numpy as np
 
 from paged_cache.config import format_size
 from paged_cache.distributed import WORLD, resolve_group
-from paged_cache.hashing import ROOT_PARENT, block_key, chain_keys, shared_prefix
+from paged_cache.hashing import ROOT_PARENT, block_key, chain_keys
 from paged_cache.integrations.tenants import salted_namespace
 from paged_cache.integrations.mlx_lm.binding import (ModelBinding, Resolver, plain_layout,
                                                      quantized_layout)
+from paged_cache.integrations.mlx_lm.deferred import (MAX_DEFERRED, Deferred, DeferredInserts,
+                                                      copy_of, stored_reach)
 from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache, as_tokens
 from paged_cache.stats import nested_gauges
@@ -45,9 +46,6 @@ MAX_OPEN_REQUESTS = 256
 # A request prefilling at least this many tokens times the server's prefill rate: below it the
 # time to first token is mostly the first decode step, not prefill.
 PREFILL_SAMPLE_TOKENS = 64
-# Deferred stores (``defer_stores``) held at most: beyond this many, or beyond a quarter of the
-# hot tier's budget in bytes, the oldest is stored at once.
-MAX_DEFERRED = 32
 
 
 def _serialized(method: Callable) -> Callable:
@@ -88,32 +86,6 @@ class _Request:
         return len(tokens) <= len(self.tokens) and self.tokens[:len(tokens)] == tokens
 
 
-@dataclass(eq=False)
-class _Deferred:
-    """An insert not cut into blocks yet: the cache as the server handed it over, for the prefix
-    cache (layout, tenant) it goes to; ``finishes`` its request (the final insert)."""
-
-    prefix: BlockAwarePrefixCache
-    tokens: list[int]
-    cache: list
-    cache_type: str
-    request: _Request | None
-    finishes: bool
-    nbytes: int
-    ids: np.ndarray = field(init=False)  # the tokens as an array: compared with each fetch's
-    covered: int = field(init=False)     # tokens the cache holds (``_covered``)
-    copyable: bool = field(init=False)   # a fetch may copy and trim it, as LRUPromptCache does
-
-    def __post_init__(self) -> None:
-        from mlx_lm.models.cache import can_trim_prompt_cache
-
-        self.ids = np.asarray(self.tokens, dtype=np.int64)
-        self.covered = _covered(self.cache, len(self.tokens))
-        offsets = {getattr(layer, "offset", None) for layer in self.cache}
-        self.copyable = (self.prefix.layout.full_history and offsets == {self.covered}
-                         and can_trim_prompt_cache(self.cache))
-
-
 class PagedPromptCache:
     """LRUPromptCache's interface over ``BlockAwarePrefixCache`` + ``PagedSSDCacheManager``.
 
@@ -143,7 +115,7 @@ class PagedPromptCache:
         self.max_bytes = max_bytes
         # not in a group of ranks: every rank must hold the same blocks when its fetch agrees
         self.defer_stores = bool(defer_stores) and self.group is None
-        self._deferred: deque[_Deferred] = deque()  # oldest first
+        self._deferred = DeferredInserts()
         self._resolve = resolve
         # The loaded model's prefix caches: the plain layout first, then the quantized one.
         self._current: tuple[Hashable, ModelBinding, list[BlockAwarePrefixCache]] | None = None
@@ -331,31 +303,27 @@ class PagedPromptCache:
             return False
         if prefix is None:
             return False
-        d = _Deferred(prefix, tokens, prompt_cache, cache_type, request, finishes, nbytes)
+        d = Deferred(prefix, tokens, prompt_cache, cache_type, request, finishes, nbytes,
+                     _covered(prompt_cache, len(tokens)))
         if prefix.fingerprint is not None and prefix.layout.full_history:  # (learns the layout)
             self._supersede(d)
         self._deferred.append(d)
         self.counters["stores_deferred"] += 1
         budget = self.manager.config.hot_cache_max_bytes // 4
         while len(self._deferred) > MAX_DEFERRED or (
-                len(self._deferred) > 1 and self._deferred_bytes() > budget):
+                len(self._deferred) > 1 and self._deferred.nbytes > budget):
             self._store_one(self._deferred.popleft())
         return True
 
-    def _supersede(self, d: _Deferred) -> None:
+    def _supersede(self, d: Deferred) -> None:
         """Drop the deferred inserts of ``d``'s prefix cache whose tokens ``d`` extends, never
         cut: every layer of this layout keeps its whole history, so ``d``'s cache holds their
         rows (their blocks are ``d``'s), and its store would drop their partial tails and stop
         counting their sequences anyway."""
-        for older in [o for o in self._deferred if o.prefix is d.prefix
-                      and len(o.ids) <= len(d.ids) and shared_prefix(o.ids, d.ids) == len(o.ids)]:
-            self._deferred.remove(older)
+        for older in self._deferred.superseded_by(d):
             self.counters["stores_superseded"] += 1
             if older.finishes and older.request is not None:
                 self._finish(older.request)
-
-    def _deferred_bytes(self) -> int:
-        return sum(d.nbytes for d in self._deferred)
 
     @_serialized
     def store_deferred(self, limit: int | None = None, *, idle: bool = False) -> int:
@@ -376,7 +344,7 @@ class PagedPromptCache:
         """Inserts kept whole, not cut into blocks yet."""
         return len(self._deferred)
 
-    def _store_one(self, d: _Deferred) -> None:
+    def _store_one(self, d: Deferred) -> None:
         self._store(lambda: d.prefix, d.tokens, d.cache, d.cache_type, d.request)
         if d.finishes and d.request is not None:
             self._finish(d.request)
@@ -391,24 +359,15 @@ class PagedPromptCache:
         deferred: once cut, one reaches no further than served whole."""
         t0 = time.perf_counter()
         ids = np.asarray(tokens, dtype=np.int64)
-        best: tuple[_Deferred, int] | None = None
-        for d in self._deferred:
-            if any(d.prefix is p for p in prefixes):
-                n = min(shared_prefix(d.ids, ids), len(tokens) - 1, d.covered)
-                if n > 0 and (n == d.covered or d.copyable) and (best is None or n > best[1]):
-                    best = (d, n)
+        best = self._deferred.reaching(ids, prefixes)
         if best is None:
             return None
         d, n = best
-        stored = _stored_reach(d.prefix, tokens, ids)
+        stored = stored_reach(d.prefix, tokens, ids)
         if n < min(stored, len(tokens) - 1):
             logger.debug("fetch: the stored nodes reach %d tokens, a deferred insert %d", stored, n)
             return None
-        from mlx_lm.models.cache import trim_prompt_cache
-
-        cache = copy.deepcopy(d.cache)
-        if n < d.covered:
-            trim_prompt_cache(cache, d.covered - n)
+        cache = copy_of(d, n)
         d.prefix.count_whole_hit(len(tokens), n, time.perf_counter() - t0)
         logger.debug("fetch: %d tokens from a deferred insert of %d", n, len(d.tokens))
         return cache, n
@@ -577,7 +536,7 @@ class PagedPromptCache:
     def nbytes(self) -> int:
         """Bytes of KV held in RAM (the hot tier and the deferred inserts); SSD bytes are not
         counted."""
-        return self.manager.hot_bytes + self._deferred_bytes()
+        return self.manager.hot_bytes + self._deferred.nbytes
 
     # stats(): the levels (gauges) of every section; every other number counts
     STAT_GAUGES = (nested_gauges("manager", PagedSSDCacheManager.STAT_GAUGES)
@@ -673,17 +632,3 @@ def _covered(cache: list, n_tokens: int) -> int:
     offsets = {getattr(layer, "offset", None) for layer in cache}
     offsets.discard(None)
     return n_tokens - 1 if offsets == {n_tokens - 1} else n_tokens
-
-
-def _stored_reach(prefix: BlockAwarePrefixCache, tokens: list[int], ids: np.ndarray) -> int:
-    """How far into ``tokens`` the rows ``prefix`` stores reach: its held full blocks and the
-    longest node after them (no rebuild from blocks goes further)."""
-    if prefix.fingerprint is None:
-        return 0
-    bs = prefix.block_size
-    keys = chain_keys(prefix.fingerprint, prefix.namespace, tokens[:len(tokens) - len(tokens) % bs], bs)
-    tiers, kids = prefix.manager.chain(keys, prefix.fingerprint, prefix.namespace)
-    held = bs * (tiers.index(None) if None in tiers else len(tiers))
-    after = kids.get(keys[held // bs - 1] if held else ROOT_PARENT, ())
-    return held + max((shared_prefix(k.token_ids, ids[held:]) for k in after
-                       if not k.checkpoint), default=0)
