@@ -9,7 +9,16 @@ conversations out of RAM, and their partial tails (never written to SSD) with th
 reused. Whether a conversation's first turn finds the system prompt another one stored depends on
 which requests the server took into its first batch (a race on either server), so the tokens
 compared are those of the later turns, each sent once its conversation's previous reply is in.
-Time is measured by the ``load`` benchmark family, not here."""
+Time is measured by the ``load`` benchmark family, not here.
+
+The models' greedy replies are printable ASCII (``printable_replies``; mamba's encode back as
+they are), so a reply sent back as history is the tokens the server generated: each later turn's
+prompt extends its conversation's previous final insert (prompt + reply), and paged-cache must
+restore all of it on every family, hybrid and recurrent ones too. (A reply that does not encode
+back, such as invalid UTF-8 the client receives as U+FFFD, makes the next prompt leave the
+previous one's tokens right after its prompt: models whose layers cannot be trimmed, on either
+server, then restore only the prompt's own insert, which mlx_lm.server makes one token short of the
+prompt: it holds the last token back for the first decode step.)"""
 
 from __future__ import annotations
 
@@ -29,7 +38,9 @@ REQUEST_SECONDS = 90.0  # one request slower than this fails the test (openai's 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("arch", ["llama", "qwen3_next", "gemma3_text", "mamba"])
 def test_concurrent_chats_reuse_at_least_as_much_as_plain(tmp_path: Path, arch: str) -> None:
-    model = write_model_dir(tmp_path / "model", arch)
+    # mamba's tied embedding cannot be limited to printable tokens (their logits could all be
+    # negative), and its greedy replies encode back as they are
+    model = write_model_dir(tmp_path / "model", arch, printable_replies=arch != "mamba")
     runs = {}
     for side in SIDES:
         with load_server(side, model, tmp_path / side, "--prompt-cache-size",
@@ -43,3 +54,9 @@ def test_concurrent_chats_reuse_at_least_as_much_as_plain(tmp_path: Path, arch: 
     per_request = {side: {(t.conversation, t.turn): t.cached_tokens for t in run.turns if t.turn}
                    for side, run in runs.items()}
     assert paged.later_cached >= plain.later_cached, per_request
+    # every later turn restores its conversation's previous final insert: the previous prompt
+    # and reply (one token per byte with the byte tokenizer)
+    previous = {(t.conversation, t.turn + 1): t for t in paged.turns}
+    reused = per_request["paged-cache"]
+    reach = {key: previous[key].prompt_tokens + len(previous[key].reply.encode()) for key in reused}
+    assert all(reused[key] >= reach[key] for key in reused), (reused, reach)
