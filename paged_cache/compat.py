@@ -30,9 +30,10 @@ MLX_VLM_RANGE = (">=0.7.9", "<0.8")      # the turboquant extra's requirement
 _ROTATING_METHODS = ("_temporal_order", "_update_concat", "_update_in_place")
 # mlx_lm.server: the generation object and the function that starts the HTTP server.
 _SERVER_NAMES = ("ResponseGenerator", "_run_http_server", "APIHandler", "ThreadingHTTPServer")
-# ResponseGenerator: the step of the generation thread right before a request's cache fetch, its
-# poll of the request queue (where it would wait idle) and its loop (whose end runs on that thread).
-_GENERATOR_METHODS = ("_tokenize", "_next_request", "_generate")
+# ResponseGenerator: the step of the generation thread right before a request's cache fetch (its
+# tokenization into segments), its poll of the request queue (where it would wait idle), its loop
+# (whose end runs on that thread) and whether it batches a request.
+_GENERATOR_METHODS = ("_tokenize", "_next_request", "_generate", "_is_batchable")
 
 
 class IncompatibleVersion(ImportError):
@@ -331,6 +332,12 @@ def before_each_fetch(generator: type, hook: Callable[[Any, Any], None]) -> type
 
     Hooked.__name__ = Hooked.__qualname__ = generator.__name__
     return Hooked
+
+
+def tokenized_images(tokenized: tuple) -> bool:
+    """Whether ResponseGenerator._tokenize's result carries images (0.32: a fifth item, None
+    without; 0.31 has four items and serves no images)."""
+    return len(tokenized) > 4 and tokenized[4] is not None
 
 
 class _ParserBuilt(Exception):

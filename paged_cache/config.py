@@ -262,6 +262,9 @@ _FIELD_SPECS: dict[str, tuple[Any, str]] = {
     "fetch_overlap": (parse_bool, "under fetch_policy cost, prefill the head of a stored prefix "
                                   "while the rest is read from SSD when that is predicted faster "
                                   "than either alone (default true)"),
+    "shared_prefill": (parse_bool, "serve: a request sharing a prefix (e.g. a system prompt) "
+                                   "with one being prefilled waits for it and restores the "
+                                   "prefix instead of prefilling it again (default true)"),
     "prefill_tokens_per_s": (_rate, "the model's prefill rate (tokens/s) the fetch plan assumes "
                                     "until it has measured or saved one (0 = none: restore until "
                                     "measured; default 0)"),
@@ -295,6 +298,7 @@ _DEFAULTS: dict[str, Any] = {
     "ssd_read_threads": READ_THREADS_DEFAULT,
     "fetch_policy": "cost",
     "fetch_overlap": True,
+    "shared_prefill": True,
     "prefill_tokens_per_s": 0.0,
     "test_ssd_read_bytes_per_s": 0,
 }
@@ -340,6 +344,7 @@ class CacheConfig:
     ssd_read_threads: int = UNSET
     fetch_policy: str = UNSET
     fetch_overlap: bool = UNSET
+    shared_prefill: bool = UNSET
     prefill_tokens_per_s: float = UNSET
     test_ssd_read_bytes_per_s: int = UNSET
     origin: InitVar[Mapping[str, str] | None] = None

@@ -227,7 +227,7 @@ def test_cli_flags_for_every_field(tmp_path):
                         "--remote-tls-cert", "/c.pem", "--remote-tls-key", "/k.pem",
                         "--cache-salt-from-user", "--ssd-read-threads", "4",
                         "--fetch-policy", "always-restore", "--no-fetch-overlap",
-                        "--prefill-tokens-per-s", "1500",
+                        "--no-shared-prefill", "--prefill-tokens-per-s", "1500",
                         "--test-ssd-read-bytes-per-s", "2MB"])
     assert config.to_dict() == dict(
         block_size=128, hot_cache_max_bytes=2 * 10**9, ssd_dir=str(tmp_path),
@@ -239,7 +239,7 @@ def test_cli_flags_for_every_field(tmp_path):
         remote_tls_ca="/ca.pem",
         remote_tls_cert="/c.pem", remote_tls_key="/k.pem", cache_salt_from_user=True,
         ssd_read_threads=4, fetch_policy="always-restore", fetch_overlap=False,
-        prefill_tokens_per_s=1500.0,
+        shared_prefill=False, prefill_tokens_per_s=1500.0,
         test_ssd_read_bytes_per_s=2 * 10**6)
     assert config.remote_url == "rediss://u:pw@cache.lan:6380/2"
     assert config.sources["ssd_dir"] == "flag:--ssd-dir"

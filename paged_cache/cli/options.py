@@ -23,7 +23,7 @@ _METAVARS = {"block_size": "TOKENS", "hot_cache_max_bytes": "SIZE", "ssd_dir": "
              "remote_tls_ca": "FILE", "remote_tls_cert": "FILE", "remote_tls_key": "FILE",
              "prefill_tokens_per_s": "RATE", "test_ssd_read_bytes_per_s": "RATE"}
 BOOL_FIELDS = ("hot_cache_only", "remote_cluster", "remote_insecure", "cache_salt_from_user",
-               "fetch_overlap")
+               "fetch_overlap", "shared_prefill")
 # Fields no flag sets: other users can read a process's command line (ps, /proc), so a secret
 # comes from the environment or a private TOML file; the flag is refused, saying so.
 NO_FLAG_FIELDS = ("remote_secret",)

@@ -129,10 +129,13 @@ class PagedPromptCache:
                              demote_evictions=0, cache_errors=0, ttft_requests=0,
                              ttft_seconds=0.0, prefill_tokens=0, prefill_seconds=0.0,
                              requests_salted=0, inserts_unattributed=0, stores_deferred=0,
-                             stores_idle=0, stores_superseded=0)
+                             stores_idle=0, stores_superseded=0, prefill_waits=0,
+                             prefill_wait_seconds=0.0, prefill_waits_expired=0)
         self._salt: str | None = None   # the salt of the next fetch (``next_salt``)
         self._salted = False            # a salted request was seen: an insert must have its owner
         self._tenants: OrderedDict[tuple, list[BlockAwarePrefixCache]] = OrderedDict()
+        # called with the tokens an insert's cache holds and its tenant's salt, after the insert
+        self.on_insert: Callable[[list[int], str | None], None] | None = None
 
     @property
     def store_errors(self) -> int:
@@ -273,6 +276,8 @@ class PagedPromptCache:
         final = cache_type == "assistant"
         request, attributed = self._request_of(tokens, final=final)
         deferred = False
+        held = tokens[:_covered(prompt_cache, len(tokens))] if isinstance(prompt_cache, list) \
+            else tokens
         try:
             if attributed:
                 salt = None if request is None else request.salt
@@ -290,6 +295,8 @@ class PagedPromptCache:
                 self._open.remove(request)
                 if not deferred:
                     self._finish(request)
+        if attributed and self.on_insert is not None:
+            self.on_insert(held, None if request is None else request.salt)
 
     def _defer(self, model: Hashable, tokens: list[int], prompt_cache: list, cache_type: str,
                request: _Request | None, finishes: bool) -> bool:
@@ -371,6 +378,23 @@ class PagedPromptCache:
         d.prefix.count_whole_hit(len(tokens), n, time.perf_counter() - t0)
         logger.debug("fetch: %d tokens from a deferred insert of %d", n, len(d.tokens))
         return cache, n
+
+    @_serialized
+    def reach(self, model: Hashable, tokens: Sequence[int], salt: str | None = None) -> int:
+        """How many leading ``tokens`` a fetch for tenant ``salt`` would restore now, found
+        without rebuilding anything: the deferred insert or the stored rows reaching furthest (a
+        hybrid's stored rows may reach further than a state it can restore at). 0 on an error
+        (logged and counted as a cache error)."""
+        try:
+            tokens = as_tokens(tokens)
+            ids = np.asarray(tokens, dtype=np.int64)
+            prefixes = self._prefixes(model, salt)
+            whole = self._deferred.reaching(ids, prefixes) if self._deferred else None
+            return max([whole[1] if whole else 0]
+                       + [stored_reach(p, tokens, ids) for p in prefixes])
+        except Exception as error:  # noqa: BLE001 - never into the server's generation thread
+            self._cache_error("reach", error)
+            return 0
 
     def _store(self, locate: Callable[[], BlockAwarePrefixCache | None], tokens: list[int],
                prompt_cache: list, cache_type: str, request: _Request | None) -> None:
@@ -467,14 +491,16 @@ class PagedPromptCache:
                     request.fetch_seconds * 1e3, stored, format_size(self.nbytes))
 
     def time_first_token(self, prompt: Sequence[int], cached: Callable[[], int],
-                         responses: Iterable[Any], submitted: float) -> Iterator[Any]:
+                         responses: Iterable[Any], submitted: float,
+                         waited: float = 0.0) -> Iterator[Any]:
         """``responses`` (a request's generated tokens, as the server streams them), counting
         its time to first token from ``submitted``: ``ttft_seconds`` over ``ttft_requests``, and
         for a request that prefilled at least PREFILL_SAMPLE_TOKENS tokens, those tokens and that
-        time in ``prefill_tokens`` / ``prefill_seconds`` (this server's prefill rate: what the
-        cached tokens would have cost, shown by `paged-cache stats`), and, less its fetch's
-        time, a sample of the model's prefill rate for the fetch plan. ``cached()`` gives the
-        prompt tokens the fetch covered, known once the first token is out."""
+        time less the ``waited`` seconds it was held back (shared_prefill.py) in
+        ``prefill_tokens`` / ``prefill_seconds`` (this server's prefill rate: what the cached
+        tokens would have cost, shown by `paged-cache stats`), and, less its fetch's time too, a
+        sample of the model's prefill rate for the fetch plan. ``cached()`` gives the prompt
+        tokens the fetch covered, known once the first token is out."""
         timed = False
         for response in responses:
             if not timed:
@@ -487,8 +513,8 @@ class PagedPromptCache:
                     c["ttft_seconds"] += seconds
                     if prefilled >= PREFILL_SAMPLE_TOKENS:
                         c["prefill_tokens"] += prefilled
-                        c["prefill_seconds"] += seconds
-                        self._sample_prefill(list(prompt), prefilled, seconds)
+                        c["prefill_seconds"] += seconds - waited
+                        self._sample_prefill(list(prompt), prefilled, seconds - waited)
             yield response
 
     def _sample_prefill(self, prompt: list[int], prefilled: int, seconds: float) -> None:

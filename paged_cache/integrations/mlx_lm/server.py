@@ -4,6 +4,7 @@ and ``paged-cache serve`` (``serve_main``: address check, model load, then the m
 from __future__ import annotations
 
 import io
+import itertools
 import logging
 import os
 import signal
@@ -21,12 +22,16 @@ from paged_cache.config import CacheConfig, format_size
 from paged_cache.distributed import WORLD, resolve_group
 from paged_cache.integrations.mlx_lm.adapter import PagedPromptCache
 from paged_cache.integrations.mlx_lm.binding import provider_resolver
+from paged_cache.integrations.mlx_lm.shared_prefill import SharedPrefills, Tokenized
 from paged_cache.integrations.shutdown import close_logged
 from paged_cache.integrations.tenants import (SaltError, attach_salt, error_body, request_salt,
                                               salt_of_args)
 from paged_cache.manager import PagedSSDCacheManager
 
 logger = logging.getLogger("paged_cache.integrations.mlx_lm")
+
+# Tokenizations kept for the server's own (``_segments``) at most: beyond, the oldest goes.
+MAX_TOKENIZED = 256
 
 
 class ServeError(RuntimeError):
@@ -81,36 +86,82 @@ def patch_server(manager: PagedSSDCacheManager | Callable[[Any], PagedSSDCacheMa
                 self.paged_cache = PagedPromptCache(
                     opened[0], resolve, max_size=getattr(args, "prompt_cache_size", None),
                     max_bytes=getattr(args, "prompt_cache_bytes", None), defer_stores=True)
-            super().__init__(model_provider, self.paged_cache)
+            cache = self.paged_cache
+            config = cache.manager.config
+            # the ranks of a group poll their queue in lock step: none may hold a request back
+            self.paged_sharing = SharedPrefills(
+                self._segments,
+                lambda tokens, salt: cache.reach(model_provider.model_key, tokens, salt),
+                cache.counters, min_tokens=config.block_size,
+                enabled=config.shared_prefill and cache.group is None)
+            cache.on_insert = self.paged_sharing.inserted
+            self._tokenized: dict[int, tuple[Any, Any, Any]] = {}  # see _segments
+            super().__init__(model_provider, cache)
+
+        def _segments(self, request: Any, args: Any) -> Tokenized | None:
+            """A queued request's prompt and the segment ends where the server will insert its
+            cache before the prompt's end (shared_prefill.py), tokenized as the server does (kept
+            for its own ``_tokenize`` of the request); None for a request it serves alone, one
+            with images, or before a model is loaded."""
+            tokenizer = self.model_provider.tokenizer
+            if tokenizer is None or not self._is_batchable(args):
+                return None
+            result = base._tokenize(self, tokenizer, request, args)
+            while len(self._tokenized) >= MAX_TOKENIZED:  # requests the server never tokenized
+                self._tokenized.pop(next(iter(self._tokenized)))
+            self._tokenized[id(request)] = (request, tokenizer, result)
+            prompt, segments = result[0], result[1]
+            if compat.tokenized_images(result):
+                return None
+            return list(prompt), list(itertools.accumulate(len(s) for s in segments))[:-1]
+
+        def _tokenize(self, tokenizer: Any, request: Any, args: Any) -> Any:
+            """The server's tokenization of a request, done once: ``_segments`` may have."""
+            kept = self._tokenized.pop(id(request), None)
+            if kept is not None and kept[0] is request and kept[1] is tokenizer:
+                return kept[2]
+            return super()._tokenize(tokenizer, request, args)
 
         def _next_request(self, timeout: float | None = None) -> Any:
-            """The generation thread's poll of the request queue. When it would wait (no batch
-            running: mlx_lm.server passes a timeout) and no request is queued, the deferred
-            inserts are cut into blocks first, one at a time, while that lasts."""
-            cache = self.paged_cache
-            while timeout is not None and cache.deferred and self.requests.empty():
+            """The generation thread's poll of the request queue, through ``SharedPrefills``
+            (requests sharing a prefix another is prefilling wait for it). When it would wait
+            (no batch running: mlx_lm.server passes a timeout), no request is queued and none
+            is held back, the deferred inserts are cut into blocks first, one at a time, while
+            that lasts."""
+            cache, sharing = self.paged_cache, self.paged_sharing
+            while (timeout is not None and cache.deferred and self.requests.empty()
+                   and not sharing.parked):
                 cache.store_deferred(1, idle=True)
-            return super()._next_request(timeout)
+            return sharing.next(super()._next_request, timeout)
 
         def _generate(self) -> None:
             """The generation loop; the inserts still deferred when it ends are stored on its
-            thread (the manager is flushed and closed after it)."""
+            thread (the manager is flushed and closed after it), and requests still held back
+            go back to the queue."""
             try:
                 super()._generate()
             finally:
+                self.paged_sharing.requeue(self.requests.put)
                 self.paged_cache.store_deferred()
 
         def generate(self, request: Any, generation_args: Any, *args: Any,
                      **kwargs: Any) -> tuple[Any, Iterator[Any]]:
             """The server's generate (on the HTTP handler thread), with the request's time to
-            first token counted and the salt its request carries attached to it."""
+            first token counted, the salt its request carries attached to it, and its prompt's
+            end told to the requests waiting for its prefill."""
             salt = getattr(_handling, "salt", None)
             if salt is not None:
                 attach_salt(generation_args, salt)
             submitted = time.perf_counter()
-            ctx, responses = super().generate(request, generation_args, *args, **kwargs)
+            sharing = self.paged_sharing
+            try:
+                ctx, responses = super().generate(request, generation_args, *args, **kwargs)
+            except BaseException:
+                sharing.prompt_done(request)
+                raise
             return ctx, self.paged_cache.time_first_token(
-                ctx.prompt, lambda: ctx.prompt_cache_count, responses, submitted)
+                ctx.prompt, lambda: ctx.prompt_cache_count, sharing.watch(request, responses),
+                submitted, sharing.waited(request))
 
     def before_fetch(generator: Any, args: Any) -> None:  # the generation thread
         generator.paged_cache.next_salt(salt_of_args(args))
