@@ -6,9 +6,10 @@ The servers keep as many sequences in RAM as there are conversations (``--prompt
 mlx_lm.server's cache then holds each conversation's latest turn, so a paged-cache that counted
 more sequences than that (every prompt insert as well as the final one) pushed whole
 conversations out of RAM, and their partial tails (never written to SSD) with them: fewer tokens
-reused. Whether a conversation's first turn finds the system prompt another one stored depends on
-which requests the server took into its first batch (a race on either server), so the tokens
-compared are those of the later turns, each sent once its conversation's previous reply is in.
+reused. A conversation's first turn finds the system prompt on plain mlx_lm.server only when
+another one stored it before it came (a race; paged-cache holds chats opening together back
+until one has: tests/test_shared_prefill.py), so the tokens compared are those of the later
+turns, each sent once its conversation's previous reply is in.
 Time is measured by the ``load`` benchmark family, not here.
 
 The models' greedy replies are printable ASCII (``printable_replies``; mamba's encode back as
@@ -26,8 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from paged_cache.testing import write_model_dir
-from paged_cache.testing.load import SIDES, concurrent_chats, load_server
+from paged_cache.testing.load import SIDES, concurrent_chats, load_model, load_server
 
 CLIENTS, TURNS = 4, 2
 # ~600 tokens with the byte tokenizer: two full blocks of 256 and a partial tail
@@ -38,9 +38,7 @@ REQUEST_SECONDS = 90.0  # one request slower than this fails the test (openai's 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("arch", ["llama", "qwen3_next", "gemma3_text", "mamba"])
 def test_concurrent_chats_reuse_at_least_as_much_as_plain(tmp_path: Path, arch: str) -> None:
-    # mamba's tied embedding cannot be limited to printable tokens (their logits could all be
-    # negative), and its greedy replies encode back as they are
-    model = write_model_dir(tmp_path / "model", arch, printable_replies=arch != "mamba")
+    model = load_model(tmp_path / "model", arch)
     runs = {}
     for side in SIDES:
         with load_server(side, model, tmp_path / side, "--prompt-cache-size",

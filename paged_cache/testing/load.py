@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from paged_cache.testing.model_dir import write_model_dir
 from paged_cache.testing.engines import (REQUEST_SECONDS, EngineServer, Turn, converse,
                                          questions, usage_cached)
 
@@ -24,6 +25,14 @@ LOAD_SYSTEM = ("You are the assistant of a concurrent cache test. Answer in one 
 
 
 SIDES = ("plain", "paged-cache")
+
+
+def load_model(path: Path, arch: str) -> Path:
+    """A tiny ``arch`` model directory at ``path`` whose greedy replies encode back to the tokens
+    generated (printable text), so a conversation's next prompt extends its previous prompt and
+    reply, as with a real model; mamba's as written (its tied embedding cannot be limited to
+    printable tokens, and its greedy replies encode back as they are)."""
+    return write_model_dir(path, arch, printable_replies=arch != "mamba")
 
 
 def load_server(side: str, model: Path, work: Path, *extra: str) -> EngineServer:
@@ -57,8 +66,9 @@ class LoadRun:
     @property
     def later_cached(self) -> int:
         """Cached prompt tokens over the turns after each conversation's first: what a server
-        reuses of its conversations. (Whether a first turn finds the system prompt another
-        conversation stored depends on which requests the server took into one batch: a race.)"""
+        reuses of its conversations, on either server. (A first turn finds the system prompt on
+        plain mlx_lm.server only when another conversation stored it before it came: a race;
+        paged-cache serve holds chats opening together back until one has stored it.)"""
         return sum(t.cached_tokens or 0 for t in self.turns if t.turn)
 
     @property
