@@ -147,6 +147,9 @@ def test_a_wait_is_bounded_and_what_is_held_goes_back_on_stop(monkeypatch) -> No
     assert s.next() is None and s.sharing.parked == 1
     s.sharing.requeue(s.queue.put)
     assert s.sharing.parked == 0 and s.queue.get_nowait() is late
+    monkeypatch.setattr(shared_prefill, "MAX_WAIT_SECONDS", 0.0)   # a leader whose end is lost
+    s.send(chat(4), ends=[20])
+    assert s.next() is not None and s.sharing.parked == 0
 
 
 @pytest.mark.unit

@@ -45,6 +45,7 @@ class _Leader:
     salt: str | None
     ids: np.ndarray
     pending: list[int]
+    since: float
 
 
 @dataclass(eq=False)
@@ -173,14 +174,19 @@ class SharedPrefills:
             pending = [e for e in ends if e - reach >= self._min]
             if pending:
                 with self._lock:
-                    self._leaders[id(request)] = _Leader(request, model, salt, ids, pending)
+                    self._leaders[id(request)] = _Leader(request, model, salt, ids, pending,
+                                                         time.perf_counter())
         return False
 
     def _need(self, ids: np.ndarray, model: Hashable,
               salt: str | None) -> tuple[int, _Leader | None]:
-        """The most tokens of ``ids`` a live leader (same model and tenant) will insert, and it."""
+        """The most tokens of ``ids`` a live leader (same model and tenant) will insert, and it.
+        A leader older than MAX_WAIT_SECONDS is forgotten (its end was never seen)."""
         best: tuple[int, _Leader | None] = (0, None)
+        old = time.perf_counter() - MAX_WAIT_SECONDS
         with self._lock:
+            for key in [k for k, leader in self._leaders.items() if leader.since < old]:
+                del self._leaders[key]
             for leader in self._leaders.values():
                 if leader.model != model or leader.salt != salt:
                     continue
