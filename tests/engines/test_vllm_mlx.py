@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from paged_cache import rates_file
-from paged_cache.testing.engines import ENGINES, EngineServer, Turn, chat, openai_client
+from paged_cache.testing.engines import ENGINES, SYSTEM, EngineServer, Turn, chat, openai_client
 from paged_cache.testing.load import LOAD_SYSTEM, concurrent_chats
 from paged_cache.testing.server import ValkeyServer
 from helpers.tenants import chat_ask, check_salts, check_user_salts
@@ -140,6 +140,23 @@ def test_chats_opening_together_prefill_their_system_prompt_once(arch, models, t
     assert shared["prefill_waits"] > 0 and shared["prefill_waits_expired"] == 0
     for s in (shared, alone):
         assert s["cache_errors"] == s["store_errors"] == 0
+
+
+def test_a_later_conversation_restores_the_system_prompt_on_a_hybrid(models, tmp_path):
+    """On the hybrid, a conversation's first turn stores its state where its chat prefix ends
+    (it leads, even alone), so the next conversation restores the system prompt; with
+    --no-shared-prefill the only state stored is at the prompt's end, and it restores
+    nothing."""
+    model = models["qwen3_next"]
+    cached = {}
+    for mode, flags in (("shared", ()), ("alone", ("--no-shared-prefill",))):
+        work = tmp_path / mode
+        with paged(model, work, "--ssd-dir", str(work / "ssd"), *flags, name=mode) as server:
+            turns = run(server, model, conversations=2, turns=1)
+            assert paged_stats(server)["requests"]["store_errors"] == 0
+        cached[mode] = [t.cached_tokens for t in turns]
+    assert cached["alone"] == [0, 0]
+    assert cached["shared"][0] == 0 and cached["shared"][1] >= len(SYSTEM)
 
 
 def test_hot_cache_only_hosts_share_through_the_remote_tier(models, reference, tmp_path):
