@@ -54,7 +54,6 @@ class SchedulerPrefills:
         self._held: dict[int, Any] = {}       # id(request) -> a request kept out of the rounds
         self._live: dict[int, Any] = {}       # id(request) -> admitted, its prompt not done
         self._splits: dict[int, _Split] = {}  # id(request) -> its prompt's split, not inserted
-        self._ends: dict[int, list[int]] = {}  # generator uid -> the prefix its segment ends at
         self._readmitting: Any = None
 
     @property
@@ -119,6 +118,7 @@ class SchedulerPrefills:
         if not self.enabled or not compat.splits_prompts(generator):
             return
         insert, step = generator.insert, generator.next
+        ends: dict[int, list[int]] = {}   # its uid -> the prefix its first segment ends at
 
         def split_insert(prompts: list, *args: Any, **kwargs: Any) -> Any:
             split = self._split_of(prompts)
@@ -127,13 +127,13 @@ class SchedulerPrefills:
             tokens, (prompt, boundary) = prompts[0], split
             cut = boundary - (len(prompt) - len(tokens))
             uids = generator.insert_segments([[tokens[:cut], tokens[cut:]]], *args, **kwargs)
-            _bounded(self._ends)[uids[0]] = prompt[:boundary]
+            _bounded(ends)[uids[0]] = prompt[:boundary]
             return uids
 
         def next_step(*args: Any, **kwargs: Any) -> Any:
             out = step(*args, **kwargs)
-            if self._ends and isinstance(out, tuple):
-                self._insert_ends(generator, out[0])
+            if ends and isinstance(out, tuple):
+                self._insert_ends(generator, ends, out[0])
             return out
 
         generator.insert, generator.next = split_insert, next_step
@@ -151,14 +151,14 @@ class SchedulerPrefills:
                 return (split.prompt, split.boundary) if 0 < cut < len(tokens) else None
         return None
 
-    def _insert_ends(self, generator: Any, responses: list) -> None:
-        """Insert the cache of each leader whose first segment ``responses`` (a step's prompt
-        responses) ended."""
+    def _insert_ends(self, generator: Any, ends: dict[int, list[int]], responses: list) -> None:
+        """Insert the cache of each leader of ``generator`` (``ends``: its uids and prefixes)
+        whose first segment ``responses`` (a step's prompt responses) ended."""
         for response in responses:
             if not getattr(response, "end_of_segment", False) or \
                     getattr(response, "end_of_prompt", False):
                 continue
-            prefix = self._ends.pop(response.uid, None)
+            prefix = ends.pop(response.uid, None)
             if prefix is None:
                 continue
             try:

@@ -11,9 +11,11 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
+from openai import APITimeoutError, OpenAI
 
 from paged_cache import rates_file
 from paged_cache.testing.engines import ENGINES, SYSTEM, EngineServer, Turn, chat, openai_client
@@ -140,6 +142,39 @@ def test_chats_opening_together_prefill_their_system_prompt_once(arch, models, t
     assert shared["prefill_waits"] > 0 and shared["prefill_waits_expired"] == 0
     for s in (shared, alone):
         assert s["cache_errors"] == s["store_errors"] == 0
+
+
+def test_a_chat_dropped_while_it_waits_for_a_shared_prefill(models, tmp_path):
+    """A chat opening with others whose client gives up at once (on the CPU backend while it
+    waits for the first chat's prefill: vllm-mlx aborts it in its queue) leaves the others and
+    the next request served as usual, without a cache error."""
+    model = models["llama"]
+    outcome: list[str] = []
+
+    def give_up(url: str) -> None:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=0.3, max_retries=0)
+        try:
+            for _ in client.chat.completions.create(
+                    model=str(model), stream=True, max_tokens=12, temperature=0.0,
+                    messages=[{"role": "system", "content": LOAD_SYSTEM},
+                              {"role": "user", "content": "Never mind."}]):
+                pass
+            outcome.append("answered")
+        except APITimeoutError:
+            outcome.append("gave up")
+
+    with paged(model, tmp_path, "--ssd-dir", str(tmp_path / "ssd")) as server:
+        dropped = threading.Timer(0.1, give_up, args=(server.url,))
+        dropped.start()
+        together = concurrent_chats(server.url, str(model), clients=CLIENTS - 1, turns=1)
+        dropped.join(timeout=60)
+        later = concurrent_chats(server.url, str(model), clients=1, turns=1)
+        stats = paged_stats(server)["requests"]
+        assert server.stop() == 0, server.tail()
+    assert outcome in (["gave up"], ["answered"])
+    assert len(together.turns) == CLIENTS - 1 and later.turns[0].reply
+    assert stats["requests_miss"] == 1 and stats["prefill_waits_expired"] == 0
+    assert stats["cache_errors"] == stats["store_errors"] == 0
 
 
 def test_a_later_conversation_restores_the_system_prompt_on_a_hybrid(models, tmp_path):
