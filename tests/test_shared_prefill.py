@@ -160,6 +160,21 @@ def test_off_it_passes_the_poll_through() -> None:
 
 
 @pytest.mark.unit
+def test_an_engine_handed_its_requests_admits_and_takes_the_ready_ones() -> None:
+    """``admit`` / ``ready``: the same decisions for an engine that is handed each request
+    (vllm-mlx's Scheduler) instead of polling a queue; off, nothing is held."""
+    s = Harness()
+    leader, follower = (s.send(chat(u), ends=[20]) for u in (1, 2))
+    assert s.sharing.admit(leader) is False and s.sharing.ready() is None
+    assert s.sharing.admit(follower) is True and s.sharing.ready() is None
+    s.insert(SYSTEM_TOKENS)
+    assert s.sharing.ready() is follower and s.sharing.ready() is None
+    assert s.counters["prefill_waits"] == 1
+    off = Harness(enabled=False)
+    assert not any(off.sharing.admit(off.send(chat(u), ends=[20])) for u in (1, 2))
+
+
+@pytest.mark.unit
 def test_min_tokens_is_checked() -> None:
     with pytest.raises(ValueError, match="min_tokens"):
         SharedPrefills(Harness.tokenize, lambda t, s: 0, {}, min_tokens=0)

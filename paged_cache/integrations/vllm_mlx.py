@@ -8,7 +8,8 @@ paged-cache supports, written to SSD (surviving restarts), optionally shared thr
 the remote tier, and bounded by ``--cache-memory-mb`` in RAM. Tenants' cache salts
 (``tenants``) keep their prefixes apart, as in ``paged-cache serve``. Each prefill step of the
 Scheduler's BatchGenerator is a sample of the model's prefill rate (``prefill_samples``), so the
-fetch plan weighs a restore against the prefill it saves, as in ``paged-cache serve``.
+fetch plan weighs a restore against the prefill it saves, as in ``paged-cache serve``; chats
+opening together over one system prompt share its prefill (``vllm_mlx_prefills``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from paged_cache.integrations import prefill_samples
 from paged_cache.integrations.mlx_lm import PagedPromptCache
 from paged_cache.integrations.tenants import CURRENT_SALT
 from paged_cache.integrations.tenants_asgi import SaltMiddleware
+from paged_cache.integrations.vllm_mlx_prefills import SchedulerPrefills
 from paged_cache.manager import PagedSSDCacheManager
 
 logger = logging.getLogger("paged_cache.integrations.vllm_mlx")
@@ -58,10 +60,25 @@ def install(manager: PagedSSDCacheManager, *, max_kv_size: int | None = None) ->
         raise ValueError(f"max_kv_size: expected an int >= 0 or None, got {max_kv_size!r}")
     _installed.update(manager=manager, max_kv_size=max_kv_size or None)
     compat.install(PagedPrefixCache, REFRESH_TOKENS)
-    compat.meter_prefill(prefill_samples.meter_for(PagedPrefixCache))
+    compat.on_batch_generator(_on_generator)
+    compat.hold_back(_held)
     compat.carry_salts(SaltMiddleware, _on_vision_path,
                        from_user=manager.config.cache_salt_from_user,
                        refusal=lambda: _installed.get("vision"))
+
+
+def _on_generator(generator: Any, cache: Any) -> None:
+    """A new BatchGenerator of a Scheduler with paged-cache as ``cache``: its prefills are
+    samples of the prefill rate, and its leaders' prompts are split at their chat prefix
+    (``SchedulerPrefills``)."""
+    if isinstance(cache, PagedPrefixCache):
+        prefill_samples.metered(generator, cache.record_prefill)
+        cache.prefills.split_prompts(generator)
+
+
+def _held(scheduler: Any, cache: Any) -> list:
+    """The waiting requests a Scheduler with ``cache`` must leave out of its round."""
+    return cache.prefills.held(scheduler) if isinstance(cache, PagedPrefixCache) else []
 
 
 def _on_vision_path() -> None:
@@ -111,6 +128,8 @@ class PagedPrefixCache:
         self._cache = PagedPromptCache.for_model(
             manager, model, max_size=getattr(config, "max_entries", None),
             max_bytes=self._max_memory, make_cache=lambda: compat.layout(model, max_kv_size))
+        self.prefills = SchedulerPrefills(self._cache, MODEL_KEY,
+                                          enabled=manager.config.shared_prefill)
         self._last_match_type: str | None = None
         self._last_matched_key: tuple[int, ...] | None = None
         self._ssd_tier = None      # vllm-mlx's own SSD tier is never attached (see serve_main)
@@ -125,9 +144,16 @@ class PagedPrefixCache:
     def fetch(self, tokens: Sequence[int]) -> tuple[list | None, list[int]]:
         """``(cache, remaining)``: a fresh cache list covering ``tokens[:len(tokens) -
         len(remaining)]`` with ``remaining`` never empty, or ``(None, tokens)``; from the space
-        of the request's salt (``CURRENT_SALT``, which the Scheduler's admission sets)."""
+        of the request's salt (``CURRENT_SALT``, which the Scheduler's admission sets). A
+        request held back for a shared prefill gets ``(None, tokens)``, uncounted: it is
+        fetched again when admitted again."""
+        request = compat.ADMITTING.get()
+        if self.prefills.hold(request):
+            self._last_match_type, self._last_matched_key = "miss", None
+            return None, list(tokens)
         cache, rest = self._cache.fetch_as(MODEL_KEY, tokens, CURRENT_SALT.get())
         rest = list(rest)
+        self.prefills.fetched(request, tokens, rest)
         if cache is None:
             self._last_match_type, self._last_matched_key = "miss", None
             return None, rest

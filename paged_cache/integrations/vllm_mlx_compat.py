@@ -9,7 +9,12 @@ three more (``carry_salts``): a middleware on ``vllm_mlx.server.app``, the ``Req
 along) and ``Scheduler.add_request`` (which fetches the cache on the engine's worker thread);
 ``api.utils.resolve_mllm_route``, by which ``vllm-mlx serve`` picks the vision path, is watched.
 The Scheduler prefills in the BatchGenerator ``Scheduler._create_batch_generator`` builds, which
-is handed over with the Scheduler's ``memory_aware_cache`` to be measured (``meter_prefill``).
+is handed over with the Scheduler's ``memory_aware_cache`` to be measured and to have its prompts
+split at their chat prefix (``on_batch_generator``). Requests sharing a prefix another is
+prefilling are kept out of ``Scheduler._schedule_waiting`` (its ``waiting`` queue, by identity)
+and admitted again later, out of its ``waiting`` and ``requests`` (``hold_back``, ``readmit``);
+a request's ``prefix_boundary`` (the prompt before its last user message), ``request_id`` and
+``output_token_ids`` are read.
 This module is the only one that touches them: at import it checks that the installed vllm-mlx
 is in the supported range and still has each name (and that the code still reaches them:
 ``Scheduler.__init__`` constructs the cache through the first, ``EngineCore.add_request``
@@ -20,12 +25,17 @@ builds a ``Request(...)``, ``Scheduler.add_request`` fetches the cache), and rai
 from __future__ import annotations
 
 import inspect
+import logging
+from collections import deque
+from contextvars import ContextVar
 from importlib import metadata
 from typing import Any, Callable
 
 from paged_cache.compat import IncompatibleVersion
 from paged_cache.install import install_command
 from paged_cache.integrations.tenants import CURRENT_SALT, attach_salt, salt_of_args
+
+logger = logging.getLogger("paged_cache.integrations.vllm_mlx")
 
 DIST = "vllm-mlx"
 RANGE = (">=0.6.0", "<0.7")   # kept equal to the vllm-mlx extra in pyproject.toml
@@ -41,6 +51,11 @@ REQUEST_NAME = "Request"                  # vllm_mlx.engine_core: what EngineCor
 ROUTE_NAME = "resolve_mllm_route"         # vllm_mlx.api.utils: text or vision path, at serve
 CREATE_NAME = "_create_batch_generator"   # Scheduler: builds the BatchGenerator that prefills
 CACHE_ATTR = "memory_aware_cache"         # Scheduler: the prefix cache it built (CACHE_NAME)
+SCHEDULE_NAME = "_schedule_waiting"       # Scheduler: moves its waiting requests into the batch
+WAITING_ATTR = "waiting"                  # Scheduler: its queue of waiting requests (a deque)
+REQUESTS_ATTR = "requests"                # Scheduler: request id -> request, until it ends
+# Request fields read (vllm_mlx.request.Request, a dataclass)
+REQUEST_FIELDS = ("request_id", "prefix_boundary", "output_token_ids")
 
 
 def _version() -> tuple[int, ...]:
@@ -94,11 +109,20 @@ def _check() -> tuple[Any, Any, Any, Any]:
         add = getattr(sched, ADD_NAME, None)
         if add is None or FETCH_CALL not in inspect.getsource(add):
             missing.append(f"Scheduler.{ADD_NAME} fetching the cache ({FETCH_CALL}...)")
+        elif f"self.{REQUESTS_ATTR}[request.request_id] = request" not in inspect.getsource(add) \
+                or f"self.{WAITING_ATTR}.append(request)" not in inspect.getsource(add):
+            missing.append(f"Scheduler.{ADD_NAME} queueing the request in self.{REQUESTS_ATTR} "
+                           f"and self.{WAITING_ATTR}")
+        schedule = getattr(sched, SCHEDULE_NAME, None)
+        if schedule is None or f"self.{WAITING_ATTR}.popleft()" not in inspect.getsource(schedule):
+            missing.append(f"Scheduler.{SCHEDULE_NAME} taking requests from self.{WAITING_ATTR}")
     core = getattr(engine_core, "EngineCore", None)
     if not isinstance(getattr(engine_core, REQUEST_NAME, None), type) or core is None \
             or f"{REQUEST_NAME}(" not in inspect.getsource(core.add_request):
         missing.append(f"vllm_mlx.engine_core.EngineCore.add_request building "
                        f"{REQUEST_NAME}(...)")
+    fields = getattr(getattr(engine_core, REQUEST_NAME, None), "__dataclass_fields__", {})
+    missing += [f"Request.{name}" for name in REQUEST_FIELDS if name not in fields]
     if not callable(getattr(getattr(server, "app", None), "add_middleware", None)):
         missing.append("vllm_mlx.server.app (a FastAPI application)")
     if not callable(getattr(cli, "main", None)):
@@ -117,6 +141,9 @@ ORIGINAL_CACHE = getattr(_scheduler, CACHE_NAME)
 ORIGINAL_REFRESH = getattr(_scheduler.Scheduler, REFRESH_NAME)
 ORIGINAL_ADD = getattr(_scheduler.Scheduler, ADD_NAME)
 ORIGINAL_CREATE = getattr(_scheduler.Scheduler, CREATE_NAME)
+ORIGINAL_SCHEDULE = getattr(_scheduler.Scheduler, SCHEDULE_NAME)
+# The request Scheduler.add_request is admitting (its cache fetch sees it), else None.
+ADMITTING: ContextVar[Any] = ContextVar("paged_cache_vllm_mlx_admitting", default=None)
 ORIGINAL_REQUEST: type = getattr(_engine_core, REQUEST_NAME)
 ORIGINAL_ROUTE: Callable[..., Any] = getattr(_utils, ROUTE_NAME)
 
@@ -132,11 +159,14 @@ class SaltedRequest(ORIGINAL_REQUEST):  # type: ignore[misc, valid-type]
 
 def _add_request(scheduler: Any, request: Any) -> Any:
     """``Scheduler.add_request`` with the request's salt current while it fetches the request's
-    cache (on the engine's worker thread, which the HTTP request's context does not reach)."""
+    cache (on the engine's worker thread, which the HTTP request's context does not reach), and
+    the request itself (``ADMITTING``)."""
     token = CURRENT_SALT.set(salt_of_args(request))
+    admitting = ADMITTING.set(request)
     try:
         return ORIGINAL_ADD(scheduler, request)
     finally:
+        ADMITTING.reset(admitting)
         CURRENT_SALT.reset(token)
 
 
@@ -147,7 +177,7 @@ def install(cache_class: type, refresh_tokens: int) -> None:
     setattr(_scheduler.Scheduler, REFRESH_NAME, refresh_tokens)
 
 
-def meter_prefill(on_generator: Callable[[Any, Any], None]) -> None:
+def on_batch_generator(on_generator: Callable[[Any, Any], None]) -> None:
     """Hand every BatchGenerator a Scheduler builds from now on, with that Scheduler's prefix
     cache, to ``on_generator(generator, cache)`` (which may wrap its methods) before it runs."""
 
@@ -157,6 +187,78 @@ def meter_prefill(on_generator: Callable[[Any, Any], None]) -> None:
         return generator
 
     setattr(_scheduler.Scheduler, CREATE_NAME, create)
+
+
+def hold_back(held: Callable[[Any, Any], list]) -> None:
+    """Make every Scheduler's rounds of admission (``_schedule_waiting``) leave out the waiting
+    requests ``held(scheduler, its prefix cache)`` names (asked first, on the engine's worker
+    thread; it may ``readmit`` requests): they stay at the head of the queue, in their order.
+    An error in ``held`` is logged, and the round holds nothing back."""
+
+    def schedule(scheduler: Any) -> Any:
+        try:
+            ids = {id(r) for r in held(scheduler, getattr(scheduler, CACHE_ATTR, None))}
+        except Exception:  # noqa: BLE001 - never into the engine's loop
+            logger.exception("shared prefills: the round goes on without holding requests back")
+            ids = set()
+        waiting = getattr(scheduler, WAITING_ATTR)
+        kept = [r for r in waiting if id(r) in ids]
+        if kept:
+            _keep_only(waiting, lambda r: id(r) not in ids)
+        try:
+            return ORIGINAL_SCHEDULE(scheduler)
+        finally:
+            waiting.extendleft(reversed(kept))
+
+    setattr(_scheduler.Scheduler, SCHEDULE_NAME, schedule)
+
+
+def _keep_only(queue: deque, keep: Callable[[Any], bool]) -> None:
+    """Drop from ``queue`` (in place, its order kept) what ``keep`` refuses; compared by
+    identity (a Request's ``==`` compares every field)."""
+    kept = [r for r in queue if keep(r)]
+    queue.clear()
+    queue.extend(kept)
+
+
+def readmit(scheduler: Any, request: Any) -> bool:
+    """Admit a waiting ``request`` to ``scheduler`` again (``Scheduler.add_request``, so its
+    cache is fetched again), at the back of its queue; False when it no longer waits (aborted).
+    If the admission raises, the request waits again as it was (logged)."""
+    waiting, requests = getattr(scheduler, WAITING_ATTR), getattr(scheduler, REQUESTS_ATTR)
+    if requests.get(request.request_id) is not request or not any(r is request for r in waiting):
+        return False
+    _keep_only(waiting, lambda r: r is not request)
+    del requests[request.request_id]
+    try:
+        _add_request(scheduler, request)
+    except Exception:  # noqa: BLE001 - never into the engine's loop
+        logger.exception("request %s: admitted again failed; it goes on as first admitted",
+                         request.request_id)
+        requests[request.request_id] = request
+        if not any(r is request for r in waiting):
+            waiting.append(request)
+    return True
+
+
+def prompt_done(scheduler: Any, request: Any) -> bool:
+    """Whether ``request``'s prompt is processed (it has a token out) or never will be (it
+    left ``scheduler``: finished or aborted)."""
+    return (getattr(scheduler, REQUESTS_ATTR).get(request.request_id) is not request
+            or bool(request.output_token_ids))
+
+
+def prefix_boundary(request: Any) -> int:
+    """The tokens of ``request``'s prompt before its last user message (vllm-mlx computes it
+    for chats; 0: none)."""
+    return request.prefix_boundary or 0
+
+
+def splits_prompts(generator: Any) -> bool:
+    """Whether ``generator`` (the Scheduler's BatchGenerator) takes prompts in segments and stops
+    at their ends: mlx-lm's ``insert_segments``, with its own step (vllm-mlx's chunked prefill,
+    ``--chunked-prefill-tokens``, replaces that step and stores at the chat prefix itself)."""
+    return callable(getattr(generator, "insert_segments", None)) and "_next" not in vars(generator)
 
 
 def carry_salts(middleware: type, on_vision: Callable[[], None], **options: Any) -> None:
@@ -191,12 +293,13 @@ def _drop_middleware() -> None:
 
 
 def uninstall() -> None:
-    """Put vllm-mlx's own cache class, snapshot interval, Request class, admission and
-    BatchGenerator back, and its application without the salt middleware."""
+    """Put vllm-mlx's own cache class, snapshot interval, Request class, admission, rounds of
+    admission and BatchGenerator back, and its application without the salt middleware."""
     install(ORIGINAL_CACHE, ORIGINAL_REFRESH)
     setattr(_scheduler.Scheduler, CREATE_NAME, ORIGINAL_CREATE)
     setattr(_engine_core, REQUEST_NAME, ORIGINAL_REQUEST)
     setattr(_scheduler.Scheduler, ADD_NAME, ORIGINAL_ADD)
+    setattr(_scheduler.Scheduler, SCHEDULE_NAME, ORIGINAL_SCHEDULE)
     setattr(_utils, ROUTE_NAME, ORIGINAL_ROUTE)
     _drop_middleware()
 

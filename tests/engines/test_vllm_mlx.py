@@ -11,12 +11,15 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
+from openai import APITimeoutError, OpenAI
 
 from paged_cache import rates_file
-from paged_cache.testing.engines import ENGINES, EngineServer, Turn, chat, openai_client
+from paged_cache.testing.engines import ENGINES, SYSTEM, EngineServer, Turn, chat, openai_client
+from paged_cache.testing.load import LOAD_SYSTEM, concurrent_chats
 from paged_cache.testing.server import ValkeyServer
 from helpers.tenants import chat_ask, check_salts, check_user_salts
 from reuse import ARCHS, Reference, check_reuse, references, drop_a_stream, first_turns_together
@@ -28,6 +31,8 @@ pytestmark = pytest.mark.timeout(900)
 SNAPSHOT_ARCHS = ("qwen3_next", "gemma3_text")
 # Requests that name a salt and are served: 5 of check_salts, 4 of check_user_salts.
 SALTED_REQUESTS = {False: 5, True: 4}
+# Chats opening at once over one system prompt (test_chats_opening_together_...).
+CLIENTS = 4
 
 
 ENGINE = ENGINES["vllm-mlx"]
@@ -112,6 +117,81 @@ def test_batching_cancel_and_restart_from_ssd(models, reference, tmp_path):
     assert third[0].cached_tokens > cold[1].prompt_tokens
     assert stats["requests"]["requests_ssd"] + stats["requests"]["requests_mixed"] == 1
     assert stats["requests"]["cache_errors"] == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+def test_chats_opening_together_prefill_their_system_prompt_once(arch, models, tmp_path):
+    """Four chats opening at once over one ~2.4k-token system prompt: every first turn but one
+    restores the system prompt (the others wait for the first one's insert at its chat prefix,
+    instead of prefilling it in the same batch); with --no-shared-prefill every one prefills
+    it. The replies are the same either way (greedy)."""
+    model = models[arch]
+    runs, stats = {}, {}
+    for mode, flags in (("shared", ()), ("alone", ("--no-shared-prefill",))):
+        work = tmp_path / mode
+        with paged(model, work, "--ssd-dir", str(work / "ssd"), *flags, name=mode) as server:
+            runs[mode] = concurrent_chats(server.url, str(model), clients=CLIENTS, turns=1)
+            stats[mode] = paged_stats(server)["requests"]
+            assert server.stop() == 0, server.tail()
+    assert runs["shared"].replies() == runs["alone"].replies()
+    shared, alone = stats["shared"], stats["alone"]
+    assert shared["requests"] == alone["requests"] == CLIENTS
+    assert alone["requests_miss"] == CLIENTS and alone["prefill_waits"] == 0
+    assert shared["requests_miss"] == 1          # one prefill of the system prompt
+    assert shared["cached_tokens"] >= (CLIENTS - 1) * len(LOAD_SYSTEM)  # one token per byte
+    assert shared["prefill_waits"] > 0 and shared["prefill_waits_expired"] == 0
+    for s in (shared, alone):
+        assert s["cache_errors"] == s["store_errors"] == 0
+
+
+def test_a_chat_dropped_while_it_waits_for_a_shared_prefill(models, tmp_path):
+    """A chat opening with others whose client gives up at once (on the CPU backend while it
+    waits for the first chat's prefill: vllm-mlx aborts it in its queue) leaves the others and
+    the next request served as usual, without a cache error."""
+    model = models["llama"]
+    outcome: list[str] = []
+
+    def give_up(url: str) -> None:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=0.3, max_retries=0)
+        try:
+            for _ in client.chat.completions.create(
+                    model=str(model), stream=True, max_tokens=12, temperature=0.0,
+                    messages=[{"role": "system", "content": LOAD_SYSTEM},
+                              {"role": "user", "content": "Never mind."}]):
+                pass
+            outcome.append("answered")
+        except APITimeoutError:
+            outcome.append("gave up")
+
+    with paged(model, tmp_path, "--ssd-dir", str(tmp_path / "ssd")) as server:
+        dropped = threading.Timer(0.1, give_up, args=(server.url,))
+        dropped.start()
+        together = concurrent_chats(server.url, str(model), clients=CLIENTS - 1, turns=1)
+        dropped.join(timeout=60)
+        later = concurrent_chats(server.url, str(model), clients=1, turns=1)
+        stats = paged_stats(server)["requests"]
+        assert server.stop() == 0, server.tail()
+    assert outcome in (["gave up"], ["answered"])
+    assert len(together.turns) == CLIENTS - 1 and later.turns[0].reply
+    assert stats["requests_miss"] == 1 and stats["prefill_waits_expired"] == 0
+    assert stats["cache_errors"] == stats["store_errors"] == 0
+
+
+def test_a_later_conversation_restores_the_system_prompt_on_a_hybrid(models, tmp_path):
+    """On the hybrid, a conversation's first turn stores its state where its chat prefix ends
+    (it leads, even alone), so the next conversation restores the system prompt; with
+    --no-shared-prefill the only state stored is at the prompt's end, and it restores
+    nothing."""
+    model = models["qwen3_next"]
+    cached = {}
+    for mode, flags in (("shared", ()), ("alone", ("--no-shared-prefill",))):
+        work = tmp_path / mode
+        with paged(model, work, "--ssd-dir", str(work / "ssd"), *flags, name=mode) as server:
+            turns = run(server, model, conversations=2, turns=1)
+            assert paged_stats(server)["requests"]["store_errors"] == 0
+        cached[mode] = [t.cached_tokens for t in turns]
+    assert cached["alone"] == [0, 0]
+    assert cached["shared"][0] == 0 and cached["shared"][1] >= len(SYSTEM)
 
 
 def test_hot_cache_only_hosts_share_through_the_remote_tier(models, reference, tmp_path):

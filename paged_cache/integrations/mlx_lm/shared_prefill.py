@@ -119,6 +119,15 @@ class SharedPrefills:
                         and shared_prefix(ids, p.ids) >= p.need):
                     p.ready = True
 
+    def admit(self, queued: Any) -> bool:
+        """For an engine that is handed its requests rather than polling a queue: park
+        ``queued`` (True; ``ready`` hands it back) or let it go on now (False)."""
+        return self.enabled and self._admit(queued)
+
+    def ready(self) -> Any:
+        """For such an engine: the first parked request that may go on now, or None."""
+        return self._take_ready()
+
     def requeue(self, put: Callable[[Any], None]) -> None:
         """Hand every parked request back to the request queue (the server is stopping)."""
         with self._lock:
