@@ -262,9 +262,10 @@ _FIELD_SPECS: dict[str, tuple[Any, str]] = {
     "fetch_overlap": (parse_bool, "under fetch_policy cost, prefill the head of a stored prefix "
                                   "while the rest is read from SSD when that is predicted faster "
                                   "than either alone (default true)"),
-    "shared_prefill": (parse_bool, "serve, vllm-mlx: a request sharing a prefix (e.g. a system prompt) "
-                                   "with one being prefilled waits for it and restores the "
-                                   "prefix instead of prefilling it again (default true)"),
+    "shared_prefill": (parse_bool, "serve, vllm-mlx, openai-server: a request sharing a prefix "
+                                   "(e.g. a system prompt) with one being prefilled waits for it "
+                                   "and restores the prefix instead of prefilling it again "
+                                   "(default true)"),
     "prefill_tokens_per_s": (_rate, "the model's prefill rate (tokens/s) the fetch plan assumes "
                                     "until it has measured or saved one (0 = none: restore until "
                                     "measured; default 0)"),

@@ -14,6 +14,13 @@ request's task and its batch scheduler carries it to the fetch (``openai_server_
 generation paths give the model's prefill rate samples (``prefill_samples``: each prefill step of
 the batch scheduler's BatchGenerator, each single request's reported prompt rate), so the fetch
 plan weighs a restore against the prefill it saves.
+
+Requests the batch scheduler admits together with a prefix nobody has cached yet (chats opening
+at once over one system prompt) share one prefill (``SharedPrefills``, as in ``paged-cache
+serve``): each batched request's prompt is split where its last user message begins, so the
+scheduler inserts its cache there while prefilling, and a request sharing such a split with one
+being prefilled waits at admission until that insert (or the other's first output), then
+restores the prefix.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from paged_cache.config import CacheConfig, format_size
 from paged_cache.integrations import openai_server_compat as compat
 from paged_cache.integrations import prefill_samples
 from paged_cache.integrations.mlx_lm import ModelWithDraft, PagedPromptCache, model_id_for
+from paged_cache.integrations.mlx_lm.shared_prefill import SharedPrefills
 from paged_cache.integrations.tenants import CURRENT_SALT, salt_of_args
 from paged_cache.integrations.tenants_asgi import SaltMiddleware
 from paged_cache.manager import PagedSSDCacheManager
@@ -50,7 +58,8 @@ class OpenAIServerPromptCache:
     keeps its LRUPromptCache from handing a cache made on one worker thread to another) has
     nothing to restrict; ``source`` is accepted and ignored likewise. ``max_size`` / ``max_bytes``
     (``--prompt-cache-size`` / ``--max-bytes``) bound this model's sequences and bytes in the hot
-    tier, as in ``PagedPromptCache``.
+    tier, as in ``PagedPromptCache``. ``sharing``: the batch scheduler's admission of requests
+    sharing a prefix with one being prefilled (off with the ``shared_prefill`` setting).
     """
 
     def __init__(self, manager: PagedSSDCacheManager, model: Any, *, draft: Any = None,
@@ -62,6 +71,12 @@ class OpenAIServerPromptCache:
         self._cache = PagedPromptCache.for_model(
             manager, bound, max_size=max_size, max_bytes=self.max_bytes, make_cache=make_cache,
             model_id=model_id_for(model_path) if model_path else None, model_name=model_path)
+        config = manager.config
+        self.sharing = SharedPrefills(
+            lambda _stream, item: compat.queued_prompt(item),
+            lambda tokens, salt: self._cache.reach(MODEL_KEY, tokens, salt),
+            self._cache.counters, min_tokens=config.block_size, enabled=config.shared_prefill)
+        self._cache.on_insert = self.sharing.inserted
 
     def fetch_nearest_cache(self, tokens_ids: Sequence[int], *,
                             allowed_sources: set[str] | None = None) -> tuple[list | None, list[int]]:
@@ -132,6 +147,7 @@ def paged_handler_class(base: type, manager: PagedSSDCacheManager) -> type:
                 manager, model, draft=draft, make_cache=make_cache, model_path=path,
                 max_size=own.max_size, max_bytes=own.max_bytes)
             own.close()
+            compat.watch_prompts(self)
             logger.info("%s: prompt cache is paged-cache", path)
 
         # The salt is set in the task mlx-openai-server runs for this one request, never reset:
@@ -145,7 +161,15 @@ def paged_handler_class(base: type, manager: PagedSSDCacheManager) -> type:
             return super().generate_text_response(request)
 
     compat.observe_single_requests(PagedMLXLMHandler, _observe)
+    compat.segment_batched_prompts(PagedMLXLMHandler, lambda h: _gate(h.prompt_cache) is not None)
     return PagedMLXLMHandler
+
+
+def _gate(cache: Any) -> SharedPrefills | None:
+    """The admission gate of a batch scheduler over ``cache``: its shared prefills, when on."""
+    if isinstance(cache, OpenAIServerPromptCache) and cache.sharing.enabled:
+        return cache.sharing
+    return None
 
 
 def _observe(handler: Any, returned: Any) -> Any:
@@ -175,7 +199,7 @@ def handler_worker(config: CacheConfig, *args: Any) -> None:
     try:
         with PagedSSDCacheManager(config) as manager:
             compat.set_handler_class(paged_handler_class(compat.ORIGINAL_HANDLER, manager))
-            compat.paged_batches(prefill_samples.meter_for(OpenAIServerPromptCache))
+            compat.paged_batches(prefill_samples.meter_for(OpenAIServerPromptCache), _gate)
             compat.ORIGINAL_WORKER(*args)
         status = 0
     finally:

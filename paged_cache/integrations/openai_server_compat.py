@@ -25,19 +25,39 @@ plan's prefill rate: the ``BatchGenerator`` the batch scheduler builds in ``_run
 measured) and, on the single-request path, mlx-lm's ``stream_generate`` called by the handler's
 ``_stream_with_lock_and_cache_persist`` / ``_generate_with_lock_and_cache_persist``
 (``observe_single_requests`` passes what they return through an observer).
+
+Shared prefills (``paged_batches`` with a gate, ``segment_batched_prompts``): the admission
+queue's ``get`` is where a request is held back. A queued request is a ``_PendingRequest``
+(``input_ids``, ``prompt_cache``, ``segments``, ``out_queue``); while it prefills, the scheduler
+inserts its cache at the end of each segment (``_handle_prompt_responses``; the last one a
+token short: ``insert_segments`` keeps one token to start generating), and every output for it
+goes through ``BatchScheduler._send`` (its first token, an error, a cancellation), which tells
+the gate its prompt is done. Requests still held when the scheduler stops are failed as its
+``_drain_admission_queue`` fails the queued ones. The handler gives a batched request segments
+only for models whose cache cannot be trimmed: ``MLXLMHandler._build_inference_context`` (which
+calls the model's ``create_input_prompt(messages, chat_template_kwargs)``) splits it at
+``_compute_checkpoint_boundary``, where the last user message begins; ``segment_batched_prompts``
+does the same for every model.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import itertools
+import logging
 import queue
+import threading
+from contextvars import ContextVar
+from dataclasses import fields
 from importlib import metadata
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from paged_cache.compat import IncompatibleVersion
 from paged_cache.install import install_command
 from paged_cache.integrations.tenants import CURRENT_SALT, attach_salt, salt_of_args
+
+logger = logging.getLogger("paged_cache.integrations.openai_server")
 
 DIST = "mlx-openai-server"
 RANGE = (">=1.8.0", "<1.9")   # kept equal to the openai-server extra in pyproject.toml
@@ -48,6 +68,12 @@ GENERATOR_NAME = "_batch_generator"  # BatchScheduler: its BatchGenerator, built
 CACHE_ATTR = "_prompt_cache"         # BatchScheduler: the prompt cache it fetches from
 # MLXLMHandler: its single-request path's generation (a stream, a whole response), self.model(...)
 SINGLE_METHODS = ("_stream_with_lock_and_cache_persist", "_generate_with_lock_and_cache_persist")
+SEND_NAME = "_send"                        # BatchScheduler: every output to a request's stream
+DRAIN_NAME = "_drain_admission_queue"      # BatchScheduler: fails what is queued when it stops
+PENDING_FIELDS = ("input_ids", "prompt_cache", "segments", "out_queue")  # _PendingRequest
+BUILD_NAME = "_build_inference_context"    # MLXLMHandler: tokenizes a request, its segments
+BOUNDARY_NAME = "_compute_checkpoint_boundary"  # MLXLMHandler: where the last user message begins
+CONTEXT_FIELDS = ("cache_key", "batched_segments", "batched_segment_types")  # _InferenceContext
 
 
 def _version() -> tuple[int, ...]:
@@ -62,6 +88,36 @@ def _source(owner: Any, name: str) -> str:
     """The source of ``owner.name`` ('' when it is missing)."""
     member = getattr(owner, name, None)
     return inspect.getsource(member) if member is not None else ""
+
+
+def _field_names(owner: Any) -> set[str]:
+    try:
+        return {f.name for f in fields(owner)}
+    except TypeError:   # not a dataclass (or missing)
+        return set()
+
+
+def _sharing_missing(batching: Any, handlers: Any, batcher: Any, handler: Any) -> list[str]:
+    """What shared prefills rely on that the installed mlx-openai-server lacks."""
+    missing = []
+    sends = [m for m in ("_admit_pending", "_handle_generation_response", "_fail_request",
+                         "_process_cancellations") if f"self.{SEND_NAME}(" not in _source(batcher, m)]
+    if not isinstance(inspect.getattr_static(batcher, SEND_NAME, None), staticmethod) or sends:
+        missing.append(f"BatchScheduler sending every output through {SEND_NAME}")
+    if f"self.{DRAIN_NAME}(" not in _source(batcher, "_run"):
+        missing.append(f"BatchScheduler._run calling {DRAIN_NAME}")
+    if "insert_cache(" not in _source(batcher, "_handle_prompt_responses") \
+            or "insert_segments(" not in _source(batcher, "_admit_pending"):
+        missing.append("BatchScheduler inserting the cache at each segment's end")
+    if not set(PENDING_FIELDS) <= _field_names(getattr(batching, "_PendingRequest", None)):
+        missing.append(f"_PendingRequest with {', '.join(PENDING_FIELDS)}")
+    if not set(CONTEXT_FIELDS) <= _field_names(getattr(handlers, "_InferenceContext", None)):
+        missing.append(f"_InferenceContext with {', '.join(CONTEXT_FIELDS)}")
+    if "self.model.create_input_prompt(" not in _source(handler, BUILD_NAME) \
+            or not callable(getattr(handler, BOUNDARY_NAME, None)) \
+            or "_is_request_batchable" not in _source(handler, BUILD_NAME):
+        missing.append(f"MLXLMHandler.{BUILD_NAME} with {BOUNDARY_NAME}")
+    return missing
 
 
 def _check() -> tuple[Any, Any, Any, Any, Any]:
@@ -104,6 +160,7 @@ def _check() -> tuple[Any, Any, Any, Any, Any]:
         missing.append(f"BatchScheduler._run building self.{GENERATOR_NAME} = BatchGenerator(...)")
     missing += [f"MLXLMHandler.{m} calling self.model(...)" for m in SINGLE_METHODS
                 if "self.model(" not in _source(handler, m)]
+    missing += _sharing_missing(batch_scheduler, mlx_lm, batcher, handler)
     factory = getattr(server, "create_handler_from_config", None)
     if factory is None or "MLXLMHandler(" not in inspect.getsource(factory):
         missing.append("app.server.create_handler_from_config making MLXLMHandler(...)")
@@ -180,25 +237,77 @@ def _sending_salt(method: Callable[..., Any]) -> Callable[..., Any]:
     return send
 
 
-class _SaltedQueue(queue.Queue):
-    """A BatchScheduler's admission queue that carries each request's salt: taken from the
-    submitting task at ``put``, made current on the scheduler's thread at ``get`` (right before
-    the scheduler fetches that request's cache; the next ``get`` replaces it)."""
+class Gate(Protocol):
+    """What holds requests back at a batch scheduler's admission (``SharedPrefills``): it sees
+    each queued request as ``(request, its output stream, request)``."""
+
+    def next(self, poll: Callable[[float | None], Any], timeout: float | None) -> Any: ...
+
+    def prompt_done(self, request: Any) -> None: ...
+
+    def requeue(self, put: Callable[[Any], None]) -> None: ...
+
+
+class _AdmissionQueue(queue.Queue):
+    """A BatchScheduler's admission queue that carries each request's salt (taken from the
+    submitting task at ``put``, made current on the scheduler's thread at ``get``, right before
+    the scheduler fetches that request's cache) and, with a ``gate``, lets it hold requests back:
+    ``get`` hands over what the gate lets go (``queue.Empty`` when nothing)."""
+
+    def __init__(self, maxsize: int, gate: Gate | None) -> None:
+        super().__init__(maxsize)
+        self.gate = gate
 
     def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
         attach_salt(item, CURRENT_SALT.get())
         super().put(item, block, timeout)
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
-        item = super().get(block, timeout)
+        item = super().get(block, timeout) if self.gate is None else self._gated(block, timeout)
         CURRENT_SALT.set(salt_of_args(item))
         return item
 
+    def _gated(self, block: bool, timeout: float | None) -> Any:
+        polled: list[Any] = []
 
-def paged_batches(on_generator: Callable[[Any, Any], None]) -> None:
+        def poll(wait: float | None) -> Any:   # the gate's poll: None means do not wait
+            try:
+                item = queue.Queue.get(self, wait is not None, wait)
+            except queue.Empty:
+                return None
+            polled.append(item)
+            return item, item.out_queue, item
+
+        wait = (threading.TIMEOUT_MAX if timeout is None else timeout) if block else None
+        try:
+            queued = self.gate.next(poll, wait)  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001 - never into the scheduler's loop: admit it as it came
+            logger.exception("shared prefills: admission failed; the request goes on unheld")
+            queued = (polled[-1],) if polled else None
+        if queued is None:
+            raise queue.Empty
+        return queued[0]
+
+
+def queued_prompt(item: Any) -> tuple[list[int], list[int]] | None:
+    """A request in a BatchScheduler's admission queue: its prompt and the ends before the
+    prompt's end where the scheduler will insert its cache while prefilling it (each segment's
+    end, the last one's a token short); None when it brings a cache of its own."""
+    if item.prompt_cache is not None:
+        return None
+    tokens = list(item.input_ids)
+    ends = list(itertools.accumulate(len(s) for s in item.segments or [tokens]))
+    ends[-1] -= 1   # insert_segments keeps the prompt's last token to start generating
+    return tokens, sorted({e for e in ends if 0 < e < len(tokens)})
+
+
+def paged_batches(on_generator: Callable[[Any, Any], None],
+                  gate_of: Callable[[Any], Gate | None] = lambda _cache: None) -> None:
     """Make batch schedulers built from now on (in this process) carry salts in their admission
-    queue, and hand the BatchGenerator each builds, with its prompt cache, to
-    ``on_generator(generator, prompt_cache)`` (which may wrap its methods) before it runs."""
+    queue, hold requests back with ``gate_of(prompt_cache)`` (None: none held; the gate is told
+    when a request's prompt is done, at its first output), and hand the BatchGenerator each
+    builds, with its prompt cache, to ``on_generator(generator, prompt_cache)`` (which may wrap
+    its methods) before it runs."""
 
     def get_generator(scheduler: Any) -> Any:
         return scheduler.__dict__.get(GENERATOR_NAME)
@@ -208,16 +317,89 @@ def paged_batches(on_generator: Callable[[Any, Any], None]) -> None:
             on_generator(generator, getattr(scheduler, CACHE_ATTR, None))
         scheduler.__dict__[GENERATOR_NAME] = generator
 
+    send, drain = getattr(ORIGINAL_BATCHER, SEND_NAME), getattr(ORIGINAL_BATCHER, DRAIN_NAME)
+
     class PagedBatchScheduler(ORIGINAL_BATCHER):  # type: ignore[misc, valid-type]
-        """mlx-openai-server's BatchScheduler whose admission queue carries salts and whose
-        BatchGenerator is handed to ``on_generator`` as ``_run`` builds it."""
+        """mlx-openai-server's BatchScheduler whose admission queue carries salts and may hold
+        requests back, and whose BatchGenerator is handed to ``on_generator`` as ``_run`` builds
+        it."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            setattr(self, QUEUE_NAME, _SaltedQueue(getattr(self, QUEUE_NAME).maxsize))
+            self.paged_gate = gate_of(getattr(self, CACHE_ATTR, None))
+            setattr(self, QUEUE_NAME,
+                    _AdmissionQueue(getattr(self, QUEUE_NAME).maxsize, self.paged_gate))
+
+    def send_output(self: Any, loop: Any, stream: Any, item: Any) -> None:
+        if self.paged_gate is not None:
+            self.paged_gate.prompt_done(stream)
+        send(loop, stream, item)
+
+    def fail_held(self: Any, error: BaseException) -> None:
+        if self.paged_gate is not None:
+            self.paged_gate.requeue(lambda queued: self._fail_request(queued[0], error))
+        drain(self, error)
 
     setattr(PagedBatchScheduler, GENERATOR_NAME, property(get_generator, set_generator))
+    setattr(PagedBatchScheduler, SEND_NAME, send_output)
+    setattr(PagedBatchScheduler, DRAIN_NAME, fail_held)
     _handlers.BatchScheduler = PagedBatchScheduler
+
+
+# (messages, chat template arguments) of the model's create_input_prompt calls in this task, while
+# segment_batched_prompts watches them
+_PROMPTS: ContextVar[list[tuple[Any, Any]] | None] = ContextVar("paged_cache_prompts",
+                                                                default=None)
+
+
+def segment_batched_prompts(handler: type, wanted: Callable[[Any], bool]) -> None:
+    """Make ``handler`` (a subclass of MLXLMHandler) split a batched request's prompt where its
+    last user message begins (e.g. at the end of a system prompt), as the handler does itself
+    for models whose cache cannot be trimmed, when ``wanted(handler_instance)``: the batch
+    scheduler then inserts the cache there while it prefills. Errors leave the request as the
+    handler built it."""
+    original = getattr(handler, BUILD_NAME)
+
+    @functools.wraps(original)
+    async def build(self: Any, request: Any) -> Any:
+        if not wanted(self) or not self._is_request_batchable(request):
+            return await original(self, request)
+        seen: list[tuple[Any, Any]] = []
+        token = _PROMPTS.set(seen)
+        try:
+            ctx = await original(self, request)
+        finally:
+            _PROMPTS.reset(token)
+        if ctx.batched_segments is not None or not seen:
+            return ctx
+        try:
+            tokens = list(ctx.cache_key)
+            at = getattr(self, BOUNDARY_NAME)(seen[0][0], tokens, seen[0][1])
+        except Exception:  # noqa: BLE001 - the request goes on unsplit
+            logger.exception("shared prefills: cannot find where the last user message begins")
+            return ctx
+        if at is not None and 0 < at < len(tokens):
+            ctx.batched_segments = [tokens[:at], tokens[at:]]
+            ctx.batched_segment_types = ["system", "assistant"]
+        return ctx
+
+    setattr(handler, BUILD_NAME, build)
+
+
+def watch_prompts(handler: Any) -> None:
+    """Make the model of ``handler`` (an MLXLMHandler) report its ``create_input_prompt`` calls
+    to ``segment_batched_prompts``."""
+    lm = handler.model
+    make = lm.create_input_prompt
+
+    @functools.wraps(make)
+    def create_input_prompt(messages: Any, chat_template_kwargs: Any) -> Any:
+        seen = _PROMPTS.get()
+        if seen is not None:
+            seen.append((messages, chat_template_kwargs))
+        return make(messages, chat_template_kwargs)
+
+    lm.create_input_prompt = create_input_prompt
 
 
 def observe_single_requests(handler: type, observe: Callable[[Any, Any], Any]) -> None:

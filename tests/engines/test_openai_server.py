@@ -15,6 +15,7 @@ import pytest
 
 from paged_cache import rates_file
 from paged_cache.testing.engines import ENGINES, EngineServer, chat, openai_client
+from paged_cache.testing.load import LOAD_SYSTEM, concurrent_chats
 from helpers.tenants import PRIVATE, chat_ask, check_salts, check_user_salts
 from reuse import ARCHS, Reference, check_reuse, references, drop_a_stream, first_turns_together
 
@@ -94,6 +95,28 @@ def test_batching_cancel_and_restart_from_ssd(models, reference, tmp_path):
     assert third[0].cached_tokens > cold[1].prompt_tokens
     assert f"{third[0].cached_tokens}/{third[0].prompt_tokens} prompt tokens cached (ssd)" in log \
         or f"{third[0].cached_tokens}/{third[0].prompt_tokens} prompt tokens cached (mixed)" in log
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+def test_chats_opening_together_share_one_prefill(arch, models, tmp_path):
+    """Four chats opening at once over a ~2.4k-token system prompt (the load benchmark's): with
+    shared prefills (the default) every first turn but one restores the system prompt, which
+    one of them prefilled; each reply equals the one with shared prefills off
+    (--no-shared-prefill). On a KV model paged-cache splits the prompts at the system prompt's
+    end itself; the hybrid's the handler splits."""
+    model, clients = models[arch], 4
+    runs = {}
+    for flags in ((), ("--no-shared-prefill",)):
+        name = "shared" if not flags else "alone"
+        with paged(model, arch, tmp_path / name, "--ssd-dir", str(tmp_path / name / "ssd"),
+                   *flags, name=name) as ours:
+            runs[name] = concurrent_chats(ours.url, str(model), clients=clients, turns=1)
+            assert ours.stop() == 0, ours.tail()
+    shared, alone = runs["shared"], runs["alone"]
+    assert shared.replies() == alone.replies()
+    restored = sorted(t.cached_tokens or 0 for t in shared.turns)
+    assert restored[0] == 0 and all(n >= len(LOAD_SYSTEM) - 16 for n in restored[1:]), restored
+    assert shared.prompt == alone.prompt
 
 
 @pytest.mark.parametrize("mode, flags, check", [
