@@ -36,7 +36,7 @@ from paged_cache.config import CacheConfig, format_size
 from paged_cache.integrations import openai_server_compat as compat
 from paged_cache.integrations import prefill_samples
 from paged_cache.integrations.mlx_lm import ModelWithDraft, PagedPromptCache, model_id_for
-from paged_cache.integrations.mlx_lm.shared_prefill import SharedPrefills
+from paged_cache.integrations.shared_prefill import SharedPrefills
 from paged_cache.integrations.tenants import CURRENT_SALT, salt_of_args
 from paged_cache.integrations.tenants_asgi import SaltMiddleware
 from paged_cache.manager import PagedSSDCacheManager

@@ -21,7 +21,7 @@ from typing import Any, Hashable
 
 from paged_cache.integrations import vllm_mlx_compat as compat
 from paged_cache.integrations.mlx_lm import PagedPromptCache
-from paged_cache.integrations.mlx_lm.shared_prefill import SharedPrefills, Tokenized
+from paged_cache.integrations.shared_prefill import SharedPrefills, Tokenized
 
 logger = logging.getLogger("paged_cache.integrations.vllm_mlx")
 

@@ -22,7 +22,7 @@ from paged_cache.config import CacheConfig, format_size
 from paged_cache.distributed import WORLD, resolve_group
 from paged_cache.integrations.mlx_lm.adapter import PagedPromptCache
 from paged_cache.integrations.mlx_lm.binding import provider_resolver
-from paged_cache.integrations.mlx_lm.shared_prefill import SharedPrefills, Tokenized
+from paged_cache.integrations.shared_prefill import SharedPrefills, Tokenized
 from paged_cache.integrations.shutdown import close_logged
 from paged_cache.integrations.tenants import (SaltError, attach_salt, error_body, request_salt,
                                               salt_of_args)

@@ -1,18 +1,20 @@
 """Requests arriving together with a prefix nobody has cached yet: one prefills it, the others wait.
 
-Eight chats that open at once over one system prompt reach mlx_lm.server before any of them has
+Eight chats that open at once over one system prompt reach a server before any of them has
 stored it, so its batch prefills that prompt eight times, and every first token waits for all
-eight. ``SharedPrefills`` sits on the server's poll of its request queue (the generation thread)
-and lets the first such request lead: a later one whose prompt shares with it a prefix the
-leader is about to insert (mlx_lm.server inserts a prompt's cache at the end of each segment
-before the last, e.g. its system prompt) and the cache does not reach yet, by at least a block,
-is held back (parked). A parked request is handed to the server, in arrival order, once an insert
-covers what it waits for, or its leader's prompt is done (first token, error or disconnect), or
-after ``MAX_WAIT_SECONDS``; its fetch then restores the prefix and it prefills only the rest.
+eight. ``SharedPrefills`` decides, where a server takes requests from its queue, who waits: the
+first such request leads; a later one whose prompt shares with it a prefix the leader is about to
+insert (mlx_lm.server inserts a prompt's cache at the end of each segment before the last, e.g.
+its system prompt; the engine adapters split a leader's prompt there) and the cache does not
+reach yet, by at least a block, is held back (parked). A parked request is handed back, in
+arrival order, once an insert covers what it waits for, or its leader's prompt is done (first
+token, error or disconnect), or after ``MAX_WAIT_SECONDS``; its fetch then restores the prefix
+and it prefills only the rest.
 
-Only requests of one model and one tenant (cache salt) share; a request with images, one the
-server does not batch, or any request of a group of ranks (which must poll in lock step) is
-never held.
+Only requests of one model and one tenant (cache salt) share. Its users: ``paged-cache serve``
+(mlx_lm/server.py, the request queue's poll), mlx-openai-server's admission queue
+(openai_server.py) and vllm-mlx's Scheduler (vllm_mlx_prefills.py); none holds a request with
+images, one it does not batch, or any request of a group of ranks (which poll in lock step).
 """
 
 from __future__ import annotations
