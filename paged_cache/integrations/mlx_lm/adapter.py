@@ -19,17 +19,18 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from paged_cache.config import format_size
 from paged_cache.distributed import WORLD, resolve_group
-from paged_cache.hashing import ROOT_PARENT, block_key, chain_keys
+from paged_cache.hashing import chain_keys
 from paged_cache.integrations.tenants import salted_namespace
 from paged_cache.integrations.mlx_lm.binding import (ModelBinding, Resolver, plain_layout,
                                                      quantized_layout)
+from paged_cache.integrations.mlx_lm.sequences import CACHE_TYPES, Sequences
 from paged_cache.integrations.mlx_lm.deferred import (MAX_DEFERRED, Deferred, DeferredInserts,
                                                       copy_of, stored_reach)
 from paged_cache.manager import PagedSSDCacheManager
@@ -38,7 +39,6 @@ from paged_cache.stats import nested_gauges
 
 logger = logging.getLogger("paged_cache.integrations.mlx_lm")
 
-CACHE_TYPES = ("assistant", "user", "system")  # LRUPromptCache's types, in its eviction order
 MAX_TENANTS = 1024  # salted prefix-cache views kept (cheap: they share the model's layout)
 # Requests fetched and not yet finished by their "assistant" insert (a request the client dropped
 # never gets one): beyond this many, the oldest is logged and forgotten.
@@ -56,13 +56,6 @@ def _serialized(method: Callable) -> Callable:
         with self._lock:
             return method(self, *args, **kwargs)
     return run
-
-
-@dataclass
-class _Sequence:
-    cache_type: str
-    keys: list[str] = field(default_factory=list)
-    ntokens: int = 0
 
 
 @dataclass(eq=False)   # compared by identity: two requests may carry equal fields
@@ -93,8 +86,9 @@ class PagedPromptCache:
     treated as a miss / not stored); ``bind`` replaces it. ``max_size`` bounds the sequences whose
     blocks stay in the hot tier and ``max_bytes`` the hot tier's bytes, like LRUPromptCache's
     limits; the sequences losing their hot blocks first are chosen by cache type as
-    LRUPromptCache does (``_victim``). ``defer_stores``: see the module doc; only for a caller
-    that runs ``store_deferred`` on the thread that inserts (MLX arrays stay on that thread).
+    LRUPromptCache does (``sequences.Sequences``). ``defer_stores``: see the module doc; only
+    for a caller that runs ``store_deferred`` on the thread that inserts (MLX arrays stay on
+    that thread).
     """
 
     def __init__(self, manager: PagedSSDCacheManager, resolve: Resolver, *,
@@ -120,7 +114,7 @@ class PagedPromptCache:
         # The loaded model's prefix caches: the plain layout first, then the quantized one.
         self._current: tuple[Hashable, ModelBinding, list[BlockAwarePrefixCache]] | None = None
         # Sequences inserted here, least recently used first: chain head key -> type + keys.
-        self._sequences: OrderedDict[str, _Sequence] = OrderedDict()
+        self._sequences = Sequences(manager, self._count_demoted)
         self._open: list[_Request] = []   # fetched, not yet finished, oldest first
         self._lock = threading.RLock()
         tiers = {f"requests_{t}": 0 for t in ("hot", "ssd", "remote", "mixed", "miss")}
@@ -409,10 +403,7 @@ class PagedPromptCache:
             if prefix.fingerprint is None:  # this model's layout is not supported: nothing stored
                 return
             keys = chain_keys(prefix.fingerprint, prefix.namespace, tokens, prefix.block_size)
-            if prefix.layout.full_history:
-                self._forget_prefixes(prefix, tokens, keys)
-            self._sequences.pop(keys[-1], None)
-            self._sequences[keys[-1]] = _Sequence(cache_type, keys, len(tokens))
+            self._sequences.add(prefix, tokens, keys, cache_type)
             self._trim(self.max_size, self.max_bytes)
         except Exception as error:  # noqa: BLE001
             # The server's generation thread dies on an exception: a cache that cannot be
@@ -433,23 +424,6 @@ class PagedPromptCache:
                 request.store_seconds += seconds
         logger.debug("insert: %s, %d tokens; hot tier %d bytes, %d sequences",
                      cache_type, len(tokens), self.nbytes, len(self._sequences))
-
-    def _forget_prefixes(self, prefix: BlockAwarePrefixCache, tokens: list[int],
-                         keys: list[str]) -> None:
-        """Stop tracking the sequences whose tokens are a proper prefix of ``tokens`` (just stored
-        as ``keys``), as LRUPromptCache drops the prefixes of a cache it can trim: they no longer
-        count against ``max_size``. Their blocks are the new sequence's, but for a partial tail it
-        supersedes; counted, they would push other conversations out of RAM (whose partial tails,
-        never written to SSD, would be lost)."""
-        bs = prefix.block_size
-        for head, seq in list(self._sequences.items()):
-            n, held = seq.ntokens, len(seq.keys)
-            if not 0 < n < len(tokens) or seq.keys[:-1] != keys[:held - 1]:
-                continue
-            parent = seq.keys[-2] if held > 1 else ROOT_PARENT
-            if block_key(prefix.fingerprint, prefix.namespace, parent,
-                         tokens[(held - 1) * bs:n]) == head:
-                del self._sequences[head]
 
     def _layout_of(self, model: Hashable, prompt_cache: list,
                    salt: str | None) -> BlockAwarePrefixCache | None:
@@ -545,18 +519,12 @@ class PagedPromptCache:
 
     def _trim(self, n_sequences: int | None, n_bytes: int | None) -> None:
         try:
-            self._prune()
-            if n_sequences is not None:
-                while len(self._sequences) > max(0, n_sequences):
-                    self._evict(self._victim())
-            if n_bytes is not None:
-                while self.nbytes > max(0, n_bytes) and self._sequences:
-                    self._evict(self._victim())
-                if self.nbytes > max(0, n_bytes):
-                    self.counters["demote_evictions"] += self.manager.trim_hot(max(0, n_bytes))
-                    self._prune()
+            self._sequences.trim(n_sequences, n_bytes, lambda: self.nbytes)
         except Exception as error:  # noqa: BLE001
             self._cache_error("trim_to", error)
+
+    def _count_demoted(self, blocks: int) -> None:
+        self.counters["demote_evictions"] += blocks
 
     @property
     def nbytes(self) -> int:
@@ -587,7 +555,7 @@ class PagedPromptCache:
 
     def __len__(self) -> int:
         """Sequences inserted here that still hold blocks in the hot tier."""
-        self._prune()
+        self._sequences.prune()
         return len(self._sequences)
 
     def stats_by_type(self) -> dict[str, dict[str, int]]:
@@ -596,59 +564,7 @@ class PagedPromptCache:
         Blocks are shared between sequences: each hot block counts for the most recently inserted
         sequence that holds it, and the hot bytes are split by those block counts.
         """
-        hot = self._prune()
-        owned = dict.fromkeys(CACHE_TYPES, 0)
-        counts = dict.fromkeys(CACHE_TYPES, 0)
-        seen: set[str] = set()
-        for seq in reversed(self._sequences.values()):
-            counts[seq.cache_type] += 1
-            for key in seq.keys:
-                if key not in seen and key in hot:
-                    seen.add(key)
-                    owned[seq.cache_type] += 1
-        total, blocks = self.nbytes, max(1, sum(owned.values()))
-        return {t: {"n_sequences": counts[t], "n_bytes": total * owned[t] // blocks}
-                for t in CACHE_TYPES}
-
-    # ------------------------------------------------------------------ eviction
-
-    def _prune(self) -> set[str]:
-        """Forget sequences none of whose blocks is in the hot tier any more; returns the keys of
-        the tracked sequences that are. One batched lookup (``tiers_of``) for every key: the
-        server calls this before each fetch (``len``, ``stats_by_type``), on its generation
-        thread, and the sequences share most of their blocks."""
-        keys = list({k: None for s in self._sequences.values() for k in s.keys})
-        hot = {k for k, tier in zip(keys, self.manager.tiers_of(keys)) if tier == "hot"}
-        for head in [h for h, s in self._sequences.items() if hot.isdisjoint(s.keys)]:
-            del self._sequences[head]
-        return hot
-
-    def _victim(self) -> str:
-        """The sequence to leave RAM next, chosen as LRUPromptCache does: walking the types in
-        CACHE_TYPES order (assistant, user, system), the oldest of the first type that holds at
-        least as many sequences as the next type; else the oldest system sequence."""
-        by_type: dict[str, list[str]] = {t: [] for t in CACHE_TYPES}
-        for head, seq in self._sequences.items():  # least recently inserted first
-            by_type[seq.cache_type].append(head)
-        for this, following in zip(CACHE_TYPES, CACHE_TYPES[1:]):
-            if by_type[this] and len(by_type[this]) >= len(by_type[following]):
-                return by_type[this][0]
-        return by_type[CACHE_TYPES[-1]][0]  # (some type above holds one when system is empty)
-
-    def _evict(self, head: str) -> None:
-        """Demote a sequence's hot blocks out of RAM (to SSD when there is an SSD tier),
-        keeping blocks that another tracked sequence also holds, and its partial tail: the store
-        put that unwritten (``deferred``), so a demotion would drop it and the conversation's next
-        turn would recompute its tokens; it stays until the hot tier's budget evicts it (with
-        ``hot_cache_only``, only while every block before it stays too: else it is unreachable)."""
-        seq = self._sequences.pop(head)
-        keep = {k for s in self._sequences.values() for k in s.keys}
-        if seq.ntokens % self.manager.config.block_size and (
-                not self.manager.config.hot_cache_only or keep.issuperset(seq.keys[:-1])):
-            keep.add(seq.keys[-1])
-        self.counters["demote_evictions"] += self.manager.demote(
-            k for k in seq.keys if k not in keep)
-
+        return self._sequences.by_type(self.nbytes)
 
 
 def _covered(cache: list, n_tokens: int) -> int:
