@@ -94,6 +94,15 @@ Prefill = Callable[[int], list]  # the caller's prefill of a request's first h t
 HEAD_KEY = "0" * KEY_HEX_LEN  # the prefilled head's block in a search (never stored)
 
 
+def chain_of(pc: Any, ids: np.ndarray) -> tuple[list[str], list, dict[str, list[ChainNode]], int]:
+    """The chain lookup of ``ids``' full blocks: their keys, the tier holding each (None: not
+    held), the nodes listed under each held parent, and how many blocks from the start are held."""
+    bs, fingerprint = pc.block_size, pc.layout.fingerprint
+    keys = chain_keys(fingerprint, pc.namespace, ids[:len(ids) - len(ids) % bs], bs)
+    tiers, kids = pc.manager.chain(keys, fingerprint, pc.namespace)
+    return keys, tiers, kids, tiers.index(None) if None in tiers else len(keys)
+
+
 def find(pc: Any, ids: np.ndarray, limit: int | None = None, prefill: Prefill | None = None,
          grid: int = 0) -> Found:
     """Search and rebuild for the token ids ``ids`` (see module doc), at most ``limit`` tokens
@@ -103,9 +112,7 @@ def find(pc: Any, ids: np.ndarray, limit: int | None = None, prefill: Prefill | 
     layout, bs = pc.layout, pc.block_size
     total = len(ids)
     limit = total - 1 if limit is None else min(limit, total - 1)
-    keys = chain_keys(layout.fingerprint, pc.namespace, ids[:total - total % bs], bs)
-    tiers, kids = pc.manager.chain(keys, layout.fingerprint, pc.namespace)
-    held = tiers.index(None) if None in tiers else len(keys)
+    keys, tiers, kids, held = chain_of(pc, ids)
     parents = [ROOT_PARENT, *keys[:held]]
     listed: dict[str, ChainNode] = {}  # path blocks as the lookup listed them
     cands = []

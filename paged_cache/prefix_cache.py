@@ -334,15 +334,13 @@ class BlockAwarePrefixCache:
         return prefill_chunk
 
     def _head_prefill(self, tokens: np.ndarray, grid: int) -> Callable[[int], list]:
-        """The prefill of ``tokens[:h]`` into a fresh cache, in chunks ending on the absolute
-        ``grid`` (a cold run's chunks up to ``h``, ``h`` on the grid); a sample of the rate."""
+        """The prefill of ``tokens[:h]`` into a fresh cache, in chunks of ``grid`` from 0 (a cold
+        run's chunks up to ``h``, a multiple of ``grid``); a sample of the rate."""
         def prefill(h: int) -> list:
-            cache, start, t0 = self.make_cache(), 0, time.perf_counter()
-            while start < h:
-                end = min((start // grid + 1) * grid, h)
-                self.model(mx.array(tokens[start:end])[None], cache=cache)
+            cache, t0 = self.make_cache(), time.perf_counter()
+            for start in range(0, h, grid):
+                self.model(mx.array(tokens[start:start + grid])[None], cache=cache)
                 mx.eval([a for layer in cache for a in layer_arrays(layer)])
-                start = end
             self.record_prefill(h, time.perf_counter() - t0)
             return cache
         return prefill

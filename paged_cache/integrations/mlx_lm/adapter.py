@@ -364,7 +364,7 @@ class PagedPromptCache:
         if best is None:
             return None
         d, n = best
-        stored = stored_reach(d.prefix, tokens, ids)
+        stored = stored_reach(d.prefix, ids)
         if n < min(stored, len(tokens) - 1):
             logger.debug("fetch: the stored nodes reach %d tokens, a deferred insert %d", stored, n)
             return None
@@ -385,7 +385,7 @@ class PagedPromptCache:
             prefixes = self._prefixes(model, salt)
             whole = self._deferred.reaching(ids, prefixes) if self._deferred else None
             return max([whole[1] if whole else 0]
-                       + [stored_reach(p, tokens, ids) for p in prefixes])
+                       + [stored_reach(p, ids) for p in prefixes])
         except Exception as error:  # noqa: BLE001 - never into the server's generation thread
             self._cache_error("reach", error)
             return 0

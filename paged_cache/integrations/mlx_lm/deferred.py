@@ -17,7 +17,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from paged_cache.hashing import ROOT_PARENT, chain_keys, shared_prefix
+from paged_cache.fetch import chain_of
+from paged_cache.hashing import ROOT_PARENT, shared_prefix
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 
 # Deferred inserts held at most: beyond this many, or beyond a quarter of the hot tier's budget
@@ -109,15 +110,13 @@ def copy_of(d: Deferred, n: int) -> list:
     return cache
 
 
-def stored_reach(prefix: BlockAwarePrefixCache, tokens: list[int], ids: np.ndarray) -> int:
-    """How far into ``tokens`` the rows ``prefix`` stores reach: its held full blocks and the
+def stored_reach(prefix: BlockAwarePrefixCache, ids: np.ndarray) -> int:
+    """How far into ``ids`` the rows ``prefix`` stores reach: its held full blocks and the
     longest node after them (no rebuild from blocks goes further)."""
     if prefix.fingerprint is None:
         return 0
-    bs = prefix.block_size
-    keys = chain_keys(prefix.fingerprint, prefix.namespace, tokens[:len(tokens) - len(tokens) % bs], bs)
-    tiers, kids = prefix.manager.chain(keys, prefix.fingerprint, prefix.namespace)
-    held = bs * (tiers.index(None) if None in tiers else len(tiers))
-    after = kids.get(keys[held // bs - 1] if held else ROOT_PARENT, ())
+    keys, _, kids, blocks = chain_of(prefix, ids)
+    held = blocks * prefix.block_size
+    after = kids.get(keys[blocks - 1] if blocks else ROOT_PARENT, ())
     return held + max((shared_prefix(k.token_ids, ids[held:]) for k in after
                        if not k.checkpoint), default=0)
