@@ -43,7 +43,7 @@ class _Rows(RowsHandler):
     def arrays(self, layer: Any) -> Arrays:
         return {name: compat.layer_cache_get(layer, name)[:, None] for name in self.fields}
 
-    def buffer_rows(self, layer: Any, rows: int) -> int:
+    def buffer_rows(self, layer: Any, rows: int, n: int) -> int:
         return rows  # the model concatenates onto them: exactly the rows, no room
 
     def install(self, layer: Any, buffers: Arrays, n: int, rows: int) -> Arrays:

@@ -113,7 +113,7 @@ class RotatingHandler(RowsHandler):
         """Set the write slot of a rebuilt layer (``ordered``: its buffer is in temporal order)."""
         compat.set_ring_slot(layer, slot)
 
-    def buffer_rows(self, layer: Any, rows: int) -> int:
+    def buffer_rows(self, layer: Any, rows: int, n: int) -> int:
         return rows
 
     def install(self, layer: Any, buffers: Arrays, n: int, rows: int) -> Any:
@@ -130,7 +130,7 @@ class PreallocatedRotatingHandler(RotatingHandler):
     kind = "prealloc_rotating_kv"
     cache_types = (PreallocatedRotatingKVCache,)
 
-    def buffer_rows(self, layer: Any, rows: int) -> int:
+    def buffer_rows(self, layer: Any, rows: int, n: int) -> int:
         return layer.max_size
 
     @staticmethod

@@ -57,10 +57,11 @@ class RowsHandler(LayerHandler):
         """Positions a layer positioned at ``n`` tokens must hold."""
         return [(0, n)]
 
-    def buffer_rows(self, layer: Any, rows: int) -> int:
-        """Rows to allocate for ``rows`` valid rows: what mlx-lm's own cache holds after
-        prefilling them in chunks of its growth step (``step``, 256), so a continuation grows it
-        and runs its kernels on the same shapes and strides as on a cold cache."""
+    def buffer_rows(self, layer: Any, rows: int, n: int) -> int:
+        """Rows to allocate for ``rows`` valid rows of a rebuild at ``n``: what mlx-lm's own
+        cache holds after prefilling them in chunks of its growth step (``step``, 256), so a
+        continuation grows it and runs its kernels on the same shapes and strides as on a cold
+        cache."""
         step = getattr(layer, "step", None) or GROWTH_STEP
         return -(-rows // step) * step
 
@@ -229,7 +230,7 @@ class RowsHandler(LayerHandler):
                 pieces.append((a, b, arrays, row))
                 row += b - a
             del arrays
-        buffers = assemble_rows(pieces, names, runs, self.buffer_rows(layer, rows))
+        buffers = assemble_rows(pieces, names, runs, self.buffer_rows(layer, rows, n))
         return self.install(layer, buffers, n, rows)
 
     def names_of(self, layer: Any, parts: Sequence[Part]) -> list[str]:

@@ -7,7 +7,7 @@ chunking, logits max abs diff 0.0, for the rest of the prompt and 8 greedy decod
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import mlx.core as mx
 
@@ -23,18 +23,25 @@ def prompt(n: int, seed: int = 0) -> list[int]:
     return [(i * 37 + seed * 101 + 5) % 256 for i in range(n)]
 
 
+def chunks(start: int, stop: int, block: int) -> Iterator[tuple[int, int]]:
+    """The prefill chunks of ``[start, stop)``: ``(s, e)`` ending on block boundaries."""
+    s = start
+    while s < stop:
+        e = min((s // block + 1) * block, stop)
+        yield s, e
+        s = e
+
+
 def prefill(model: Any, cache: list, tokens: list[int], start: int, block: int,
             prefix: BlockAwarePrefixCache | None = None, snapshots: dict | None = None) -> mx.array:
     """Feed tokens[start:] in chunks ending on block boundaries; capture after each boundary."""
-    outs, s = [], start
-    while s < len(tokens):
-        e = min((s // block + 1) * block, len(tokens))
+    outs = []
+    for s, e in chunks(start, len(tokens), block):
         outs.append(model(mx.array([tokens[s:e]]), cache=cache))
         if prefix is not None and e % block == 0:
             snap = prefix.capture_boundary(cache, s, boundary=e)
             if snap is not None:
                 snapshots[e] = snap
-        s = e
     mx.eval(outs)
     return mx.concatenate(outs, axis=1)
 
@@ -82,18 +89,27 @@ def assert_exact(model: Any, prefix: BlockAwarePrefixCache, query: list[int],
     else:
         assert cache is None
         cache = (make_cache or prefix.make_cache)()
-    ref = prefill(model, cold, query, n, block)
-    got = prefill(model, cache, query, n, block)
+    refs, gots = [], []
+    for s, e in chunks(n, len(query), block):
+        refs.append(model(mx.array([query[s:e]]), cache=cold))
+        gots.append(model(mx.array([query[s:e]]), cache=cache))
+        assert_laid_out_alike(cache, cold, f"after the chunk [{s}, {e}) (n={n})")
+    ref, got = mx.concatenate(refs, axis=1), mx.concatenate(gots, axis=1)
     diff = mx.abs(ref.astype(mx.float32) - got.astype(mx.float32)).max().item()
     assert diff == 0.0, f"prefill logits differ by {diff} (n={n})"
     for step in range(DECODE_STEPS):
         tok = mx.argmax(ref[:, -1:], axis=-1)
         ref, got = model(tok, cache=cold), model(tok, cache=cache)
+        assert_laid_out_alike(cache, cold, f"after decode step {step} (n={n})")
         diff = mx.abs(ref.astype(mx.float32) - got.astype(mx.float32)).max().item()
         assert diff == 0.0, f"decode step {step} logits differ by {diff} (n={n})"
-    # laid out as the cold cache: a GPU picks its kernels by shape and stride
-    assert buffer_layout(cache) == buffer_layout(cold), f"buffers differ from a cold cache's (n={n})"
     return n
+
+
+def assert_laid_out_alike(cache: list, cold: list, where: str) -> None:
+    """After a forward, ``cache``'s buffers are laid out as the cold cache's: the shapes its
+    kernels just ran on (a GPU picks its kernels by shape and stride)."""
+    assert buffer_layout(cache) == buffer_layout(cold), f"buffers differ from a cold cache's {where}"
 
 
 def buffer_layout(cache: list) -> list:
