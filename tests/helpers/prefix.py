@@ -113,9 +113,16 @@ def assert_laid_out_alike(cache: list, cold: list, where: str) -> None:
 
 
 def buffer_layout(cache: list) -> list:
-    """Per layer: its type, offset and every array's (dtype, shape) (the buffers, not views)."""
+    """Per layer: its type, offset and every array's dtype, shape and strides (the buffers,
+    not views; MLX's buffer protocol gives the strides its kernels are handed)."""
     return [(type(layer).__name__, getattr(layer, "offset", None),
-             [(a.dtype, tuple(a.shape)) for a in layer_arrays(layer)]) for layer in cache]
+             [(a.dtype, tuple(a.shape), strides(a)) for a in layer_arrays(layer)])
+            for layer in cache]
+
+
+def strides(a: mx.array) -> tuple:
+    """``a``'s strides in bytes, None along a dimension of size 1 (no element is stepped to)."""
+    return tuple(s if d > 1 else None for s, d in zip(memoryview(a).strides, a.shape))
 
 
 def hot_prefix(model: Any, block: int, **kwargs: Any) -> BlockAwarePrefixCache:
