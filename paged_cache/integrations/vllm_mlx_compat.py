@@ -256,9 +256,9 @@ def prefix_boundary(request: Any) -> int:
 
 def splits_prompts(generator: Any) -> bool:
     """Whether ``generator`` (the Scheduler's BatchGenerator) takes prompts in segments and stops
-    at their ends: mlx-lm's ``insert_segments``, with its own step (vllm-mlx's chunked prefill,
-    ``--chunked-prefill-tokens``, replaces that step and stores at the chat prefix itself)."""
-    return callable(getattr(generator, "insert_segments", None)) and "_next" not in vars(generator)
+    at their ends: mlx-lm's ``insert_segments``. On such a generator vllm-mlx's chunked prefill
+    (``--chunked-prefill-tokens``) only sets its ``prefill_step_size``, which keeps that."""
+    return callable(getattr(generator, "insert_segments", None))
 
 
 def carry_salts(middleware: type, on_vision: Callable[[], None], **options: Any) -> None:

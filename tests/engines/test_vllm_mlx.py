@@ -18,7 +18,8 @@ import pytest
 from openai import APITimeoutError, OpenAI
 
 from paged_cache import rates_file
-from paged_cache.testing.engines import ENGINES, SYSTEM, EngineServer, Turn, chat, openai_client
+from paged_cache.testing.engines import (ENGINES, SYSTEM, EngineServer, Turn, chat, openai_client,
+                                         start_all)
 from paged_cache.testing.load import LOAD_SYSTEM, concurrent_chats
 from paged_cache.testing.server import ValkeyServer
 from helpers.tenants import chat_ask, check_salts, check_user_salts
@@ -33,6 +34,9 @@ SNAPSHOT_ARCHS = ("qwen3_next", "gemma3_text")
 SALTED_REQUESTS = {False: 5, True: 4}
 # Chats opening at once over one system prompt (test_chats_opening_together_...).
 CLIENTS = 4
+# vllm-mlx's --chunked-prefill-tokens in test_chats_opening_together_with_chunked_prefill: a
+# tenth of the system prompt, so every first turn is prefilled in chunks.
+CHUNK_TOKENS = 256
 
 
 ENGINE = ENGINES["vllm-mlx"]
@@ -140,6 +144,48 @@ def test_chats_opening_together_prefill_their_system_prompt_once(arch, models, t
     assert shared["requests_miss"] == 1          # one prefill of the system prompt
     assert shared["cached_tokens"] >= (CLIENTS - 1) * len(LOAD_SYSTEM)  # one token per byte
     assert shared["prefill_waits"] > 0 and shared["prefill_waits_expired"] == 0
+    for s in (shared, alone):
+        assert s["cache_errors"] == s["store_errors"] == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
+def test_chats_opening_together_with_chunked_prefill(arch, models, tmp_path):
+    """As above with vllm-mlx's --chunked-prefill-tokens at a budget well under the system
+    prompt: the waiting chats are released by the first one's insert at its chat prefix (none
+    waits out MAX_WAIT_SECONDS) and restore the system prompt; the replies equal those with
+    --no-shared-prefill; a later chat restores at least what vllm-mlx's own cache (chunked
+    the same way) restores of the same stream, and the system prompt."""
+    model, chunked = models[arch], ("--chunked-prefill-tokens", str(CHUNK_TOKENS))
+    servers = {
+        "shared": paged(model, tmp_path / "shared", "--ssd-dir", str(tmp_path / "shared" / "ssd"),
+                        extra=chunked, name="shared"),
+        "alone": paged(model, tmp_path / "alone", "--ssd-dir", str(tmp_path / "alone" / "ssd"),
+                       "--no-shared-prefill", extra=chunked, name="alone"),
+        "own": vllm(model, tmp_path / "own", *chunked, name="own"),
+    }
+    start_all(list(servers.values()))
+    runs, later, stats = {}, {}, {}
+    try:
+        for mode, server in servers.items():
+            runs[mode] = concurrent_chats(server.url, str(model), clients=CLIENTS, turns=1)
+            if mode != "own":
+                stats[mode] = paged_stats(server)["requests"]
+            later[mode] = run(server, model, conversations=1, first_conversation=CLIENTS,
+                              turns=1, system=LOAD_SYSTEM)[0]
+    finally:
+        codes = {mode: server.stop() for mode, server in servers.items()}
+    assert codes["shared"] == codes["alone"] == 0, \
+        servers["shared"].tail() + servers["alone"].tail()
+    assert runs["shared"].replies() == runs["alone"].replies()
+    assert later["shared"].reply == later["alone"].reply
+    shared, alone = stats["shared"], stats["alone"]
+    assert alone["requests_miss"] == CLIENTS and alone["prefill_waits"] == 0
+    assert shared["requests_miss"] == 1          # one prefill of the system prompt
+    assert shared["prefill_waits"] > 0 and shared["prefill_waits_expired"] == 0
+    assert shared["cached_tokens"] >= (CLIENTS - 1) * len(LOAD_SYSTEM)  # one token per byte
+    assert later["shared"].cached_tokens >= len(LOAD_SYSTEM)
+    if later["own"].reply == later["shared"].reply:   # its cache served the same request
+        assert later["shared"].cached_tokens >= later["own"].cached_tokens
     for s in (shared, alone):
         assert s["cache_errors"] == s["store_errors"] == 0
 
