@@ -23,7 +23,7 @@ GPU_RESULTS ?= benchmarks/results/gpu
 GPU_TESTS = tests/test_prefix_cache.py tests/test_restore_paths.py tests/test_row_path.py \
 	tests/test_loans.py tests/test_handlers.py tests/test_prefix_cache_tiers.py \
 	tests/test_window_order.py tests/test_reuse_checkpoints.py tests/test_scheduler.py \
-	tests/test_prefix_cache_memory.py
+	tests/test_prefix_cache_memory.py tests/test_fetch_both.py
 
 ENGINES ?= vllm-mlx openai-server
 
