@@ -137,6 +137,13 @@ def test_hot_cache_only_trim_drops(tmp_path, model):
     assert not (tmp_path / "ssd").exists()
 
 
+class _NotACache:
+    """A layer as a buggy caller might hand one over: its offset is an (unhashable) list."""
+
+    offset = [40]
+    nbytes = 0
+
+
 def test_bad_input_is_reported_and_keeps_what_is_stored(tmp_path, model, caplog):
     manager, cache = make(tmp_path, model)
     with manager:
@@ -151,6 +158,9 @@ def test_bad_input_is_reported_and_keeps_what_is_stored(tmp_path, model, caplog)
             cache.insert_cache(KEY, seq, [prefill(model, seq)[0]])   # one layer missing
         assert cache.store_errors == 2
         assert "offset" in caplog.text and "cache entries" in caplog.text
+        # layers that are no cache at all (an offset that cannot even be compared): the same
+        cache.insert_cache(KEY, seq, [_NotACache(), _NotACache()])
+        assert cache.store_errors == 3
         with pytest.raises(TypeError, match="tokens"):
             cache.fetch_nearest_cache(KEY, "not tokens")
         with pytest.raises(ValueError, match="max_bytes"):

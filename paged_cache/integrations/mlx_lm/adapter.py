@@ -270,16 +270,15 @@ class PagedPromptCache:
         final = cache_type == "assistant"
         request, attributed = self._request_of(tokens, final=final)
         deferred = False
-        held = tokens[:_covered(prompt_cache, len(tokens))] if isinstance(prompt_cache, list) \
-            else tokens
+        covered = _covered(prompt_cache, len(tokens))
         try:
             if attributed:
                 salt = None if request is None else request.salt
                 deferred = self.defer_stores and self._defer(model, tokens, prompt_cache,
-                                                             cache_type, request, final)
+                                                             cache_type, request, final, covered)
                 if not deferred:
                     self._store(lambda: self._layout_of(model, prompt_cache, salt), tokens,
-                                prompt_cache, cache_type, request)
+                                prompt_cache, cache_type, request, covered)
             else:  # tenants' requests it could belong to, or none while tenants are served
                 self.counters["inserts_unattributed"] += 1
                 logger.debug("insert_cache: not stored (%s): no single request's tenant owns "
@@ -290,10 +289,10 @@ class PagedPromptCache:
                 if not deferred:
                     self._finish(request)
         if attributed and self.on_insert is not None:
-            self.on_insert(held, None if request is None else request.salt)
+            self.on_insert(tokens[:covered], None if request is None else request.salt)
 
     def _defer(self, model: Hashable, tokens: list[int], prompt_cache: list, cache_type: str,
-               request: _Request | None, finishes: bool) -> bool:
+               request: _Request | None, finishes: bool, covered: int) -> bool:
         """Keep an insert whole for ``store_deferred``; False when it must be stored now (its
         layout cannot be found: the store reports why). The oldest deferred inserts are stored
         at once beyond MAX_DEFERRED or a quarter of the hot budget's bytes."""
@@ -304,8 +303,7 @@ class PagedPromptCache:
             return False
         if prefix is None:
             return False
-        d = Deferred(prefix, tokens, prompt_cache, cache_type, request, finishes, nbytes,
-                     _covered(prompt_cache, len(tokens)))
+        d = Deferred(prefix, tokens, prompt_cache, cache_type, request, finishes, nbytes, covered)
         if prefix.fingerprint is not None and prefix.layout.full_history:  # (learns the layout)
             self._supersede(d)
         self._deferred.append(d)
@@ -346,7 +344,7 @@ class PagedPromptCache:
         return len(self._deferred)
 
     def _store_one(self, d: Deferred) -> None:
-        self._store(lambda: d.prefix, d.tokens, d.cache, d.cache_type, d.request)
+        self._store(lambda: d.prefix, d.tokens, d.cache, d.cache_type, d.request, d.covered)
         if d.finishes and d.request is not None:
             self._finish(d.request)
 
@@ -391,12 +389,14 @@ class PagedPromptCache:
             return 0
 
     def _store(self, locate: Callable[[], BlockAwarePrefixCache | None], tokens: list[int],
-               prompt_cache: list, cache_type: str, request: _Request | None) -> None:
-        """Store an insert into the prefix cache ``locate()`` gives (None: not stored)."""
+               prompt_cache: list, cache_type: str, request: _Request | None,
+               covered: int) -> None:
+        """Store the first ``covered`` ``tokens`` of an insert into the prefix cache
+        ``locate()`` gives (None: not stored)."""
         t0 = time.perf_counter()
         try:
             prefix = locate()
-            tokens = tokens[:_covered(prompt_cache, len(tokens))]
+            tokens = tokens[:covered]
             if prefix is None or not tokens:
                 return
             prefix.store(tokens, prompt_cache, consume=True)
@@ -567,10 +567,16 @@ class PagedPromptCache:
         return self._sequences.by_type(self.nbytes)
 
 
-def _covered(cache: list, n_tokens: int) -> int:
+def _covered(cache: Any, n_tokens: int) -> int:
     """How many of the ``n_tokens`` inserted tokens ``cache`` holds: one fewer when every layer
     that tracks an offset is there (speculative decoding inserts the last accepted token before
-    the model has seen it); else ``n_tokens`` (store checks the cache against them)."""
-    offsets = {getattr(layer, "offset", None) for layer in cache}
+    the model has seen it); else ``n_tokens`` (the store checks the cache against them, and
+    reports one that is no cache list: this never raises)."""
+    if not isinstance(cache, list):
+        return n_tokens
+    try:
+        offsets = {getattr(layer, "offset", None) for layer in cache}
+    except Exception:  # noqa: BLE001 - e.g. an unhashable offset: no layer mlx-lm makes
+        return n_tokens
     offsets.discard(None)
     return n_tokens - 1 if offsets == {n_tokens - 1} else n_tokens
