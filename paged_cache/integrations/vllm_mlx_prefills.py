@@ -124,10 +124,9 @@ class SchedulerPrefills:
             split = self._split_of(prompts)
             if split is None:
                 return insert(prompts, *args, **kwargs)
-            tokens, (prompt, boundary) = prompts[0], split
-            cut = boundary - (len(prompt) - len(tokens))
+            tokens, (prefix, cut) = prompts[0], split
             uids = generator.insert_segments([[tokens[:cut], tokens[cut:]]], *args, **kwargs)
-            _bounded(ends)[uids[0]] = prompt[:boundary]
+            _bounded(ends)[uids[0]] = prefix
             return uids
 
         def next_step(*args: Any, **kwargs: Any) -> Any:
@@ -139,8 +138,9 @@ class SchedulerPrefills:
         generator.insert, generator.next = split_insert, next_step
 
     def _split_of(self, prompts: list) -> tuple[list[int], int] | None:
-        """The (prompt, boundary) of the one prompt ``prompts`` holds when it is a leader's (the
-        very list its fetch left, or its whole prompt), taken; else None."""
+        """When the one prompt ``prompts`` holds is a leader's (the very list its fetch left, or
+        its whole prompt), its split, taken: the chat prefix and where it ends in that list;
+        else None."""
         if len(prompts) != 1 or not self._splits:
             return None
         tokens = prompts[0]
@@ -148,7 +148,7 @@ class SchedulerPrefills:
             if tokens is split.rest or tokens is split.prompt:
                 del self._splits[key]
                 cut = split.boundary - (len(split.prompt) - len(tokens))
-                return (split.prompt, split.boundary) if 0 < cut < len(tokens) else None
+                return (split.prompt[:split.boundary], cut) if 0 < cut < len(tokens) else None
         return None
 
     def _insert_ends(self, generator: Any, ends: dict[int, list[int]], responses: list) -> None:
