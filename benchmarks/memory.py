@@ -19,7 +19,7 @@ from benchmarks.common import MIB, Context, figure, line_plot, settle
 from benchmarks.peers import turn
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
 from paged_cache.testing import build_model, model_config
-from scheduler import Scheduler
+from paged_cache.scheduler import Scheduler
 
 FAMILY = "memory"
 BLOCK = 64

@@ -32,7 +32,7 @@ import mlx.core as mx
 from benchmarks.common import (IO_SHAPE, MIB, Context, Timing, figure, figures_by_name, kv_model,
                                line_plot, settle)
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
-from scheduler import Scheduler
+from paged_cache.scheduler import Scheduler
 
 FAMILY = "policy"
 GOAL = 1.1  # plan TTFT <= 1.1x min(cold, restore-only)

@@ -19,7 +19,7 @@ from benchmarks.common import (Context, Timing, bar_plot, block_files, drop_page
 from benchmarks.ttft import scheduler_ttft
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
 from paged_cache.testing.server import ValkeyServer, client
-from scheduler import Scheduler
+from paged_cache.scheduler import Scheduler
 
 FAMILY = "remote"
 BLOCK = 256

@@ -95,7 +95,7 @@ def _rank_side(args: argparse.Namespace) -> int:
     from mlx_lm.utils import sharded_load
 
     from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
-    from scheduler import Scheduler
+    from paged_cache.scheduler import Scheduler
 
     group = mx.distributed.init()
     split = {"pipeline_group": group} if args.mode == "pipeline" else {"tensor_group": group}

@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.files import MANIFEST_NAME
-from paged_cache.tiers.manifest import COMPLETE, Manifest, row_from_meta
-from paged_cache.tiers.ssd import SSDTier
+from paged_cache.tiers.ssd.files import MANIFEST_NAME
+from paged_cache.tiers.ssd.manifest import COMPLETE, Manifest, row_from_meta
+from paged_cache.tiers.ssd.tier import SSDTier
 
 
 def build(root: Path, blocks: int) -> None:

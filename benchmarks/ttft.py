@@ -18,7 +18,7 @@ from pathlib import Path
 from benchmarks.common import (Context, Timing, bar_plot, block_files, drop_page_cache,
                                figure, figures_by_name, kv_model, settle)
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
-from scheduler import Scheduler
+from paged_cache.scheduler import Scheduler
 
 FAMILY = "ttft"
 BLOCK = 256

@@ -19,6 +19,7 @@ _EXPORTS = {
     "make_bounded_cache": "paged_cache.caches",
     "PreallocatedRotatingKVCache": "paged_cache.caches",
     "render_prometheus": "paged_cache.stats",
+    "Scheduler": "paged_cache.scheduler.engine",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -29,13 +29,13 @@ from paged_cache.chain_index import ChainNode
 from paged_cache.fetch_plan import OVERLAP_TIERS, Plan, Split, plan_fetch
 from paged_cache.handlers import Part, Span
 from paged_cache.handlers.base import clipped, rebuild_pipeline
-from paged_cache.hashing import ROOT_PARENT, chain_keys, shared_prefix
+from paged_cache.hashing import ROOT_PARENT, shared_prefix
 from paged_cache.layout import layer_arrays
 from paged_cache.loans import Lent
 from paged_cache.rates import tier_label
 from paged_cache.row_path import evaluate
 from paged_cache.store import node_block
-from paged_cache.tiers.direct import StoredBlock
+from paged_cache.tiers.ssd.direct import StoredBlock
 from paged_cache.tiers.format import META_GRID, META_LAYERS, file_order, layer_of
 
 logger = logging.getLogger("paged_cache.fetch")
@@ -97,9 +97,8 @@ HEAD_KEY = "0" * KEY_HEX_LEN  # the prefilled head's block in a search (never st
 def chain_of(pc: Any, ids: np.ndarray) -> tuple[list[str], list, dict[str, list[ChainNode]], int]:
     """The chain lookup of ``ids``' full blocks: their keys, the tier holding each (None: not
     held), the nodes listed under each held parent, and how many blocks from the start are held."""
-    bs, fingerprint = pc.block_size, pc.layout.fingerprint
-    keys = chain_keys(fingerprint, pc.namespace, ids[:len(ids) - len(ids) % bs], bs)
-    tiers, kids = pc.manager.chain(keys, fingerprint, pc.namespace)
+    keys = pc.chain_keys(ids[:len(ids) - len(ids) % pc.block_size])
+    tiers, kids = pc.manager.chain(keys, pc.layout.fingerprint, pc.namespace)
     return keys, tiers, kids, tiers.index(None) if None in tiers else len(keys)
 
 

@@ -11,6 +11,7 @@ import base64
 import dataclasses
 import hashlib
 import json
+import threading
 from typing import Any, Iterable, Sequence
 
 import mlx.core as mx
@@ -144,6 +145,42 @@ def chain_keys(fingerprint: str, namespace: str, tokens: Sequence[int], block_si
         parent = h.hexdigest()
         keys.append(parent)
     return keys
+
+
+class ChainKeys:
+    """The chained block keys of the last token ids asked for, so that the stages one request goes
+    through (how far the stored nodes reach, the fetch, a group's agreement, the store after it)
+    hash each of its blocks once: a new request reuses the keys of the full blocks it shares with
+    the last one (a chat's next turn, the store of a prompt just fetched) and hashes the rest.
+    ``hashed_blocks`` counts the blocks hashed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._scope: tuple[str, str, int] | None = None
+        self._ids = np.empty(0, dtype="<i8")
+        self._keys: list[str] = []
+        self.hashed_blocks = 0
+
+    def keys(self, fingerprint: str, namespace: str, tokens: Sequence[int] | np.ndarray,
+             block_size: int) -> list[str]:
+        """``chain_keys(fingerprint, namespace, tokens, block_size)``."""
+        ids = np.ascontiguousarray(tokens, dtype="<i8")
+        scope = (fingerprint, namespace, block_size)
+        with self._lock:
+            reuse = 0
+            if scope == self._scope:
+                common = min(len(ids), len(self._ids))
+                differ = np.flatnonzero(ids[:common] != self._ids[:common])
+                same = int(differ[0]) if differ.size else common
+                reuse = len(self._keys) if same == len(ids) == len(self._ids) \
+                    else same // block_size   # the same ids: every key, the partial last too
+            kept = self._keys[:reuse]
+            parent = kept[-1] if kept else ROOT_PARENT
+            rest = chain_keys(fingerprint, namespace, ids[len(kept) * block_size:], block_size,
+                              parent) if len(kept) * block_size < len(ids) else []
+            self.hashed_blocks += len(rest)
+            self._scope, self._ids, self._keys = scope, ids.copy(), kept + rest
+            return list(self._keys)
 
 
 def _jsonable(value: Any) -> Any:

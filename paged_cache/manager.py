@@ -35,9 +35,10 @@ from paged_cache.chain_index import ChainNode
 from paged_cache.config import CacheConfig
 from paged_cache.hashing import ROOT_PARENT
 from paged_cache import rates_file
-from paged_cache.rates import READ_TIERS, Rates
+from paged_cache.rates import Rates
+from paged_cache.rates_file import READ_TIERS
 from paged_cache.tiers.base import Tier
-from paged_cache.tiers.direct import StoredBlock, read_stored
+from paged_cache.tiers.ssd.direct import StoredBlock, read_stored
 from paged_cache.tiers.format import Expected, RawTensors, check_meta, raw_tensors
 from paged_cache.tiers.stack import HIT_LABELS, TIER_GAUGES, open_tiers
 

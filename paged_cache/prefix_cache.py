@@ -22,7 +22,7 @@ from paged_cache.distributed import WORLD, Agreement, resolve_group, shard_of
 from paged_cache.fetch import Found, find
 from paged_cache.handlers import layer_needs_snapshots
 from paged_cache.handlers.base import Captured
-from paged_cache.hashing import model_identity, token_ids
+from paged_cache.hashing import ChainKeys, model_identity, token_ids
 from paged_cache.layout import CacheLayout, layer_arrays
 from paged_cache.loans import Loans
 from paged_cache.store import put_back, store_chain
@@ -109,6 +109,7 @@ class BlockAwarePrefixCache:
         self.last_fetch = FetchInfo(0, 0, "miss", 0.0, 0)
         self._loans = self._new_loans()
         self._bounds: NodeBounds | None = None
+        self._chain = ChainKeys()  # shared with namespace views: the namespace is in its scope
 
     def in_namespace(self, namespace: str | None) -> "BlockAwarePrefixCache":
         """This prefix cache for another namespace (a tenant's: no node is shared with any other
@@ -141,6 +142,11 @@ class BlockAwarePrefixCache:
     def fingerprint(self) -> str | None:
         """Model + layout fingerprint (learned by a 1-token dry run), None if unsupported."""
         return self.layout.fingerprint if self.layout.ready() else None
+
+    def chain_keys(self, tokens: Any) -> list[str]:
+        """The chained keys of ``tokens``' blocks in this namespace (the last may be partial),
+        each block hashed once however many stages of a request ask (hashing.ChainKeys)."""
+        return self._chain.keys(self.layout.fingerprint, self.namespace, tokens, self.block_size)
 
     @property
     def bounds(self) -> NodeBounds:

@@ -12,13 +12,11 @@ manager saved in its SSD directory (rates_file.py) seeds them at the next open.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from paged_cache.rates_file import SavedRates
+from paged_cache.rates_file import READ_TIERS, SavedRates
 
 ALPHA = 0.25  # weight of a new sample: about the last 4-8 samples count
-READ_TIERS = ("hot", "ssd", "remote")  # tiers whose read rate is kept ("pending" reads are RAM)
 
 
 class Estimate:

@@ -17,10 +17,10 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from paged_cache.rates import READ_TIERS
-from paged_cache.tiers.files import READ_FLAGS, read_exact
+from paged_cache.tiers.ssd.files import READ_FLAGS, read_exact
 
 FILE_NAME = "rates.json"
+READ_TIERS = ("hot", "ssd", "remote")  # tiers whose read rate is kept ("pending" reads are RAM)
 FORMAT = "paged-cache-rates"
 VERSION = 1
 MAX_FILE_BYTES = 1 << 20     # a larger file is refused unread

@@ -24,7 +24,7 @@ import numpy as np
 from paged_cache.block import Block
 from paged_cache.chain_index import ChainNode
 from paged_cache.handlers import restorable_at_end
-from paged_cache.hashing import ROOT_PARENT, chain_keys, checkpoint_key
+from paged_cache.hashing import ROOT_PARENT, checkpoint_key
 from paged_cache.loans import digest
 from paged_cache.row_path import evaluate
 from paged_cache.tiers.format import (META_GRID, META_LAYERS, META_MODEL_NAME, META_NAMESPACE,
@@ -52,7 +52,7 @@ def store_chain(pc: Any, tokens: np.ndarray, cache: list, snaps: dict, consume: 
     layout, manager, bs = pc.layout, pc.manager, pc.block_size
     fp, n = layout.fingerprint, len(tokens)
     ids = np.asarray(tokens, dtype=np.int64)
-    keys = chain_keys(fp, pc.namespace, tokens, bs)
+    keys = pc.chain_keys(tokens)
     spans = [(s, min(s + bs, n)) for s in range(0, n, bs)]
     parents = [keys[j - 1] if j else ROOT_PARENT for j in range(len(keys))]
     tiers, kids = manager.chain(keys, fp, pc.namespace)

@@ -14,7 +14,7 @@ from paged_cache.config import CacheConfig
 from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import ARCHS, tiny_model
-from scheduler import Scheduler
+from paged_cache.scheduler import Scheduler
 from helpers.prefix import assert_exact, hot_prefix, prompt, store_prompt
 
 pytestmark = pytest.mark.skipif(

@@ -17,7 +17,7 @@ else:  # pragma: no cover
 
 ROOT = Path(__file__).resolve().parent.parent
 # extra name -> compat module of its adapter
-EXTRAS = {"vllm-mlx": "vllm_mlx_compat", "openai-server": "openai_server_compat"}
+EXTRAS = {"vllm-mlx": "vllm_mlx/compat", "openai-server": "openai_server/compat"}
 
 
 def constants(module: str) -> dict[str, object]:

@@ -20,7 +20,7 @@ from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.rates import Rates
 from paged_cache.testing import tiny_model
 from paged_cache.tiers.format import META_GRID
-from scheduler import Scheduler
+from paged_cache.scheduler import Scheduler
 
 from helpers.managers import new_manager
 from helpers.prefix import assert_exact, prefill, prompt, store_prompt

@@ -19,7 +19,7 @@ from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.rates import Estimate, Rates
 from paged_cache.stats import render_prometheus
 from paged_cache.testing import tiny_model
-from scheduler import Scheduler
+from paged_cache.scheduler import Scheduler
 
 from helpers.managers import new_manager
 from helpers.prefix import assert_exact, prompt, store_prompt

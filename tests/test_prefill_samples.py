@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from mlx_lm.generate import BatchGenerator, stream_generate
 
-from paged_cache.integrations import prefill_samples
+from paged_cache.integrations.shared import prefill_samples
 from paged_cache.integrations.mlx_lm.adapter import PREFILL_SAMPLE_TOKENS
 from paged_cache.testing import tiny_model, write_model_dir
 

@@ -24,7 +24,7 @@ from paged_cache.stats import nested_gauges, render_prometheus
 from paged_cache.testing import tiny_model
 from paged_cache.testing.server import ServerCluster, ValkeyServer, client, free_port
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.remote_client import KEY_PREFIX, block_name, children_name
+from paged_cache.tiers.remote.client import KEY_PREFIX, block_name, children_name
 
 from helpers.prefix import assert_exact, prompt, store_prompt
 

@@ -20,7 +20,7 @@ from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
 from paged_cache.testing.server import client
-from paged_cache.tiers.remote_client import children_name
+from paged_cache.tiers.remote.client import children_name
 
 from helpers.prefix import assert_exact, prompt, store_prompt
 

@@ -19,8 +19,8 @@ from paged_cache.row_path import host_view
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.direct import StoredBlock, read_stored
-from paged_cache.tiers.ssd import SSDTier
+from paged_cache.tiers.ssd.direct import StoredBlock, read_stored
+from paged_cache.tiers.ssd.tier import SSDTier
 
 from helpers.prefix import assert_exact, hot_prefix, prompt, store_prompt
 

@@ -17,8 +17,8 @@ from paged_cache.hashing import chain_keys
 from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
-from paged_cache.tiers.ssd import SSDTier
-from scheduler import Scheduler
+from paged_cache.tiers.ssd.tier import SSDTier
+from paged_cache.scheduler import Scheduler
 from helpers.prefix import assert_exact, prefill, prompt, store_prompt
 from helpers.managers import new_manager
 

@@ -21,8 +21,8 @@ from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.direct import advance_all, read_stored
-from paged_cache.tiers.ssd import SSDTier
+from paged_cache.tiers.ssd.direct import advance_all, read_stored
+from paged_cache.tiers.ssd.tier import SSDTier
 
 from helpers.prefix import assert_exact, prefill, prompt
 

@@ -11,7 +11,7 @@ import pytest
 from paged_cache import BlockAwarePrefixCache
 from paged_cache.caches import make_bounded_cache
 from helpers.managers import new_manager
-from scheduler import Scheduler
+from paged_cache.scheduler import Scheduler
 
 BLOCK = 16
 

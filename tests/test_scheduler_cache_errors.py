@@ -9,7 +9,7 @@ import pytest
 from paged_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
 from helpers.managers import new_manager
-from scheduler import Scheduler
+from paged_cache.scheduler import Scheduler
 
 BLOCK = 16
 

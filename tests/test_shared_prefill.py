@@ -1,5 +1,5 @@
 """Requests arriving together with a prefix nobody has cached: one prefills it, the others wait
-for its insert and restore it (``SharedPrefills``, paged_cache/integrations/shared_prefill.py).
+for its insert and restore it (``SharedPrefills``, paged_cache/integrations/shared/prefills.py).
 
 The unit tests drive the queue poll with plain Python requests (the class holds no MLX state);
 the end-to-end tests send concurrent openai chats over one system prompt to `paged-cache serve`
@@ -15,9 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from paged_cache.integrations import shared_prefill
-from paged_cache.integrations.shared_prefill import SharedPrefills
-from paged_cache.integrations.tenants import attach_salt
+from paged_cache.integrations.shared import prefills as shared_prefill
+from paged_cache.integrations.shared.prefills import SharedPrefills
+from paged_cache.integrations.shared.tenants import attach_salt
 from paged_cache.testing import write_model_dir
 from paged_cache.testing.load import LOAD_SYSTEM, concurrent_chats, load_server
 

@@ -21,9 +21,9 @@ from safetensors import safe_open
 from paged_cache.block import Block
 from paged_cache.hashing import encode_token_ids
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.files import MANIFEST_NAME
-from paged_cache.tiers.manifest import CHILD_ROWS_SQL
-from paged_cache.tiers.ssd import SSDTier
+from paged_cache.tiers.ssd.files import MANIFEST_NAME
+from paged_cache.tiers.ssd.manifest import CHILD_ROWS_SQL
+from paged_cache.tiers.ssd.tier import SSDTier
 from helpers.blocks import block_files, key_of, same_block, stored_block
 
 
@@ -371,7 +371,7 @@ CHILD = textwrap.dedent("""
     import mlx.core as mx
     from paged_cache.block import Block
     from paged_cache.tiers import format as fmt
-    from paged_cache.tiers.ssd import SSDTier
+    from paged_cache.tiers.ssd.tier import SSDTier
     sys.path.insert(0, {tests!r})
     from helpers.blocks import stored_block
     t = SSDTier(Path({root!r}), max_bytes={budget}, compression={comp!r},

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from paged_cache.integrations.tenants import CURRENT_SALT, SALT_FIELD
-from paged_cache.integrations.tenants_asgi import SaltMiddleware
+from paged_cache.integrations.shared.tenants import CURRENT_SALT, SALT_FIELD
+from paged_cache.integrations.shared.tenants_asgi import SaltMiddleware
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 

@@ -17,9 +17,9 @@ from typing import Callable, Iterable
 from paged_cache.cachedir.inventory import (QUARANTINE_DIR, BlockFile, CacheDir, OtherFile, Scan,
                                             check_file)
 from paged_cache.tiers.eviction import LeavesFirst
-from paged_cache.tiers.files import DIR_FLAGS, rebuild_manifest, writer_alive
-from paged_cache.tiers.manifest import COMPLETE, RESERVED, Manifest, Row, row_from_meta
-from paged_cache.tiers.ssd import TOUCH_FLUSH_SECONDS
+from paged_cache.tiers.ssd.files import DIR_FLAGS, rebuild_manifest, writer_alive
+from paged_cache.tiers.ssd.manifest import COMPLETE, RESERVED, Manifest, Row, row_from_meta
+from paged_cache.tiers.ssd.tier import TOUCH_FLUSH_SECONDS
 
 DAMAGED, ORPHANED, UNINDEXED = "damaged", "orphaned", "unindexed"
 KINDS = (DAMAGED, ORPHANED, UNINDEXED)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
 from paged_cache.hashing import ROOT_PARENT
-from paged_cache.tiers.manifest import COMPLETE, Row
+from paged_cache.tiers.ssd.manifest import COMPLETE, Row
 
 UNKNOWN_MODEL = "(unknown)"  # rows written without a fingerprint in their metadata
 

@@ -142,7 +142,7 @@ class _Tiered:
         self.open()
 
     def open(self) -> None:
-        from scheduler import Scheduler
+        from paged_cache.scheduler import Scheduler
 
         self.manager = PagedSSDCacheManager(self.config)
         self.prefix = BlockAwarePrefixCache(self.manager, self.model,
@@ -176,7 +176,7 @@ def _measure(run: Callable[[], Any]) -> tuple[Any, int]:
 def run_workload(model: Any, tokenizer: Any, config: CacheConfig, model_dir: str,
                  workload: Workload, on_turn: Callable[[TurnRow], None]) -> list[TurnRow]:
     """Run both phases; call ``on_turn`` after every measured turn."""
-    from scheduler import Scheduler
+    from paged_cache.scheduler import Scheduler
 
     eos = set(getattr(tokenizer, "eos_token_ids", None) or ())
     system = system_prompt(workload)

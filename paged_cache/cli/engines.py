@@ -17,10 +17,10 @@ from paged_cache.cli.render import fail
 # subcommand -> (the engine's own command, module holding serve_main, help)
 ENGINES: dict[str, tuple[str, str, str]] = {
     "vllm-mlx": ("vllm-mlx serve MODEL --continuous-batching [options]",
-                 "paged_cache.integrations.vllm_mlx",
+                 "paged_cache.integrations.vllm_mlx.adapter",
                  "run vllm-mlx with paged-cache as the prefix cache of its batching scheduler"),
     "openai-server": ("mlx-openai-server launch --model-path MODEL [options]",
-                      "paged_cache.integrations.openai_server",
+                      "paged_cache.integrations.openai_server.adapter",
                       "run mlx-openai-server with paged-cache as its language models' prompt cache"),
 }
 

@@ -16,7 +16,7 @@ from paged_cache.cachedir.summary import (ModelSummary, layer_counts, model_of, 
 from paged_cache.cli import render
 from paged_cache.cli.options import config_from_args
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.manifest import COMPLETE, Row
+from paged_cache.tiers.ssd.manifest import COMPLETE, Row
 
 SORTS = ("age", "size")
 
@@ -129,7 +129,7 @@ def _remote(args: argparse.Namespace) -> dict[str, Any] | None:
     if config.remote_url is None:
         return None
     from paged_cache.cli.remote_summary import server_summary
-    from paged_cache.tiers.remote_client import TLSFiles
+    from paged_cache.tiers.remote.client import TLSFiles
 
     try:
         return server_summary(config.remote_url, cluster=config.remote_cluster,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from paged_cache.tiers.remote_client import KEY_PREFIX, TLSFiles, client_module, connect, shown
+from paged_cache.tiers.remote.client import KEY_PREFIX, TLSFiles, client_module, connect, shown
 
 SUMMARY_SCAN_LIMIT = 1_000_000  # keys `inspect` counts at most
 

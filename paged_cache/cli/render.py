@@ -21,7 +21,7 @@ from paged_cache.cachedir.inventory import CacheDir, NotACacheError, read_header
 from paged_cache.cli.options import add_config_arguments, config_from_args
 from paged_cache.config import format_size
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.manifest import COMPLETE, ManifestError, Row
+from paged_cache.tiers.ssd.manifest import COMPLETE, ManifestError, Row
 
 EXIT_OK, EXIT_DAMAGE, EXIT_USAGE = 0, 1, 2
 HOT_TIER_NOTE = ("The hot (RAM) tier lives inside each server process and is not visible from "

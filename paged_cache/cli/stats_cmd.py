@@ -9,7 +9,7 @@ import urllib.request
 from typing import Any
 
 from paged_cache.cli import render
-from paged_cache.integrations.stats_http import METRICS_PATH, STATS_PATH
+from paged_cache.integrations.shared.stats_http import METRICS_PATH, STATS_PATH
 from paged_cache.stats import flatten
 
 DEFAULT_URL = "http://127.0.0.1:8080"  # mlx_lm.server's default --host / --port

@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from paged_cache.row_path import copies_on_host, evaluate, host_view, launch, to_device
-from paged_cache.tiers.direct import advance_all
+from paged_cache.tiers.ssd.direct import advance_all
 from paged_cache.tiers.format import DTYPES, mx_dtype_name
 
 TOKEN_AXIS = 2  # every mlx-lm / mlx-vlm KV array is (B, heads, tokens, ...)
@@ -80,6 +80,22 @@ class LayerHandler:
         copy for a cache type whose layout depends on facts of the model its layer does not
         hold (ValueError: this model's layout cannot be cached)."""
         return self
+
+    def needs_snapshots_of(self, layer: Any) -> bool:
+        """True if some part of ``layer`` cannot be sliced by token after the fact."""
+        return self.needs_snapshots
+
+    def exact_end_of(self, layer: Any) -> bool:
+        """True if some part of ``layer`` can only be rebuilt at the end of a node holding its
+        state."""
+        return self.exact_end
+
+    def restorable_at_end_of(self, layer: Any, desc: dict) -> bool:
+        """True when a block cut from ``layer`` with descriptor ``desc`` holds, for every part
+        that cannot be cut by token, what a rebuild at the block's end needs (state or rows)."""
+        if not self.needs_snapshots:
+            return True
+        return desc.get("has_state", True) is not False and desc.get("has_rows", True) is not False
 
     def layout(self, layer: Any) -> dict:
         """What makes this layer's KV incompatible with another's (goes into the fingerprint)."""
@@ -382,7 +398,7 @@ def _copy_on_host(pieces: list[Piece], names: Sequence[str], moves: list[Move], 
                   specs: dict) -> None:
     """numpy copies into the buffers' memory, name by name: MLX fills the next buffer (its own
     thread) while this one is written. A source with ``read_rows`` (a block payload still on
-    disk, see tiers/direct.py) is asked to land its rows there when its file is read."""
+    disk, see tiers/ssd/direct.py) is asked to land its rows there when its file is read."""
     launch(list(buffers.values()))
     for name in names:
         _write_rows(pieces, name, moves, host_view(buffers[name]))
@@ -393,7 +409,7 @@ def _copy_on_host(pieces: list[Piece], names: Sequence[str], moves: list[Move], 
 
 def _write_rows(pieces: list[Piece], name: str, moves: list[Move], dst: np.ndarray) -> None:
     """Every move's rows of ``name`` into ``dst`` (host memory) by numpy; a stored tensor (a
-    block payload still on disk, see tiers/direct.py) is asked to land its rows there when its
+    block payload still on disk, see tiers/ssd/direct.py) is asked to land its rows there when its
     file is read."""
     for k, into, count, take in moves:
         src = pieces[k][2][name]

@@ -12,6 +12,7 @@ from mlx_lm.models.cache import CacheList
 
 from paged_cache.handlers.base import (Arrays, Captured, LayerHandler, Part, Span, Stored,
                                        union_of_plans)
+from paged_cache.handlers.registry import require_handler
 
 
 def split_prefixed(arrays: Arrays, prefix: str, *, pop: bool = False) -> Arrays:
@@ -29,8 +30,17 @@ class CacheListHandler(LayerHandler):
 
     @staticmethod
     def members(layer: Any) -> list[tuple[Any, LayerHandler]]:
-        from paged_cache.handlers import require_handler
         return [(member, require_handler(member)) for member in layer.caches]
+
+    def needs_snapshots_of(self, layer: Any) -> bool:
+        return any(h.needs_snapshots_of(m) for m, h in self.members(layer))
+
+    def exact_end_of(self, layer: Any) -> bool:
+        return any(h.exact_end_of(m) for m, h in self.members(layer))
+
+    def restorable_at_end_of(self, layer: Any, desc: dict) -> bool:
+        return all(h.restorable_at_end_of(m, d)
+                   for (m, h), d in zip(self.members(layer), desc["members"]))
 
     def layout(self, layer: Any) -> dict:
         return {"class": type(layer).__name__,
@@ -44,9 +54,9 @@ class CacheListHandler(LayerHandler):
     def capture(self, layer: Any, since: int, boundary: int) -> Captured | None:
         arrays: Arrays = {}
         infos = []
-        from paged_cache.handlers import layer_needs_snapshots
         for j, (member, handler) in enumerate(self.members(layer)):
-            got = handler.capture(member, since, boundary) if layer_needs_snapshots(member) else None
+            got = handler.capture(member, since, boundary) \
+                if handler.needs_snapshots_of(member) else None
             infos.append(None if got is None else got[1])
             if got is not None:
                 arrays.update({f"m{j}.{k}": v for k, v in got[0].items()})

@@ -25,7 +25,7 @@ from paged_cache.tiers.format import Expected, NodeRow, RawTensors
 
 if TYPE_CHECKING:
     from paged_cache.block import Block
-    from paged_cache.tiers.direct import StoredBlock
+    from paged_cache.tiers.ssd.direct import StoredBlock
 
 
 class Tier:

@@ -11,12 +11,12 @@ from typing import Any
 from paged_cache.config import ENV_PREFIX, CacheConfig, filesystem_space, format_size
 from paged_cache.stats import nested_gauges
 from paged_cache.tiers.base import Tier
-from paged_cache.tiers.files import CacheDirError
+from paged_cache.tiers.ssd.files import CacheDirError
 from paged_cache.tiers.hot import EvictCallback, HotTier
-from paged_cache.tiers.manifest import ManifestError
-from paged_cache.tiers.remote import RemoteTier
-from paged_cache.tiers.remote_client import TLSFiles
-from paged_cache.tiers.ssd import SSDTier
+from paged_cache.tiers.ssd.manifest import ManifestError
+from paged_cache.tiers.remote.tier import RemoteTier
+from paged_cache.tiers.remote.client import TLSFiles
+from paged_cache.tiers.ssd.tier import SSDTier
 
 log = logging.getLogger("paged_cache.manager")
 

@@ -22,7 +22,7 @@ from mlx_lm.utils import sharded_load
 
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
 from paged_cache.hashing import chain_keys
-from scheduler import Scheduler
+from paged_cache.scheduler import Scheduler
 
 BS = 32
 STORED = 256

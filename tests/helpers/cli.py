@@ -19,7 +19,7 @@ from paged_cache.cli.main import main
 from paged_cache.cli.options import add_config_arguments, config_from_args
 from paged_cache.config import CacheConfig
 from paged_cache.hashing import ROOT_PARENT
-from paged_cache.integrations.stats_http import answer
+from paged_cache.integrations.shared.stats_http import answer
 from helpers.blocks import key_of
 from helpers.managers import new_manager
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from helpers.blocks import block_files, key_of, random_block
 from helpers.managers import new_manager
-from paged_cache.tiers.files import MANIFEST_NAME
+from paged_cache.tiers.ssd.files import MANIFEST_NAME
 
 HERE = Path(__file__).resolve().parent
 KEY_RE = r"[0-9a-f]{64}"

@@ -97,7 +97,7 @@ _UNPRIVILEGED = """
 import json, os, sys
 from paged_cache.config import CacheConfig
 from paged_cache.manager import PagedSSDCacheManager
-import paged_cache.tiers.ssd  # loaded before the privileges go
+import paged_cache.tiers.ssd.tier  # loaded before the privileges go
 os.setgid(65534)
 os.setuid(65534)
 try:

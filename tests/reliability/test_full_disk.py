@@ -13,8 +13,8 @@ import mlx.core as mx
 import pytest
 
 from paged_cache.block import Block
-from paged_cache.tiers.files import MANIFEST_NAME
-from paged_cache.tiers.ssd import SSDTier
+from paged_cache.tiers.ssd.files import MANIFEST_NAME
+from paged_cache.tiers.ssd.tier import SSDTier
 from helpers.blocks import block_files, key_of, random_block, same_block
 from helpers.managers import new_manager
 from reliability_support import SMALL, audit, fill

@@ -19,7 +19,7 @@ from paged_cache.config import CacheConfig
 from paged_cache.hashing import chain_keys
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
-from paged_cache.tiers.files import MANIFEST_NAME
+from paged_cache.tiers.ssd.files import MANIFEST_NAME
 from helpers.blocks import block_files, key_of, random_block, same_block
 from helpers.managers import new_manager
 from reliability_support import SMALL, damage

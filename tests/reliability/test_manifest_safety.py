@@ -29,8 +29,8 @@ from paged_cache.block import Block
 from paged_cache.cachedir.inventory import CacheDir
 from paged_cache.cachedir.maintenance import verify
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.files import MANIFEST_NAME
-from paged_cache.tiers.ssd import SSDTier
+from paged_cache.tiers.ssd.files import MANIFEST_NAME
+from paged_cache.tiers.ssd.tier import SSDTier
 from helpers.blocks import block_files, key_of, random_block, same_block
 from helpers.managers import new_manager
 from helpers.cli import run_cli
@@ -369,7 +369,7 @@ def test_reopening_on_a_filesystem_the_cache_filled_never_raises(
 
 
 def test_the_manifest_size_is_reported_and_bounded_per_row(tmp_path: Path, record) -> None:
-    from paged_cache.tiers.manifest import WAL_LIMIT_BYTES
+    from paged_cache.tiers.ssd.manifest import WAL_LIMIT_BYTES
     rows = 3000
     with SSDTier(tmp_path, max_bytes=1 << 40) as ssd:
         for i in range(rows):

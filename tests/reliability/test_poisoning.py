@@ -26,8 +26,8 @@ from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
 from paged_cache.testing.server import client
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.mac import SEAL_BYTES
-from paged_cache.tiers.remote_client import KEY_PREFIX, block_name
+from paged_cache.tiers.remote.mac import SEAL_BYTES
+from paged_cache.tiers.remote.client import KEY_PREFIX, block_name
 from helpers.prefix import DECODE_STEPS, prefill, prompt, store_prompt
 
 BLOCK = 16

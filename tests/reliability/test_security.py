@@ -24,7 +24,6 @@ import pytest
 import xxhash
 
 import paged_cache
-import scheduler
 from paged_cache.block import Block
 from paged_cache.cachedir.inventory import CacheDir
 from paged_cache.cachedir.maintenance import delete_blocks, select_prune
@@ -32,7 +31,7 @@ from paged_cache.hashing import block_key, chain_keys
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.files import MANIFEST_NAME
+from paged_cache.tiers.ssd.files import MANIFEST_NAME
 from helpers.blocks import block_files, key_of, random_block, same_block
 from helpers.managers import new_manager
 from reliability_support import KEY_RE, SMALL, audit
@@ -256,21 +255,20 @@ UNSAFE_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "joblib
 
 def test_nothing_is_unpickled() -> None:
     offenders = []
-    for package in (paged_cache, scheduler):
-        for path in Path(package.__file__).parent.rglob("*.py"):
-            source = path.read_text()
-            for node in ast.walk(ast.parse(source)):
-                names = []
-                if isinstance(node, ast.Import):
-                    names = [a.name for a in node.names]
-                elif isinstance(node, ast.ImportFrom) and node.module:
-                    names = [node.module]
-                offenders += [f"{path}: import {n}" for n in names if n.split(".")[0] in UNSAFE_MODULES]
-                if isinstance(node, ast.keyword) and node.arg == "allow_pickle":
-                    offenders.append(f"{path}: allow_pickle=")
-                if isinstance(node, ast.Attribute) and node.attr in ("load", "loads") and \
-                        isinstance(node.value, ast.Name) and node.value.id in ("np", "numpy"):
-                    offenders.append(f"{path}: numpy.{node.attr} (may unpickle)")
+    for path in Path(paged_cache.__file__).parent.rglob("*.py"):
+        source = path.read_text()
+        for node in ast.walk(ast.parse(source)):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            offenders += [f"{path}: import {n}" for n in names if n.split(".")[0] in UNSAFE_MODULES]
+            if isinstance(node, ast.keyword) and node.arg == "allow_pickle":
+                offenders.append(f"{path}: allow_pickle=")
+            if isinstance(node, ast.Attribute) and node.attr in ("load", "loads") and \
+                    isinstance(node.value, ast.Name) and node.value.id in ("np", "numpy"):
+                offenders.append(f"{path}: numpy.{node.attr} (may unpickle)")
     assert offenders == []
     assert not re.search(r"\bpickle\b", Path(fmt.__file__).read_text())
 

@@ -26,8 +26,7 @@ import numpy as np
 
 from paged_cache.config import format_size
 from paged_cache.distributed import WORLD, resolve_group
-from paged_cache.hashing import chain_keys
-from paged_cache.integrations.tenants import salted_namespace
+from paged_cache.integrations.shared.tenants import salted_namespace
 from paged_cache.integrations.mlx_lm.binding import (ModelBinding, Resolver, plain_layout,
                                                      quantized_layout)
 from paged_cache.integrations.mlx_lm.sequences import CACHE_TYPES, Sequences
@@ -402,7 +401,7 @@ class PagedPromptCache:
             prefix.store(tokens, prompt_cache, consume=True)
             if prefix.fingerprint is None:  # this model's layout is not supported: nothing stored
                 return
-            keys = chain_keys(prefix.fingerprint, prefix.namespace, tokens, prefix.block_size)
+            keys = prefix.chain_keys(tokens)
             self._sequences.add(prefix, tokens, keys, cache_type)
             self._trim(self.max_size, self.max_bytes)
         except Exception as error:  # noqa: BLE001

@@ -22,10 +22,10 @@ from paged_cache.config import CacheConfig, format_size
 from paged_cache.distributed import WORLD, resolve_group
 from paged_cache.integrations.mlx_lm.adapter import PagedPromptCache
 from paged_cache.integrations.mlx_lm.binding import provider_resolver
-from paged_cache.integrations.shared_prefill import SharedPrefills, Tokenized
-from paged_cache.integrations.shutdown import close_logged
-from paged_cache.integrations.tenants import (SaltError, attach_salt, error_body, request_salt,
-                                              salt_of_args)
+from paged_cache.integrations.shared.prefills import SharedPrefills, Tokenized
+from paged_cache.integrations.shared.shutdown import close_logged
+from paged_cache.integrations.shared.tenants import (SaltError, attach_salt, error_body, request_salt,
+                                                     salt_of_args)
 from paged_cache.manager import PagedSSDCacheManager
 
 logger = logging.getLogger("paged_cache.integrations.mlx_lm")
@@ -59,7 +59,7 @@ def patch_server(manager: PagedSSDCacheManager | Callable[[Any], PagedSSDCacheMa
     """
     from mlx_lm import server
 
-    from paged_cache.integrations import stats_http
+    from paged_cache.integrations.shared import stats_http
 
     generator, run_http = compat.server_hooks()
     base = getattr(generator, "paged_base", generator)

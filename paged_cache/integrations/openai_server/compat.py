@@ -3,7 +3,7 @@
 mlx-openai-server builds each language model's prompt cache inside ``MLXLMHandler.__init__``
 (an ``LRUPromptCache`` of its own) and runs every handler in a process it spawns, whose entry
 point is ``app.core.handler_process._handler_worker``; neither can be chosen by an option, so
-paged-cache replaces those two names at run time (see ``paged_cache.integrations.openai_server``).
+paged-cache replaces those two names at run time (see ``paged_cache.integrations.openai_server.adapter``).
 This module is the only one that touches them: at import it checks that the installed
 mlx-openai-server is in the supported range, that each name exists and that the code still
 reaches them (the proxy starts its process with ``target=_handler_worker``; handlers are made by
@@ -55,7 +55,7 @@ from typing import Any, Callable, Protocol
 
 from paged_cache.compat import IncompatibleVersion
 from paged_cache.install import install_command
-from paged_cache.integrations.tenants import CURRENT_SALT, attach_salt, salt_of_args
+from paged_cache.integrations.shared.tenants import CURRENT_SALT, attach_salt, salt_of_args
 
 logger = logging.getLogger("paged_cache.integrations.openai_server")
 

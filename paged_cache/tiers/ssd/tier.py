@@ -11,10 +11,9 @@ applies); the tier is a context manager; ``stats()`` keys are listed in docs/fil
 
 Layout under ``directory`` (0700, files 0600): ``manifest.sqlite`` (+ WAL), ``blocks/<k[:2]>/<key>
 .safetensors[.lz4]``, ``tmp/`` (files being written; renamed into ``blocks/`` once complete).
-The parts: the block files and their damage (``tiers/block_files.py``), the manifest's open and
-recovery (``tiers/manifest_open.py``, startup reconciliation in ``tiers/reconcile.py``), the
-manifest updates kept for the next transaction (``tiers/deferred.py``), the write-behind queue
-(``tiers/write_queue.py``); the shared file helpers are in ``tiers/files.py``.
+Its parts, beside it in tiers/ssd/: the block files and their damage (``block_files``), the
+manifest (``manifest``), its open and recovery (``manifest_open``, ``reconcile``), the updates kept
+for its next transaction (``deferred``), file helpers (``files``); the queue is tiers/write_queue.
 """
 
 from __future__ import annotations
@@ -32,13 +31,13 @@ from paged_cache.block import Block, check_key
 from paged_cache.config import QUEUE_DEFAULT, QUEUE_FULL_POLICIES
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.base import Tier
-from paged_cache.tiers.block_files import BlockFiles
-from paged_cache.tiers.deferred import DeferredUpdates
-from paged_cache.tiers.direct import StoredBlock
-from paged_cache.tiers.files import LIVE_WRITERS, unlink_quiet
-from paged_cache.tiers.manifest import (BUSY_TIMEOUT_SECONDS, RESERVED, Manifest, ManifestError,
-                                        now, row_from_meta)
-from paged_cache.tiers.manifest_open import OpenManifest
+from paged_cache.tiers.ssd.block_files import BlockFiles
+from paged_cache.tiers.ssd.deferred import DeferredUpdates
+from paged_cache.tiers.ssd.direct import StoredBlock
+from paged_cache.tiers.ssd.files import LIVE_WRITERS, unlink_quiet
+from paged_cache.tiers.ssd.manifest import (BUSY_TIMEOUT_SECONDS, RESERVED, Manifest, ManifestError,
+                                            now, row_from_meta)
+from paged_cache.tiers.ssd.manifest_open import OpenManifest
 from paged_cache.tiers.write_queue import Write, WriteBehind
 
 log = logging.getLogger("paged_cache.ssd")

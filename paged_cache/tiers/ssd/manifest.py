@@ -18,7 +18,7 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.eviction import LeavesFirst, eviction_order
-from paged_cache.tiers.wal_meter import WalMeter
+from paged_cache.tiers.ssd.wal_meter import WalMeter
 
 SCHEMA_VERSION = "2"  # 2: chain columns (start, token ids, node flags)
 RESERVED, COMPLETE = 0, 1

@@ -12,7 +12,7 @@ import os
 import stat
 
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.manifest import now
+from paged_cache.tiers.ssd.manifest import now
 
 log = logging.getLogger("paged_cache.ssd")
 

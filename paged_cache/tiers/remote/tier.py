@@ -1,15 +1,15 @@
 """Remote tier: blocks shared by several hosts on a Valkey or Redis server, below the SSD tier.
 
 Values are block files (tiers/format.py: versioned, checksummed), sealed with a MAC under
-``remote_secret`` (tiers/mac.py); a damaged, truncated or foreign value, or one that does not fit
+``remote_secret`` (tiers/remote/mac.py); a damaged, truncated or foreign value, or one that does not fit
 the reader's layout, is a counted miss, and with a secret a value without a valid tag is refused
 (``rejected``) before it is decoded; without one, a sealed value is (``sealed_refused``). The
-server keys are named in tiers/remote_client.py; a block key hashes the model fingerprint and the
+server keys are named in tiers/remote/client.py; a block key hashes the model fingerprint and the
 prefix cache's namespace, so two models or namespaces never share a block entry.
 
 Reads run on the caller thread in pipelines (one round trip for any number of keys;
-tiers/remote_reads.py: read-ahead and child listings); writes are queued (bounded in bytes) for
-one writer thread (tiers/remote_writer.py), so a caller never waits on the network to store.
+tiers/remote/reads.py: read-ahead and child listings); writes are queued (bounded in bytes) for
+one writer thread (tiers/remote/writer.py), so a caller never waits on the network to store.
 Any network or server error starts an outage: one WARNING, then reads and writes are skipped
 (counted) while the writer thread probes the server with growing back-off; the first answer ends
 it (INFO). Capacity is the server's: ``maxmemory`` with ``allkeys-lru``, and ``remote_ttl``.
@@ -25,10 +25,10 @@ from paged_cache.block import Block, check_key
 from paged_cache.config import REMOTE_QUEUE_DEFAULT
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.base import Tier
-from paged_cache.tiers.mac import Sealer
-from paged_cache.tiers.remote_client import TLSFiles, client_module, connect, shown
-from paged_cache.tiers.remote_reads import RemoteReads
-from paged_cache.tiers.remote_writer import RemoteWriter
+from paged_cache.tiers.remote.mac import Sealer
+from paged_cache.tiers.remote.client import TLSFiles, client_module, connect, shown
+from paged_cache.tiers.remote.reads import RemoteReads
+from paged_cache.tiers.remote.writer import RemoteWriter
 from paged_cache.tiers.write_queue import Write
 
 _COUNTERS = ("hits", "misses", "damaged", "rejected", "sealed_refused", "errors", "skipped",

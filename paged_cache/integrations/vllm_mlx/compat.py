@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 from paged_cache.compat import IncompatibleVersion
 from paged_cache.install import install_command
-from paged_cache.integrations.tenants import CURRENT_SALT, attach_salt, salt_of_args
+from paged_cache.integrations.shared.tenants import CURRENT_SALT, attach_salt, salt_of_args
 
 logger = logging.getLogger("paged_cache.integrations.vllm_mlx")
 

@@ -10,7 +10,7 @@ an ``OpenAIServerPromptCache`` bound to its model. Its batch scheduler, non-batc
 streaming, cancellation and sampling are unchanged. Tenants' cache salts (``tenants``) keep
 their prefixes apart, as in ``paged-cache serve``: the server process reads each request's salt
 (``SaltMiddleware``) and sends it with the request; the handler makes it current for the
-request's task and its batch scheduler carries it to the fetch (``openai_server_compat``). Both
+request's task and its batch scheduler carries it to the fetch (``compat``). Both
 generation paths give the model's prefill rate samples (``prefill_samples``: each prefill step of
 the batch scheduler's BatchGenerator, each single request's reported prompt rate), so the fetch
 plan weighs a restore against the prefill it saves.
@@ -33,12 +33,12 @@ import sys
 from typing import Any, Callable, Iterator, Sequence
 
 from paged_cache.config import CacheConfig, format_size
-from paged_cache.integrations import openai_server_compat as compat
-from paged_cache.integrations import prefill_samples
+from paged_cache.integrations.openai_server import compat
+from paged_cache.integrations.shared import prefill_samples
 from paged_cache.integrations.mlx_lm import ModelWithDraft, PagedPromptCache, model_id_for
-from paged_cache.integrations.shared_prefill import SharedPrefills
-from paged_cache.integrations.tenants import CURRENT_SALT, salt_of_args
-from paged_cache.integrations.tenants_asgi import SaltMiddleware
+from paged_cache.integrations.shared.prefills import SharedPrefills
+from paged_cache.integrations.shared.tenants import CURRENT_SALT, salt_of_args
+from paged_cache.integrations.shared.tenants_asgi import SaltMiddleware
 from paged_cache.manager import PagedSSDCacheManager
 
 logger = logging.getLogger("paged_cache.integrations.openai_server")

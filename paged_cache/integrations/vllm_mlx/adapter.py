@@ -9,7 +9,7 @@ the remote tier, and bounded by ``--cache-memory-mb`` in RAM. Tenants' cache sal
 (``tenants``) keep their prefixes apart, as in ``paged-cache serve``. Each prefill step of the
 Scheduler's BatchGenerator is a sample of the model's prefill rate (``prefill_samples``), so the
 fetch plan weighs a restore against the prefill it saves, as in ``paged-cache serve``; chats
-opening together over one system prompt share its prefill (``vllm_mlx_prefills``).
+opening together over one system prompt share its prefill (``prefills``).
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from contextlib import ExitStack
 from typing import Any, Callable, Sequence
 
 from paged_cache.config import CacheConfig, format_size
-from paged_cache.integrations import vllm_mlx_compat as compat
-from paged_cache.integrations import prefill_samples
+from paged_cache.integrations.vllm_mlx import compat
+from paged_cache.integrations.shared import prefill_samples
 from paged_cache.integrations.mlx_lm import PagedPromptCache
-from paged_cache.integrations.tenants import CURRENT_SALT
-from paged_cache.integrations.tenants_asgi import SaltMiddleware
-from paged_cache.integrations.vllm_mlx_prefills import SchedulerPrefills
+from paged_cache.integrations.shared.tenants import CURRENT_SALT
+from paged_cache.integrations.shared.tenants_asgi import SaltMiddleware
+from paged_cache.integrations.vllm_mlx.prefills import SchedulerPrefills
 from paged_cache.manager import PagedSSDCacheManager
 
 logger = logging.getLogger("paged_cache.integrations.vllm_mlx")
@@ -121,7 +121,7 @@ class PagedPrefixCache:
     def __init__(self, model: Any, config: Any = None) -> None:
         manager = _installed.get("manager")
         if manager is None:
-            raise RuntimeError("PagedPrefixCache: call paged_cache.integrations.vllm_mlx.install("
+            raise RuntimeError("PagedPrefixCache: call paged_cache.integrations.vllm_mlx.adapter.install("
                                "manager) before vllm-mlx builds its Scheduler")
         max_kv_size = _installed.get("max_kv_size")
         self._max_memory = compat.memory_limit_bytes(config)

@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
-from scheduler.snapshots import SnapshotStore
+from paged_cache.scheduler.snapshots import SnapshotStore
 
 Sampler = Callable[[mx.array], mx.array]
 

@@ -19,9 +19,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Hashable
 
-from paged_cache.integrations import vllm_mlx_compat as compat
+from paged_cache.integrations.vllm_mlx import compat
 from paged_cache.integrations.mlx_lm import PagedPromptCache
-from paged_cache.integrations.shared_prefill import SharedPrefills, Tokenized
+from paged_cache.integrations.shared.prefills import SharedPrefills, Tokenized
 
 logger = logging.getLogger("paged_cache.integrations.vllm_mlx")
 

@@ -17,10 +17,10 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from paged_cache.caches import cache_layout, make_bounded_cache
 from paged_cache.distributed import WORLD, any_rank, resolve_group
-from scheduler.chunks import next_chunk_end
-from scheduler.decode import BatchDecoder, SequentialDecoder, is_batchable
-from scheduler.request import GenerationResult, Request, Sampler, State
-from scheduler.snapshots import SnapshotStore, release
+from paged_cache.scheduler.chunks import next_chunk_end
+from paged_cache.scheduler.decode import BatchDecoder, SequentialDecoder, is_batchable
+from paged_cache.scheduler.request import GenerationResult, Request, Sampler, State
+from paged_cache.scheduler.snapshots import SnapshotStore, release
 
 logger = logging.getLogger("paged_cache.scheduler")
 

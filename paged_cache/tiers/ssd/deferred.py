@@ -16,7 +16,7 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-from paged_cache.tiers.manifest import Deferred, now
+from paged_cache.tiers.ssd.manifest import Deferred, now
 
 PERIODIC_SECONDS = 60.0  # access times and the written tally wait in memory at most this long
 

@@ -14,10 +14,10 @@ from typing import Callable
 
 from paged_cache.block import HEX, KEY_HEX_LEN, is_key
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.files import (DIR_FLAGS, READ_FLAGS, STALE_SECONDS,
-                                     SUFFIX_TO_COMPRESSION, file_compression, pid_alive,
-                                     unlink_quiet, writer_alive)
-from paged_cache.tiers.manifest import COMPLETE, RESERVED, Manifest, Row, now, row_from_meta
+from paged_cache.tiers.ssd.files import (DIR_FLAGS, READ_FLAGS, STALE_SECONDS,
+                                         SUFFIX_TO_COMPRESSION, file_compression, pid_alive,
+                                         unlink_quiet, writer_alive)
+from paged_cache.tiers.ssd.manifest import COMPLETE, RESERVED, Manifest, Row, now, row_from_meta
 
 log = logging.getLogger("paged_cache.ssd")
 

@@ -13,7 +13,7 @@ and it prefills only the rest.
 
 Only requests of one model and one tenant (cache salt) share. Its users: ``paged-cache serve``
 (mlx_lm/server.py, the request queue's poll), mlx-openai-server's admission queue
-(openai_server.py) and vllm-mlx's Scheduler (vllm_mlx_prefills.py); none holds a request with
+(openai_server/adapter.py) and vllm-mlx's Scheduler (vllm_mlx/prefills.py); none holds a request with
 images, one it does not batch, or any request of a group of ranks (which poll in lock step).
 """
 
@@ -27,7 +27,7 @@ from typing import Any, Callable, Hashable, Iterator
 import numpy as np
 
 from paged_cache.hashing import shared_prefix
-from paged_cache.integrations.tenants import salt_of_args
+from paged_cache.integrations.shared.tenants import salt_of_args
 
 # A parked request goes on without its leader after this long (a safety net: the leader's prompt
 # ending releases it first).

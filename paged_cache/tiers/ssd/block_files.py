@@ -3,7 +3,7 @@
 
 ``BlockFiles`` reads a file and verifies it (damage is counted, the file removed and its
 manifest row handed to ``forget``), writes temp files and renames them into place, and removes
-a block's files. It writes no manifest row itself: the SSD tier (tiers/ssd.py) does.
+a block's files. It writes no manifest row itself: the SSD tier (tiers/ssd/tier.py) does.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any, Callable
 
 from paged_cache.block import Block, check_key, is_key
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.direct import StoredBlock, StoredTensor
-from paged_cache.tiers.files import (DIR_FLAGS, READ_FLAGS, CacheDirError, file_compression,
-                                     drain, open_cache_root, open_private_dir, read_exact)
+from paged_cache.tiers.ssd.direct import StoredBlock, StoredTensor
+from paged_cache.tiers.ssd.files import (DIR_FLAGS, READ_FLAGS, CacheDirError, file_compression,
+                                         drain, open_cache_root, open_private_dir, read_exact)
 
 log = logging.getLogger("paged_cache.ssd")
 

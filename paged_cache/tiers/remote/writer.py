@@ -2,8 +2,8 @@
 thread, and the outage it starts on any network or server error (queue dropped, reads skipped,
 the server probed with growing back-off until it answers).
 
-``RemoteWriter`` is a part of ``RemoteTier`` (tiers/remote.py): it uses the tier's client
-(``_connected``, ``_errors``), ``url``, ``ttl``, ``compression``, ``_sealer`` (tiers/mac.py;
+``RemoteWriter`` is a part of ``RemoteTier`` (tiers/remote/tier.py): it uses the tier's client
+(``_connected``, ``_errors``), ``url``, ``ttl``, ``compression``, ``_sealer`` (tiers/remote/mac.py;
 None without a remote_secret), ``_count`` and ``_forget_reads``.
 """
 
@@ -13,7 +13,7 @@ import logging
 import time
 
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.remote_client import block_name, child_entry, listing_name, shown
+from paged_cache.tiers.remote.client import block_name, child_entry, listing_name, shown
 from paged_cache.tiers.write_queue import Write, WriteBehind
 
 log = logging.getLogger("paged_cache.remote")

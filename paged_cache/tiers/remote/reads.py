@@ -1,9 +1,9 @@
 """The remote tier's reads (caller thread): which keys the server holds, the read-ahead of a
 planned chain, and the child listings cache.
 
-``RemoteReads`` is a part of ``RemoteTier`` (tiers/remote.py): it works on the tier's ``_lock``
+``RemoteReads`` is a part of ``RemoteTier`` (tiers/remote/tier.py): it works on the tier's ``_lock``
 (counters, plan, read-ahead, remembered keys / metas / listings), its ``_pipelined`` round trips,
-``_count`` and ``_sealer`` (tiers/mac.py: None without a remote_secret).
+``_count`` and ``_sealer`` (tiers/remote/mac.py: None without a remote_secret).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any, Sequence
 
 from paged_cache.block import Block, check_key, is_key
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.mac import SEAL_BYTES, is_sealed
-from paged_cache.tiers.remote_client import block_name, children_name, parse_child_entry
+from paged_cache.tiers.remote.mac import SEAL_BYTES, is_sealed
+from paged_cache.tiers.remote.client import block_name, children_name, parse_child_entry
 
 log = logging.getLogger("paged_cache.remote")
 

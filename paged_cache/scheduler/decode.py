@@ -14,7 +14,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from paged_cache import compat
-from scheduler.request import Request
+from paged_cache.scheduler.request import Request
 
 
 def is_batchable(cache: list[Any]) -> bool:

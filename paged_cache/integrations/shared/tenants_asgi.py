@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Awaitable, Callable
 
-from paged_cache.integrations.tenants import (CURRENT_SALT, SALT_FIELD, SALT_HEADER, SaltError,
-                                              error_body, request_salt)
+from paged_cache.integrations.shared.tenants import (CURRENT_SALT, SALT_FIELD, SALT_HEADER, SaltError,
+                                                     error_body, request_salt)
 
 Scope = dict[str, Any]
 Message = dict[str, Any]

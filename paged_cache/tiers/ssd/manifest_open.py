@@ -13,13 +13,13 @@ import threading
 import time
 from typing import Callable
 
-from paged_cache.tiers.block_files import BlockFiles
-from paged_cache.tiers.files import (MANIFEST_FILES, MANIFEST_NAME, create_manifest_file,
-                                     rebuild_manifest)
-from paged_cache.tiers.manifest import (BUSY_TIMEOUT_SECONDS, Manifest, ManifestBusy,
-                                        ManifestDamaged, ManifestError, ManifestReplaced,
-                                        is_damage)
-from paged_cache.tiers.reconcile import reconcile
+from paged_cache.tiers.ssd.block_files import BlockFiles
+from paged_cache.tiers.ssd.files import (MANIFEST_FILES, MANIFEST_NAME, create_manifest_file,
+                                         rebuild_manifest)
+from paged_cache.tiers.ssd.manifest import (BUSY_TIMEOUT_SECONDS, Manifest, ManifestBusy,
+                                            ManifestDamaged, ManifestError, ManifestReplaced,
+                                            is_damage)
+from paged_cache.tiers.ssd.reconcile import reconcile
 
 log = logging.getLogger("paged_cache.ssd")
 
