@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import sqlite3
 import time
@@ -14,6 +15,8 @@ from paged_cache import CacheConfig, PagedSSDCacheManager
 from paged_cache.cachedir.inventory import CacheDir
 from helpers.blocks import block_files
 from helpers.cli import FP_A, FP_B, chain, run_cli, store
+
+GAP_SECONDS = 3.0  # between storing the old chain and the new one
 
 
 def manifest_is_consistent(directory: Path) -> dict:
@@ -153,9 +156,10 @@ def test_prune_max_bytes_removes_least_recently_used_leaves_first(tmp_path):
     d = tmp_path / "c"
     old = chain("old", FP_A, [16, 16, 16])
     store(d, old)
-    time.sleep(1.1)
+    time.sleep(GAP_SECONDS)
     new = chain("new", FP_A, [16, 16, 16])
     store(d, new)
+    stored_new = time.time()
     rows = CacheDir(d).rows()
     total = sum(r.file_bytes for r in rows.values())
     # Two blocks must go: the least recently used leaf (the old chain's last block), then its
@@ -177,7 +181,10 @@ def test_prune_max_bytes_removes_least_recently_used_leaves_first(tmp_path):
     assert sum(r.file_bytes for r in remaining.values()) <= limit
     assert set(remaining) == {b.key for b in old + new} - set(done["keys"])
 
-    status, out, _ = run_cli("prune", str(d), "--older-than", "1s")
+    # older than the new chain is now (however long the steps above took), younger than the old
+    older = math.ceil(time.time() - stored_new) + 1
+    assert older < GAP_SECONDS + (time.time() - stored_new)
+    status, out, _ = run_cli("prune", str(d), "--older-than", f"{older}s")
     assert status == 0 and "freed" in out
     assert set(manifest_is_consistent(d)) == {b.key for b in new}
     reads_back(d, new)
