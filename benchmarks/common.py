@@ -144,7 +144,8 @@ def machine() -> dict[str, Any]:
 
     info = {"platform": platform.platform(), "python": platform.python_version(),
             "cpus": os.cpu_count(), "mlx": mx.__version__, "backend": backend(),
-            "device": str(mx.default_device()), "row_path": row_path()}
+            "device": str(mx.default_device()), "row_path": row_path(),
+            "date": time.strftime("%Y-%m-%d", time.gmtime())}
     try:
         import mlx_lm
         info["mlx_lm"] = mlx_lm.__version__
@@ -341,7 +342,38 @@ def fmt_value(x: float, unit: str) -> str:
         return format_size(int(x))
     if unit == "B/s":
         return f"{x / GIB:.3g} GiB/s"
+    if unit == "tokens":
+        return f"{x:,.0f} tokens"
     return f"{x:.3g} {unit}".strip()
+
+
+def ratio_met(f: dict[str, Any]) -> str:
+    """A figure's ratio for a docs table, with its goal and whether it was met:
+    ``**1.13** (<= 1.1: missed)``; a figure without a goal: its ratio."""
+    if f.get("goal") is None:
+        return fmt_ratio(f["ratio"])
+    return (f"**{fmt_ratio(f['ratio'])}** ({f['goal_op']} {fmt_ratio(f['goal'])}: "
+            f"{'met' if f['met'] else 'missed'})")
+
+
+def comparison_table(first: str, rows: Sequence[str], columns: Sequence[str],
+                     figures: dict[str, dict[str, Any]], name: Callable[[str, str], str],
+                     sides: tuple[str, str]) -> str:
+    """A docs table of figures that compare two sides: one row per entry of ``rows``, and for
+    each of ``columns`` the figure ``name(row, column)``'s baseline (``sides[0]``), measured
+    (``sides[1]``) and ratio with its goal; a figure the run lacks leaves its cells empty."""
+    head = [first] + [f"{c}: {sides[0]} | {sides[1]} | ratio" for c in columns]
+    lines = ["| " + " | ".join(head) + " |", "|---" * (1 + 3 * len(columns)) + "|"]
+    for row in rows:
+        cells = [row]
+        for column in columns:
+            f = figures.get(name(row, column))
+            cells += ([fmt_value(f["baseline"], f["unit"]), fmt_value(f["measured"], f["unit"]),
+                       ratio_met(f)] if f else ["", "", ""])
+        lines.append("| " + " | ".join(cells) + " |")
+    meanings = [f"{c}: {f['ratio_meaning']}" for c in columns
+                if (f := next((figures[name(r, c)] for r in rows if name(r, c) in figures), None))]
+    return "\n".join(lines) + "\n\nRatios: " + "; ".join(meanings) + ".\n"
 
 
 def markdown_table(figures: Sequence[dict[str, Any]]) -> str:

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Context, Timing, bar_plot, figure
+from benchmarks.common import Context, Timing, bar_plot, comparison_table, figure, figures_by_name
 from paged_cache.testing import write_model_dir
 from paged_cache.testing.engines import (ENGINES, Engine, StatsSaved, Turn, chat,
                                          engine_python)
@@ -173,3 +173,16 @@ def plots(data: dict, results: Path) -> list[str]:
                  {label: [table[n][label]["cached_total"] for n in names]
                   for label in ("own", "paged-cache")}, "tokens").name,
     ]
+
+
+def tables(data: dict) -> dict[str, str]:
+    """Each engine's own cache against paged-cache: ``hits`` (the multi-turn workload's hit TTFT
+    and cached prompt tokens) and ``concurrent`` (the load family's workload)."""
+    figures, engines = figures_by_name(data), list(data["engines"])
+    name = lambda engine, column: f"{engine}: {column}, paged-cache vs its own cache"  # noqa: E731
+    sides = ("own cache", "paged-cache")
+    return {"hits": comparison_table("engine", engines, ["hit TTFT", "cached prompt tokens"],
+                                     figures, name, sides),
+            "concurrent": comparison_table(
+                "engine", engines, ["concurrent TTFT p50", "concurrent wall time",
+                                    "concurrent cached prompt tokens"], figures, name, sides)}

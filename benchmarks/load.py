@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Context, bar_plot, figure
+from benchmarks.common import Context, bar_plot, comparison_table, figure, figures_by_name
 from paged_cache.testing.load import (LOAD_SYSTEM, SIDES, LoadRun, concurrent_chats,
                                       load_model, load_server)
 
@@ -120,3 +120,12 @@ def plots(data: dict, results: Path) -> list[str]:
                       "wall time": [ratio(a, "wall") for a in archs],
                       "cached tokens": [ratio(a, "later_cached") for a in archs]},
                      "ratio (paged-cache / plain)", goal=1.0).name]
+
+
+def tables(data: dict) -> dict[str, str]:
+    """``archs``: per architecture, plain mlx_lm.server against paged-cache serve (TTFT p50 and
+    p95, wall time, cached prompt tokens of the later turns) with each goal."""
+    return {"archs": comparison_table(
+        "model", data["workload"]["archs"],
+        ["TTFT p50", "TTFT p95", "wall time", "cached prompt tokens"], figures_by_name(data),
+        lambda arch, column: f"{arch}: {column}", ("plain", "paged-cache"))}

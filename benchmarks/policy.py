@@ -29,8 +29,8 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from benchmarks.common import (IO_SHAPE, MIB, Context, Timing, figure, figures_by_name, kv_model,
-                               line_plot, settle)
+from benchmarks.common import (IO_SHAPE, MIB, Context, Timing, figure, figures_by_name, fmt_value,
+                               kv_model, line_plot, ratio_met, settle)
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
 from paged_cache.scheduler import Scheduler
 
@@ -221,3 +221,55 @@ def plots(data: dict, results: Path) -> list[str]:
                          "TTFT (ms)", log=True)
         drawn.append(path.name)
     return drawn
+
+
+def _restored(cached: list[int], tokens: int) -> str:
+    """What the plan did over its timed runs: prefilled (restored nothing), restored, or both."""
+    kinds = {0: "prefilled", tokens: "restored"}
+    seen = sorted({kinds.get(c, "split") for c in cached})
+    if len(seen) == 1:
+        return seen[0]
+    return ", ".join(f"{sum(kinds.get(c, 'split') == k for c in cached)} of {len(cached)} runs {k}"
+                     for k in seen)
+
+
+def _head(cached: list[int], tokens: int) -> str:
+    """The head both-at-once prefilled (tokens - what it restored) over its timed runs."""
+    heads = [tokens - c for c in cached]
+    common = max(set(heads), key=heads.count)
+    text = "none: restored" if common == 0 else (
+        "all: prefilled" if common == tokens else f"{common:,} tokens")
+    odd = [h for h in heads if h != common]
+    if odd:
+        text += f" ({len(odd)} of {len(heads)} runs: " + ", ".join(
+            "all" if h == tokens else f"{h:,}" for h in odd) + ")"
+    return text
+
+
+def tables(data: dict) -> dict[str, str]:
+    """One table per KV layout (``tiny``, ``8b``): each way's TTFT per read rate, what the plan
+    did, and both ratios with their goals (docs/benchmarks.md, Restore or prefill)."""
+    by_name = figures_by_name(data)
+    out = {}
+    for shape in SHAPES:
+        rows = ["| SSD read rate | cold | restore-only | plan, one way | what it did (read "
+                "estimate) | plan / better of the two (goal) | both at once | its head | both / "
+                "better of the two (goal) |", "|---|---|---|---|---|---|---|---|---|"]
+        plans = sorted((f for name, f in by_name.items() if name.startswith("plan TTFT")
+                        and f["details"].get("shape", "tiny") == shape.key),
+                       key=lambda f: f["details"]["read_bytes_per_s"] or float("inf"))
+        for plan in plans:
+            d, label = plan["details"], plan["name"].rpartition(", SSD ")[2]
+            both = by_name[f"both at once TTFT vs better of cold and restore-only{shape.suffix}, "
+                           f"SSD {label}"]
+            estimate = d["read_estimate"] / MIB if d.get("read_estimate") else None
+            rows.append(
+                f"| {label} | {fmt_value(d['cold_s'], 's')} | {fmt_value(d['restore_s'], 's')} | "
+                f"{fmt_value(d['plan_s'], 's')} | {_restored(d['plan_cached'], d['tokens'])} "
+                f"({f'{estimate:.3g} MiB/s' if estimate else 'none'}) | {ratio_met(plan)} | "
+                f"{fmt_value(both['measured'], 's')} | "
+                f"{_head(both['details']['both_cached'], d['tokens'])} | {ratio_met(both)} |")
+        if plans:
+            out[shape.key] = "\n".join(rows) + "\n"
+    return out
+

@@ -18,7 +18,7 @@ import random
 import shutil
 from typing import Any
 
-from benchmarks.common import MIB, Context, bar_plot, figure, kv_model, settle
+from benchmarks.common import MIB, Context, bar_plot, figure, fmt_value, kv_model, settle
 from benchmarks.peers import BLOCK, _bind, turn
 from paged_cache import CacheConfig, PagedSSDCacheManager
 from paged_cache.integrations.mlx_lm import PagedPromptCache
@@ -142,3 +142,16 @@ def plots(data: dict, results) -> list[str]:
                                                max(rows[k]["asked_after_restart"], 1)
                                                for k in labels]}, "ratio")
     return ["wear.png"]
+
+
+def tables(data: dict) -> dict[str, str]:
+    """``settings``: per admission and write policy, the SSD bytes written per byte of the
+    stream's KV and the prompt tokens reused while running and after the restart."""
+    lines = ["| setting | SSD bytes written / one copy of the KV | prompt tokens reused while "
+             "running | after the restart |", "|---|---|---|---|"]
+    for label, r in data["results"].items():
+        lines.append(f"| {label} | {r['written_with_close'] / r['kv_bytes']:.2f}x "
+                     f"({fmt_value(r['written_with_close'], 'B')}) | {r['reused']:,} of "
+                     f"{r['asked']:,} | {r['reused_after_restart']:,} of "
+                     f"{r['asked_after_restart']:,} |")
+    return {"settings": "\n".join(lines) + "\n"}

@@ -1,5 +1,5 @@
-"""Every figure the README (and docs/benchmarks.md's goals) quote from a benchmark's JSON equals
-that JSON at the rounding shown.
+"""Every figure the README and the docs (QUOTING) quote from a benchmark's JSON in their prose
+equals that JSON at the rounding shown (the docs' tables are generated: tests/test_doc_tables.py).
 
 A quoted figure is marked by an HTML comment right after it, naming the family, the figure and
 its field: ``17 MiB<!-- bench peers "resident bytes, ..." measured -->``. The number before the
@@ -26,7 +26,7 @@ ANY_MARKER = re.compile(r"<!-- bench ")
 SCALES = {"ms": ("s", 1e3), "s": ("s", 1.0), "KiB": ("B", 2.0 ** -10),
           "MiB": ("B", 2.0 ** -20), "GiB": ("B", 2.0 ** -30)}
 # document -> the fewest marked figures it holds (so a lost marker cannot pass unnoticed)
-QUOTING = {"README.md": 25, "docs/benchmarks.md": 15}
+QUOTING = {"README.md": 25, "docs/benchmarks.md": 15, "docs/fetch-plan.md": 7, "docs/guide.md": 4}
 
 
 def figures(family: str) -> dict[str, dict]:
