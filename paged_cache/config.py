@@ -58,6 +58,8 @@ REMOTE_TIMEOUT_DEFAULT = 0.5        # seconds a remote read or write may wait on
 # Read by the remote tier at connect time, never stored in a CacheConfig (nor shown by `config`).
 REMOTE_PASSWORD_ENV = "PAGED_CACHE_REMOTE_PASSWORD"
 READ_THREADS_DEFAULT = 1      # block files read at once by a fetch (measured: docs/benchmarks.md)
+# shared_prefill: a request held back for another's prefill goes on without it after this long
+SHARED_PREFILL_MAX_WAIT_S = 60.0
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
@@ -264,8 +266,9 @@ _FIELD_SPECS: dict[str, tuple[Any, str]] = {
                                   "than either alone (default true)"),
     "shared_prefill": (parse_bool, "serve, vllm-mlx, openai-server: a request sharing a prefix "
                                    "(e.g. a system prompt) with one being prefilled waits for it "
-                                   "and restores the prefix instead of prefilling it again "
-                                   "(default true)"),
+                                   "(until its prefix is stored or its first token is out, at "
+                                   f"most {SHARED_PREFILL_MAX_WAIT_S:g} s) and restores the "
+                                   "prefix instead of prefilling it again (default true)"),
     "prefill_tokens_per_s": (_rate, "the model's prefill rate (tokens/s) the fetch plan assumes "
                                     "until it has measured or saved one (0 = none: restore until "
                                     "measured; default 0)"),

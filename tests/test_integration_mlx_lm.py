@@ -325,6 +325,28 @@ def test_conversations_count_once_and_keep_their_partial_tails(tmp_path, model):
         assert rest == [1] and pc.last_fetch.tier == "mixed"
 
 
+@pytest.mark.parametrize("max_size, in_ram", [(2, [False, True, True]), (3, [True, True, True])])
+def test_the_sequence_limit_not_only_the_hot_budget_bounds_what_stays_in_ram(tmp_path, model,
+                                                                           max_size, in_ram):
+    """mlx_lm.server's --prompt-cache-size (max_size; its default 10) applies beside the hot
+    budget: with room for every conversation in the hot tier, a third one still moves the oldest
+    one's blocks to SSD (still served) when the limit is 2, and stays in RAM when it is 3."""
+    manager, cache = make(tmp_path, model, max_size=max_size)
+    with manager:
+        conversations = [tokens_of(3 * BLOCK, seed=20 + c) for c in range(3)]
+        for tokens in conversations:
+            cache.insert_cache(KEY, tokens, prefill(model, tokens), cache_type="assistant")
+        manager.flush()
+        assert manager.hot_bytes * 8 < manager.config.hot_cache_max_bytes   # room to spare
+        pc = cache.prefix_cache(KEY)
+        assert [all(manager.tier_of(k) == "hot" for k in
+                    chain_keys(pc.fingerprint, pc.namespace, tokens, BLOCK))
+                for tokens in conversations] == in_ram
+        for tokens in conversations:
+            got, rest = cache.fetch_nearest_cache(KEY, tokens + [1])
+            assert rest == [1]
+
+
 def test_system_prompt_outlives_turns_with_prompt_cache_size_2(tmp_path, model):
     manager, cache = make(tmp_path, model, max_size=2, hot_cache_only=True)
     with manager:

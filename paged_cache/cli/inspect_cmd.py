@@ -33,7 +33,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                          "remote_tls_key"))
     p.set_defaults(func=render.dir_command("inspect", run_inspect))
 
-    p = subparsers.add_parser("ls", help="one row per stored block")
+    p = subparsers.add_parser("ls", help="one row per stored block",
+                              description="One row per block of a cache directory, grouped by "
+                                          "model: key, tokens, bytes on disk and raw, "
+                                          "compression, cache types, last access and whether it "
+                                          "is still being written. --sort age lists the "
+                                          "least recently used first, the order prune removes "
+                                          "them in.")
     render.add_dir_arguments(p)
     p.add_argument("--model", metavar="FP", help="only this model fingerprint (or a unique prefix)")
     p.add_argument("--sort", choices=SORTS, default="age",
@@ -41,13 +47,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=None, metavar="N", help="show at most N blocks")
     p.set_defaults(func=render.dir_command("ls", run_ls))
 
-    p = subparsers.add_parser("show", help="one block: metadata, layers, tensors, checksum state")
+    p = subparsers.add_parser("show", help="one block: metadata, layers, tensors, checksum state",
+                              description="One block of a cache directory, named by its key or a "
+                                          "unique prefix of one (as ls and chains print them): "
+                                          "its manifest row, files, parent and children, "
+                                          "metadata, each layer's tensors (name, dtype, shape, "
+                                          "bytes) and whether its checksum holds.")
     p.add_argument("where", nargs="+", metavar="[DIR] KEY",
                    help=f"KEY: a block key or a unique prefix of one; DIR: {render.DIR_HELP}")
     render.add_dir_arguments(p, positional=False)
     p.set_defaults(func=_show_entry)
 
-    p = subparsers.add_parser("chains", help="prefix trees: shared blocks, longest chains")
+    p = subparsers.add_parser("chains", help="prefix trees: shared blocks, longest chains",
+                              description="The prefix trees of a cache directory per model: "
+                                          "trees, blocks, conversations (stored sequences), "
+                                          "blocks shared between them, the longest chains, and "
+                                          "detached trees (whose parent block is gone, so no "
+                                          "fetch reaches them).")
     render.add_dir_arguments(p)
     p.add_argument("--limit", type=int, default=5, metavar="N",
                    help="blocks / chains listed per model in the tables (default 5)")

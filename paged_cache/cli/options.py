@@ -10,12 +10,13 @@ import argparse
 import os
 from typing import Mapping
 
-from paged_cache.config import (ENV_PREFIX, QUEUE_FULL_POLICIES, SSD_ADMISSIONS, WRITE_POLICIES,
-                                CacheConfig)
+from paged_cache.config import (ENV_PREFIX, FETCH_POLICIES, QUEUE_FULL_POLICIES, SSD_ADMISSIONS,
+                                WRITE_POLICIES, CacheConfig)
 from paged_cache.tiers.format import COMPRESSIONS
 
 _CHOICES = {"compression": COMPRESSIONS, "write_policy": WRITE_POLICIES,
-            "ssd_admission": SSD_ADMISSIONS, "queue_full_policy": QUEUE_FULL_POLICIES}
+            "ssd_admission": SSD_ADMISSIONS, "queue_full_policy": QUEUE_FULL_POLICIES,
+            "fetch_policy": FETCH_POLICIES}
 _METAVARS = {"block_size": "TOKENS", "hot_cache_max_bytes": "SIZE", "ssd_dir": "DIR",
              "ssd_max_bytes": "SIZE|auto", "write_queue_max_bytes": "SIZE",
              "remote_url": "URL", "remote_ttl": "SECONDS", "remote_timeout": "SECONDS",
@@ -27,6 +28,8 @@ BOOL_FIELDS = ("hot_cache_only", "remote_cluster", "remote_insecure", "cache_sal
 # Fields no flag sets: other users can read a process's command line (ps, /proc), so a secret
 # comes from the environment or a private TOML file; the flag is refused, saying so.
 NO_FLAG_FIELDS = ("remote_secret",)
+# Fields for tests and demonstrations: their flags are taken but left out of --help.
+HIDDEN_FIELDS = ("test_ssd_read_bytes_per_s",)
 
 
 def flag_of(name: str) -> str:
@@ -48,13 +51,13 @@ def add_config_arguments(parser: argparse.ArgumentParser,
                          fields: tuple[str, ...] | None = None) -> None:
     """Add --config FILE and a flag per CacheConfig field in ``fields`` (default: every field; a
     command lists only the fields it uses). Every flag defaults to "not given"; the flag of a
-    NO_FLAG_FIELDS field is hidden and refused."""
+    NO_FLAG_FIELDS field is hidden and refused, that of a HIDDEN_FIELDS one hidden."""
     group = parser.add_argument_group("cache configuration",
                                       "precedence: default < --config TOML < PAGED_CACHE_* env < flags")
     group.add_argument("--config", dest="config_file", metavar="FILE", default=None,
                        help="TOML file with a [paged_cache] table (or settings at top level)")
     for name in fields or CacheConfig.field_names():
-        help_text = CacheConfig.field_help(name)
+        help_text = argparse.SUPPRESS if name in HIDDEN_FIELDS else CacheConfig.field_help(name)
         if name in NO_FLAG_FIELDS:
             group.add_argument(flag_of(name), dest=name, action=_Refused, default=None,
                                help=argparse.SUPPRESS)

@@ -26,12 +26,14 @@ from typing import Any, Callable, Hashable, Iterator
 
 import numpy as np
 
+from paged_cache.config import SHARED_PREFILL_MAX_WAIT_S
 from paged_cache.hashing import shared_prefix
 from paged_cache.integrations.shared.tenants import salt_of_args
 
 # A parked request goes on without its leader after this long (a safety net: the leader's prompt
-# ending releases it first).
-MAX_WAIT_SECONDS = 60.0
+# ending releases it first); the setting's help states it, tests shorten it here.
+MAX_WAIT_SECONDS = SHARED_PREFILL_MAX_WAIT_S
+
 
 # (prompt tokens, segment ends before the prompt's end) of a request, or None: not to be held
 Tokenized = tuple[list[int], list[int]]
