@@ -30,6 +30,7 @@ COMMAND_MODULES: list[str] = [
     "paged_cache.cli.verify_cmd",
     "paged_cache.cli.prune_cmd",
     "paged_cache.cli.stats_cmd",
+    "paged_cache.cli.prompt_diff",
 ]
 
 
