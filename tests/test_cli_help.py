@@ -11,7 +11,7 @@ import pytest
 from paged_cache.cli.main import build_parser, main
 from paged_cache.cli.options import HIDDEN_FIELDS, flag_of
 from paged_cache.config import FETCH_POLICIES, SHARED_PREFILL_MAX_WAIT_S
-from paged_cache.integrations import shared_prefill
+from paged_cache.integrations.shared import prefills
 
 pytestmark = pytest.mark.unit
 
@@ -52,6 +52,6 @@ def test_test_only_flags_are_taken_but_not_listed(capsys) -> None:
 
 
 def test_shared_prefill_help_states_the_longest_wait() -> None:
-    assert shared_prefill.MAX_WAIT_SECONDS == SHARED_PREFILL_MAX_WAIT_S
+    assert prefills.MAX_WAIT_SECONDS == SHARED_PREFILL_MAX_WAIT_S
     assert (f"waits for it (until its prefix is stored or its first token is out, at most "
             f"{SHARED_PREFILL_MAX_WAIT_S:g} s)") in help_of("serve")
