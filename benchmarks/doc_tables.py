@@ -42,7 +42,7 @@ def load(family: str, results: Path = RESULTS_DIR) -> dict[str, Any]:
 
 
 def provenance(family: str, data: dict[str, Any]) -> str:
-    """One line naming the run a table comes from: its file, mode, date and machine load."""
+    """What names the run a table comes from: its file, mode, date and machine load."""
     where = data.get("machine", {})
     facts = [f"{'quick' if data.get('quick') else 'full'} run" + (
         f" of {where['date']}" if "date" in where else "")]
@@ -52,7 +52,7 @@ def provenance(family: str, data: dict[str, Any]) -> str:
         facts.append(f"{where['cpus']} CPUs")
     if where.get("load_average"):
         facts.append(f"load average {where['load_average'][0]:g} at its start")
-    return f"*`benchmarks/results/{family}.json`: {', '.join(facts)}.*"
+    return f"`benchmarks/results/{family}.json`: {', '.join(facts)}"
 
 
 def render(spec: str, results: Path = RESULTS_DIR) -> str:
@@ -72,8 +72,9 @@ def render(spec: str, results: Path = RESULTS_DIR) -> str:
     else:
         stored = {name: load(name, results) for name in names}
         body = markdown_table([f for data in stored.values() for f in data["figures"]])
-    lines = [provenance(name, data) for name, data in stored.items()]
-    return "\n".join(lines) + "\n\n" + body.rstrip("\n") + "\n"
+    runs = [provenance(name, data) for name, data in stored.items()]
+    head = f"*{runs[0]}.*" if len(runs) == 1 else "\n".join(f"- {run}" for run in runs)
+    return head + "\n\n" + body.rstrip("\n") + "\n"
 
 
 def refresh(text: str, results: Path = RESULTS_DIR) -> str:
