@@ -15,11 +15,12 @@ from paged_cache.testing.model_dir import SPECIAL_TOKENS
 
 pytestmark = pytest.mark.unit
 
-# A template that rewrites history as Qwen3's does: an earlier reply loses its thinking.
+# A template that rewrites history as Qwen3's does: an earlier reply loses its thinking (unless
+# the template argument keep_thinking is set).
 DROPS_THINKING = (
     "{% for message in messages %}"
     "{% set content = message['content'] %}"
-    "{% if message['role'] == 'assistant' %}"
+    "{% if message['role'] == 'assistant' and not keep_thinking %}"
     "{% set content = content.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
     "<|im_start|>{{ message['role'] }}\n{{ content }}<|im_end|>\n"
     "{% endfor %}"
@@ -51,16 +52,22 @@ def diff(model, tmp_path, capsys, first, second, *extra: str) -> tuple[int, str,
     return status, out.out, out.err
 
 
-def test_a_template_that_drops_thinking_parts_where_the_reply_began(model, tmp_path, capsys):
-    config = json.loads((model / "tokenizer_config.json").read_text())
+@pytest.fixture
+def drops_thinking(model):
+    """``model`` with DROPS_THINKING as its chat template for one test."""
+    path = model / "tokenizer_config.json"
+    config = json.loads(path.read_text())
     config["chat_template"], template = DROPS_THINKING, config.get("chat_template")
-    (model / "tokenizer_config.json").write_text(json.dumps(config))
-    try:
-        status, out, err = diff(model, tmp_path, capsys, {"messages": [SYSTEM, USER, REPLY]},
-                                {"messages": [SYSTEM, USER, REPLY, NEXT]}, "--block-size", "16")
-    finally:
-        config["chat_template"] = template
-        (model / "tokenizer_config.json").write_text(json.dumps(config))
+    path.write_text(json.dumps(config))
+    yield model
+    config["chat_template"] = template
+    path.write_text(json.dumps(config))
+
+
+def test_a_template_that_drops_thinking_parts_where_the_reply_began(drops_thinking, tmp_path,
+                                                                    capsys):
+    turns = ({"messages": [SYSTEM, USER, REPLY]}, {"messages": [SYSTEM, USER, REPLY, NEXT]})
+    status, out, err = diff(drops_thinking, tmp_path, capsys, *turns, "--block-size", "16")
     assert status == 0, err
     shared = tokens("<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nCapital of "
                     "France?<|im_end|>\n<|im_start|>assistant\n")
@@ -68,6 +75,10 @@ def test_a_template_that_drops_thinking_parts_where_the_reply_began(model, tmp_p
     assert f"first difference at token {shared} (in block {shared // 16}," in out
     assert out.split("then A:\n")[1].split("\n")[0].strip().startswith('"<think>\\neasy')
     assert out.split("then B:\n")[1].split("\n")[0].strip().startswith('"Paris.<|im_end|>')
+    # The template's switch, given as the server's --chat-template-args, keeps the history.
+    status, out, err = diff(drops_thinking, tmp_path, capsys, *turns,
+                            "--chat-template-args", '{"keep_thinking": true}')
+    assert status == 0 and "B starts with all of A" in out, err
 
 
 def test_a_later_turn_that_keeps_history_starts_with_all_of_the_earlier(model, tmp_path, capsys):

@@ -4,8 +4,9 @@ A later turn reuses what an earlier one stored only up to the first token where 
 A chat template that rewrites history (drops an earlier reply's thinking, injects today's date,
 adds a default system prompt when none is given) moves that point back, sometimes to the start.
 This renders both requests with the model's chat template as mlx_lm.server does for a text chat
-(``add_generation_prompt``, the request's ``tools`` and ``chat_template_kwargs``) and prints the
-tokens they share and the text on each side of the first difference.
+(``add_generation_prompt``, the request's ``tools``, the server's ``--chat-template-args``
+overlaid with the request's ``chat_template_kwargs``) and prints the tokens they share and the
+text on each side of the first difference.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from paged_cache.cli.options import add_config_arguments
 from paged_cache.cli.render import config_command, fail
@@ -43,13 +46,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="mlx-lm model directory or Hugging Face repo (its tokenizer is read)")
     parser.add_argument("first", metavar="A", type=Path, help="the earlier request (JSON file)")
     parser.add_argument("second", metavar="B", type=Path, help="the later request (JSON file)")
+    parser.add_argument("--chat-template-args", type=json.loads, default={}, metavar="JSON",
+                        help="as mlx_lm.server's: arguments of the chat template, e.g. "
+                             "'{\"enable_thinking\": false}' (a request's chat_template_kwargs "
+                             "override them)")
     add_config_arguments(parser, fields=("block_size",))
     parser.set_defaults(func=config_command("prompt-diff", run))
 
 
-def prompt_tokens(tokenizer: Any, request: Any, source: str) -> list[int]:
-    """The token ids a request's prompt becomes (see the module docstring); PromptError naming
-    ``source`` for anything else."""
+def prompt_tokens(tokenizer: Any, request: Any, source: str,
+                  template_args: dict[str, Any] | None = None) -> list[int]:
+    """The token ids a request's prompt becomes (see the module docstring), ``template_args``
+    being the server's --chat-template-args; PromptError naming ``source`` for anything else."""
     if isinstance(request, dict) and isinstance(request.get("prompt"), str):
         return list(tokenizer.encode(request["prompt"]))
     messages = request.get("messages") if isinstance(request, dict) else request
@@ -61,7 +69,10 @@ def prompt_tokens(tokenizer: Any, request: Any, source: str) -> list[int]:
         raise PromptError(f"{source}: the model's tokenizer has no chat template")
     messages = [dict(m, content=_text(m.get("content"), source)) for m in messages]
     options = request if isinstance(request, dict) else {}
-    kwargs = dict(options.get("chat_template_kwargs") or {}, tools=options.get("tools"))
+    overrides = options.get("chat_template_kwargs") or {}
+    if not isinstance(overrides, dict):
+        raise PromptError(f"{source}: chat_template_kwargs is not a JSON object")
+    kwargs = {**(template_args or {}), **overrides, "tools": options.get("tools")}
     reply = messages.pop()["content"] if messages[-1]["role"] == "assistant" else None
     ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                              **kwargs))
@@ -88,8 +99,6 @@ def _shown(tokenizer: Any, ids: list[int]) -> str:
 def report(tokenizer: Any, a: list[int], b: list[int], block: int, names: tuple[str, str]
            ) -> list[str]:
     """The lines prompt-diff prints for prompts ``a`` and ``b``."""
-    import numpy as np
-
     shared = shared_prefix(np.asarray(a), np.asarray(b))
     lines = [f"A: {names[0]}, {len(a):,} tokens; B: {names[1]}, {len(b):,} tokens",
              f"shared prefix: {shared:,} tokens ({shared // block} whole block(s) of {block})"]
@@ -125,7 +134,7 @@ def run(args: argparse.Namespace, config: CacheConfig) -> int:
         return fail("prompt-diff", f"--model {args.model}: no tokenizer could be loaded ({error})",
                     1)
     try:
-        a, b = (prompt_tokens(tokenizer, r, str(p))
+        a, b = (prompt_tokens(tokenizer, r, str(p), args.chat_template_args)
                 for r, p in zip(requests, (args.first, args.second)))
     except PromptError as error:
         return fail("prompt-diff", str(error))
