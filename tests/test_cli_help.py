@@ -5,6 +5,7 @@ says how long a request may wait."""
 from __future__ import annotations
 
 import argparse
+import functools
 
 import pytest
 
@@ -16,6 +17,7 @@ from paged_cache.integrations.shared import prefills
 pytestmark = pytest.mark.unit
 
 
+@functools.cache
 def commands() -> dict[str, argparse.ArgumentParser]:
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
