@@ -26,7 +26,8 @@ ANY_MARKER = re.compile(r"<!-- bench ")
 SCALES = {"ms": ("s", 1e3), "s": ("s", 1.0), "KiB": ("B", 2.0 ** -10),
           "MiB": ("B", 2.0 ** -20), "GiB": ("B", 2.0 ** -30)}
 # document -> the fewest marked figures it holds (so a lost marker cannot pass unnoticed)
-QUOTING = {"README.md": 25, "docs/benchmarks.md": 15, "docs/fetch-plan.md": 7, "docs/guide.md": 4}
+QUOTING = {"README.md": 25, "docs/benchmarks.md": 15, "docs/fetch-plan.md": 7, "docs/guide.md": 4,
+           "docs/integration.md": 8}
 
 
 def figures(family: str) -> dict[str, dict]:
