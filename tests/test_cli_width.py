@@ -187,6 +187,12 @@ def test_every_subcommands_output_fits_80_columns(directory: Path, tmp_path: Pat
     HTTP server): no stdout line past 80 columns, no number cut."""
     d = str(directory)
     key = json.loads(cli80("ls", d, "--json").stdout)[0]["key"]
+    requests = []
+    for name, reply in (("first.json", "A long first reply. " * 10), ("second.json", "Short.")):
+        requests.append(str(tmp_path / name))
+        Path(requests[-1]).write_text(json.dumps([
+            {"role": "user", "content": "Tell me everything about the cache. " * 10},
+            {"role": "assistant", "content": reply}]))
     config = CacheConfig(ssd_dir=tmp_path / "live", hot_cache_max_bytes="16KB", block_size=16)
     with PagedSSDCacheManager(config) as manager:
         server, url = serve_stats(lambda: {"manager": manager.stats()})
@@ -196,7 +202,8 @@ def test_every_subcommands_output_fits_80_columns(directory: Path, tmp_path: Pat
                 "config": ["config", "--ssd-dir", d], "inspect": ["inspect", d], "ls": ["ls", d],
                 "show": ["show", d, key], "chains": ["chains", d], "verify": ["verify", d],
                 "prune": ["prune", d, "--max-bytes", "1", "--dry-run"],
-                "purge": ["purge", d, "--dry-run"], "stats": ["stats", "--url", url]}
+                "purge": ["purge", d, "--dry-run"], "stats": ["stats", "--url", url],
+                "prompt-diff": ["prompt-diff", "--model", str(tmp_path / "m"), *requests]}
             # a new subcommand gets a width check here, or is a server
             assert set(outputs) | SERVERS == set(subcommands())
             for name, argv in outputs.items():

@@ -24,7 +24,8 @@ from paged_cache.cli.render import config_command, fail
 from paged_cache.config import CacheConfig
 from paged_cache.hashing import shared_prefix
 
-CONTEXT_TOKENS = (16, 24)   # tokens shown before and after the first difference
+CONTEXT_TOKENS = (16, 24)   # tokens shown before and after the first difference ...
+CONTEXT_CHARS = 64          # ... as at most this many characters once escaped (80 columns)
 
 
 class PromptError(ValueError):
@@ -91,16 +92,20 @@ def _text(content: Any, source: str) -> str:
     raise PromptError(f"{source}: a message's content is neither text nor a list of text parts")
 
 
-def _shown(tokenizer: Any, ids: list[int]) -> str:
-    """Token ids as text, quoted, with newlines and control characters escaped."""
-    return json.dumps(tokenizer.decode(ids), ensure_ascii=False)
+def _shown(tokenizer: Any, ids: list[int], *, tail: bool = False) -> str:
+    """Token ids as text, quoted, newlines and control characters escaped, cut to CONTEXT_CHARS
+    (keeping its end when ``tail``)."""
+    text = tokenizer.decode(ids)
+    while len(json.dumps(text, ensure_ascii=False)) > CONTEXT_CHARS + 2:
+        text = text[1:] if tail else text[:-1]
+    return json.dumps(text, ensure_ascii=False)
 
 
 def report(tokenizer: Any, a: list[int], b: list[int], block: int, names: tuple[str, str]
            ) -> list[str]:
     """The lines prompt-diff prints for prompts ``a`` and ``b``."""
     shared = shared_prefix(np.asarray(a), np.asarray(b))
-    lines = [f"A: {names[0]}, {len(a):,} tokens; B: {names[1]}, {len(b):,} tokens",
+    lines = [f"A: {names[0]}: {len(a):,} tokens", f"B: {names[1]}: {len(b):,} tokens",
              f"shared prefix: {shared:,} tokens ({shared // block} whole block(s) of {block})"]
     if shared == len(a):
         lines.append("B starts with all of A: a fetch of B can restore everything A stored")
@@ -112,7 +117,7 @@ def report(tokenizer: Any, a: list[int], b: list[int], block: int, names: tuple[
     start = max(0, shared - before)
     lines += [f"first difference at token {shared:,} (in block {shared // block}, tokens "
               f"{shared // block * block:,}-{(shared // block + 1) * block - 1:,}); before it:",
-              f"   {_shown(tokenizer, a[start:shared])}",
+              f"   {_shown(tokenizer, a[start:shared], tail=True)}",
               "then A:", f"   {_shown(tokenizer, a[shared:shared + after])}",
               "then B:", f"   {_shown(tokenizer, b[shared:shared + after])}"]
     return lines
@@ -139,5 +144,5 @@ def run(args: argparse.Namespace, config: CacheConfig) -> int:
     except PromptError as error:
         return fail("prompt-diff", str(error))
     print("\n".join(report(tokenizer, a, b, config.block_size,
-                           (str(args.first), str(args.second)))))
+                           (args.first.name, args.second.name))))
     return 0
