@@ -1,8 +1,8 @@
-"""Run several chat conversations that share a system prompt through the Scheduler with the
-tiered cache, restart the cache manager between two phases (so SSD hits show), and compare every
-turn with a cold prefill. Prints a table per turn and a summary; writes demo.png and
-demo-results.json. The embedded model has random weights: its text is meaningless, the cache
-mechanics are real."""
+"""Run a chat through the Scheduler with the tiered cache on a real model (SmolLM2-135M-Instruct,
+downloaded once, 93 MB), restart the cache manager between two phases (so SSD hits show), and
+compare every turn with a cold prefill. Prints a table per turn, the chat and a summary; writes
+demo.png and demo-results.json. --tiny runs an embedded random-weight model instead (no
+download; its text is meaningless, the cache mechanics are the same)."""
 
 from __future__ import annotations
 
@@ -19,12 +19,18 @@ DEFAULT_OUTPUT = Path("demo-output")
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the demo subcommand."""
     parser = subparsers.add_parser(
-        "demo", help="run the multi-turn chat demo (tiny embedded model, TTFT and memory per turn)",
+        "demo", help="run the multi-turn chat demo on a real model (TTFT and memory per turn)",
         description=__doc__)
-    parser.add_argument("--model", type=Path, default=None,
-                        help="an mlx-lm model directory to use instead of the embedded tiny model")
+    models = parser.add_mutually_exclusive_group()
+    models.add_argument("--model", type=Path, default=None,
+                        help="an mlx-lm model directory to use instead of SmolLM2-135M-Instruct")
+    models.add_argument("--tiny", action="store_true",
+                        help="the embedded tiny random-weight model: no download, meaningless text")
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="where the real model's wheel and its conversions are kept (default "
+                             "$PAGED_CACHE_MODELS_DIR, else ~/.cache/paged-cache-models)")
     parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT,
-                        help="where the embedded model, the SSD tier (unless --ssd-dir), the plot "
+                        help="where the tiny model, the SSD tier (unless --ssd-dir), the plot "
                              "and the results go (default ./demo-output)")
     parser.add_argument("--short", action="store_true",
                         help="a few short turns (CI smoke run)")
@@ -38,6 +44,11 @@ def run(args: argparse.Namespace, config: CacheConfig) -> int:
         return fail("demo", f"--model: {args.model} is not an mlx-lm model directory "
                             "(no config.json)")
     from paged_cache.cli.demo_workload import run_demo
+    from paged_cache.testing.real_model import RealModelError
 
-    run_demo(config, output=args.output, model_dir=args.model, short=args.short)
+    try:
+        run_demo(config, output=args.output, model_dir=args.model, tiny=args.tiny,
+                 short=args.short, cache_dir=args.cache_dir)
+    except RealModelError as error:
+        return fail("demo", f"{error}; `paged-cache demo --tiny` needs no download", status=1)
     return 0

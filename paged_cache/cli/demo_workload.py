@@ -1,9 +1,10 @@
 """The demo: a multi-turn chat workload through the Scheduler with the tiered cache.
 
-Several conversations share a long system prompt; the manager is restarted between the two phases
-so the second phase is served from SSD. Every turn is also run cold (no cache, same chunking) to
-show what the cache saves. The embedded model is tiny with random weights: its text is
-meaningless, the cache mechanics, timings and memory are real.
+Conversations share a system prompt; the manager is restarted between the two phases so the
+second phase is served from SSD. Every turn is also run cold (no cache, same chunking) to show
+what the cache saves. By default the model is a real one (SmolLM2-135M-Instruct, downloaded
+once) asked real questions, and its replies are shown; ``--tiny`` runs an embedded tiny model
+with random weights (no download; its text is meaningless, the cache mechanics are the same).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from paged_cache.integrations.mlx_lm import model_id_for
 from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing.model_dir import dir_model_config, is_model_dir, write_model_dir
+from paged_cache.testing.real_model import SMOLLM2, auto_form, real_model_dir
 
 # The embedded model: a small llama whose KV is large next to its compute (no grouped-query
 # attention), so a cache hit clearly beats a cold prefill of a ~2k-token prompt on a laptop CPU.
@@ -34,17 +36,37 @@ DEMO_SIZES = dict(layers=2, hidden=64, intermediate=128, heads=2, kv_heads=2, he
 
 @dataclass(frozen=True)
 class Workload:
-    """Conversations sharing a system prompt; ``turns[phase]`` turns per conversation and phase."""
+    """Conversations sharing a system prompt; ``turns[phase]`` turns per conversation and phase.
+    ``system`` and ``questions`` (per conversation, in order) are real text; without them the
+    text is generated (``system_chars``, ``question_chars`` long). ``block_size``: the cache's,
+    unless the user gave one."""
 
     system_chars: int
     conversations: int
     turns: tuple[int, int]
     question_chars: int
     max_tokens: int
+    system: str | None = None
+    questions: tuple[tuple[str, ...], ...] | None = None
+    block_size: int | None = None
 
 
 FULL = Workload(system_chars=1600, conversations=3, turns=(2, 2), question_chars=160, max_tokens=16)
 SHORT = Workload(system_chars=500, conversations=2, turns=(1, 1), question_chars=80, max_tokens=4)
+
+# A real model's workload: short prompts, as MLX's CPU backend prefills SmolLM2-135M at tens of
+# tokens per second; a second turn (a RAM hit), then a restart (an SSD hit). Blocks of 32 tokens:
+# these prompts are shorter than the default block (256), which would keep them in RAM until the
+# manager closes.
+TUTOR = ("You are a geography tutor for a class of travellers. Answer every question in one "
+         "short, accurate sentence. Name the country when you name a city. If you are not sure, "
+         "say so. Keep a friendly tone and never invent facts about places.")
+REAL = Workload(system_chars=0, conversations=1, turns=(2, 1), question_chars=0,
+                max_tokens=24, system=TUTOR, block_size=32, questions=((
+                    SMOLLM2.probe[0], "And what is the capital of Germany?",
+                    "Which river flows through Paris?"),))
+REAL_SHORT = dataclasses.replace(REAL, system=TUTOR.split(". ")[0] + ".", turns=(1, 1),
+                                 max_tokens=4)
 
 
 @dataclass
@@ -60,6 +82,8 @@ class TurnRow:
     ttft_cached_s: float
     ttft_cold_s: float
     same_first_token: bool
+    question: str
+    reply: str
     hot_bytes: int
     ssd_bytes: int
     peak_cached_bytes: int
@@ -108,7 +132,10 @@ def _text(rng: random.Random, chars: int, lead: str = "") -> str:
 
 
 def system_prompt(workload: Workload) -> str:
-    """The shared system prompt: a deterministic pseudo-handbook of about ``system_chars``."""
+    """The shared system prompt: the workload's, else a deterministic pseudo-handbook of about
+    ``system_chars``."""
+    if workload.system is not None:
+        return workload.system
     rng = random.Random(0)
     rules, n = [], 1
     while sum(len(r) + 1 for r in rules) < workload.system_chars:
@@ -118,9 +145,13 @@ def system_prompt(workload: Workload) -> str:
         : workload.system_chars]
 
 
-def question(conversation: int, turn: int, chars: int) -> str:
+def question(workload: Workload, conversation: int, turn: int) -> str:
+    """The workload's question ``turn`` (from 1) of ``conversation``, else a generated one."""
+    if workload.questions is not None:
+        return workload.questions[conversation][turn - 1]
     rng = random.Random(1000 * conversation + turn)
-    return _text(rng, chars, lead=f"Question {turn} of conversation {conversation}:")
+    return _text(rng, workload.question_chars,
+                 lead=f"Question {turn} of conversation {conversation}:")
 
 
 # ------------------------------------------------------------------------------ the workload
@@ -195,19 +226,19 @@ def run_workload(model: Any, tokenizer: Any, config: CacheConfig, model_dir: str
                 for i, name in enumerate(names):
                     turn_no[name] += 1
                     history = histories[name]
-                    history.append({"role": "user", "content": question(
-                        i, turn_no[name], workload.question_chars)})
+                    asked = question(workload, i, turn_no[name])
+                    history.append({"role": "user", "content": asked})
                     prompt = _encode(tokenizer, history)
                     cached, peak_cached = _measure(lambda: tiered.scheduler.generate(
                         prompt, max_tokens=workload.max_tokens, stop_tokens=eos))
                     base, peak_cold = _measure(lambda: cold.generate(prompt, max_tokens=1))
-                    reply = [t for t in cached.tokens if t not in eos]
-                    history.append({"role": "assistant", "content": tokenizer.decode(reply)})
+                    reply = tokenizer.decode([t for t in cached.tokens if t not in eos])
+                    history.append({"role": "assistant", "content": reply})
                     hot, ssd = tiered.tier_bytes()
                     row = TurnRow(phase, name, turn_no[name], len(prompt), cached.cached_tokens,
                                   (cached.cache_tier or "miss") if cached.cached_tokens else "miss",
                                   cached.ttft_s, base.ttft_s, cached.tokens[:1] == base.tokens[:1],
-                                  hot, ssd, peak_cached, peak_cold)
+                                  asked, reply, hot, ssd, peak_cached, peak_cold)
                     rows.append(row)
                     on_turn(row)
     finally:
@@ -328,19 +359,44 @@ def write_results(result: DemoResult, path: Path) -> None:
 # ------------------------------------------------------------------------------ entry
 
 
-def demo_config(config: CacheConfig, output: Path) -> CacheConfig:
-    """The demo's config: its own fresh SSD directory under ``output`` unless one was given."""
-    if config.hot_cache_only or "ssd_dir" in config.explicit:
-        return config
-    ssd = output / "ssd"
-    shutil.rmtree(ssd, ignore_errors=True)  # the demo's own directory: start from empty
-    return dataclasses.replace(config, ssd_dir=ssd)
+def demo_config(config: CacheConfig, output: Path, workload: Workload) -> CacheConfig:
+    """The demo's config: its own fresh SSD directory under ``output`` unless one was given;
+    the workload's block size unless one was given."""
+    changes: dict[str, Any] = {}
+    if workload.block_size is not None and "block_size" not in config.explicit:
+        changes["block_size"] = workload.block_size
+    if not config.hot_cache_only and "ssd_dir" not in config.explicit:
+        changes["ssd_dir"] = output / "ssd"
+        shutil.rmtree(changes["ssd_dir"], ignore_errors=True)  # the demo's own: start empty
+    return dataclasses.replace(config, **changes) if changes else config
+
+
+def demo_model(console: Any, output: Path, model_dir: Path | None, tiny: bool,
+               cache_dir: Path | None) -> Path:
+    """The demo's model directory: ``model_dir`` when given; the embedded tiny model (built
+    under ``output``) when ``tiny``; else the real model, downloaded once into ``cache_dir``."""
+    if model_dir is not None:
+        return model_dir
+    if tiny:
+        with console.status("building the embedded demo model"):
+            return ensure_demo_model(output / "model")
+    form = auto_form()
+    with console.status(f"{SMOLLM2.title} ({form}): downloading it once ({SMOLLM2.download_mb} MB) "
+                        "or taking it from the cache"):
+        return real_model_dir(SMOLLM2.name, form, cache_dir)
+
+
+def chat_lines(rows: list[TurnRow]) -> list[str]:
+    """The conversation as it went: each turn's question and the model's reply."""
+    return [line for r in rows for line in (f"{r.label} user:      {r.question}",
+                                            f"{r.label} assistant: {r.reply.strip()}")]
 
 
 def run_demo(config: CacheConfig, *, output: Path, model_dir: Path | None = None,
-             short: bool = False, console: Any = None) -> DemoResult:
-    """Build/reuse the model, run the workload with a live table and progress bar, write the
-    PNG plot and a JSON of the rows under ``output``, print the summary; return the result."""
+             tiny: bool = False, short: bool = False, cache_dir: Path | None = None,
+             console: Any = None) -> DemoResult:
+    """Get the model (``demo_model``), run the workload with a live table and progress bar,
+    write the PNG plot and a JSON of the rows under ``output``, print the summary; return it."""
     import mlx_lm
     from rich.console import Group
 
@@ -350,14 +406,15 @@ def run_demo(config: CacheConfig, *, output: Path, model_dir: Path | None = None
 
     console = console or render_console()
     output.mkdir(parents=True, exist_ok=True)
-    workload = SHORT if short else FULL
+    if tiny and model_dir is None:
+        workload = SHORT if short else FULL
+    else:
+        workload = REAL_SHORT if short else REAL
     start = time.perf_counter()
-    if model_dir is None:
-        with console.status("building the embedded demo model"):
-            model_dir = ensure_demo_model(output / "model")
+    model_dir = demo_model(console, output, model_dir, tiny, cache_dir)
     with console.status(f"loading {model_dir}"):
         model, tokenizer = mlx_lm.load(str(model_dir))
-    config = demo_config(config, output)
+    config = demo_config(config, output, workload)
     shown: list[TurnRow] = []
     progress = Progress(TextColumn("{task.description}"), BarColumn(),
                         TextColumn("{task.completed}/{task.total} turns"), TimeElapsedColumn())
@@ -377,6 +434,8 @@ def run_demo(config: CacheConfig, *, output: Path, model_dir: Path | None = None
     result.wall_s = time.perf_counter() - start
     write_results(result, output / "demo-results.json")
     console.print()  # Live leaves its last frame without a trailing newline off a terminal
+    for line in chat_lines(rows) if workload.questions else ():
+        console.print(line, highlight=False, markup=False)
     for line in summary_lines(result):
         console.print(line, highlight=False)
     if result.plot is None:
