@@ -23,7 +23,7 @@ from benchmarks.common import (Context, Timing, backend, bar_plot, block_files, 
 from benchmarks.ttft import scheduler_ttft
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
 from paged_cache.testing.real_model import SMOLLM2, auto_form, real_model_dir
-from scheduler import Scheduler
+from paged_cache.scheduler import Scheduler
 
 FAMILY = "real"
 BLOCK = 32

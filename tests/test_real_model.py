@@ -17,7 +17,7 @@ import pytest
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
 from paged_cache.integrations.mlx_lm import model_id_for
 from paged_cache.testing.real_model import SMOLLM2, RealModelError, write_real_model
-from scheduler import Scheduler
+from paged_cache.scheduler import Scheduler
 from helpers.prefix import assert_exact, store_prompt
 
 QUESTION, REPLY = SMOLLM2.probe
