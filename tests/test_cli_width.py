@@ -132,7 +132,7 @@ def test_stats_table_fits(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> No
 
 def test_demo_table_fits_80_columns(tmp_path: Path) -> None:
     env = dict(os.environ, COLUMNS=str(WIDTH), HF_HUB_OFFLINE="1")
-    run = subprocess.run([sys.executable, "-m", "paged_cache.cli.main", "demo", "--short",
+    run = subprocess.run([sys.executable, "-m", "paged_cache.cli.main", "demo", "--tiny", "--short",
                           "--output", str(tmp_path / "demo")], capture_output=True, text=True,
                          timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
