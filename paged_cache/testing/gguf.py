@@ -36,6 +36,8 @@ _TOP = re.compile(r"(\w+)\.(weight|scales|biases)$")
 
 # tokenizer.ggml.token_type: 3 is a control token (special: never split, skipped when decoding)
 _CONTROL = 3
+# tokenizer.ggml.pre -> whether digits are split one by one before GPT-2's regex (SmolLM's are)
+_DIGITS_APART = {"gpt2": False, "default": False, "smollm": True}
 
 
 class GGUFError(ValueError):
@@ -122,15 +124,20 @@ def write_tokenizer(meta: dict[str, Any], out: Path, source: str) -> None:
     tokens = list(meta["tokenizer.ggml.tokens"])
     types = meta["tokenizer.ggml.token_type"].tolist()
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    pre = meta.get("tokenizer.ggml.pre", "gpt2")
+    if pre not in _DIGITS_APART:
+        raise GGUFError(f"{source}: pre-tokenizer {pre!r}; converted: {', '.join(_DIGITS_APART)}")
     tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-    # llama.cpp's GPT-2 pre-tokenizers split digits one by one before the GPT-2 regex
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    steps = [pre_tokenizers.Digits(individual_digits=True)] if _DIGITS_APART[pre] else []
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        steps + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([t for t, kind in zip(tokens, types) if kind == _CONTROL])
     tokenizer.save(str(out / "tokenizer.json"))
-    token = lambda key: tokens[int(_scalar(meta, f"tokenizer.ggml.{key}_token_id", source))]  # noqa: E731
+
+    def token(key: str) -> str:
+        return tokens[int(_scalar(meta, f"tokenizer.ggml.{key}_token_id", source))]
+
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "chat_template": _scalar(meta, "tokenizer.chat_template", source),
