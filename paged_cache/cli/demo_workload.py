@@ -406,9 +406,9 @@ def run_demo(config: CacheConfig, *, output: Path, model_dir: Path | None = None
 
     console = console or render_console()
     output.mkdir(parents=True, exist_ok=True)
-    if tiny and model_dir is None:
+    if tiny:
         workload = SHORT if short else FULL
-    else:
+    else:   # the real model, or a model of the user's: real questions
         workload = REAL_SHORT if short else REAL
     start = time.perf_counter()
     model_dir = demo_model(console, output, model_dir, tiny, cache_dir)
