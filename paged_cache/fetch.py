@@ -6,9 +6,10 @@ clipped to the tokens it shares with the request. Candidate end positions are tr
 first: for layouts with recurrent state only the ends of nodes that hold every such layer's state
 there; otherwise any position the rows reach. A candidate is accepted when every layer's handler
 can plan its rebuild from the chosen nodes (blocks read once, RAM preferred between equals); each
-layer is then rebuilt straight into one buffer laid out as mlx-lm's own cache would be after the
-same prefill (its growth step), in the order its arrays lie in a block file (a payload still on
-disk is read once, front to back). The fetch plan (fetch_plan.py) keeps, of the candidate ends,
+layer is then rebuilt straight into one buffer laid out as mlx-lm's own cache is after the same
+prefill and the caller's next forward (``chunks.next_forward_end``: the request's next chunk on
+the caller's grid), so that forward writes in place, in the order its arrays lie in a block file
+(a payload still on disk is read once, front to back). The fetch plan (fetch_plan.py) keeps, of the candidate ends,
 those worth restoring against the model's prefill; each restore is timed per tier for the rates
 it weighs (rates.py).
 """
@@ -26,6 +27,7 @@ import numpy as np
 
 from paged_cache.block import KEY_HEX_LEN, Block
 from paged_cache.chain_index import ChainNode
+from paged_cache.chunks import next_forward_end
 from paged_cache.fetch_plan import OVERLAP_TIERS, Plan, Split, plan_fetch
 from paged_cache.handlers import Part, Span
 from paged_cache.handlers.base import clipped, rebuild_pipeline
@@ -86,6 +88,7 @@ class _Search:
     cands: list[Candidate]
     kids: dict[str, list[ChainNode]]
     blocks: dict[str, Block | None] = field(default_factory=dict)
+    chunk: int = 0  # the caller's prefill grid (0: the block size), for its next forward
     read_seconds: dict[str, float] = field(default_factory=dict)  # per key: its tier read
     warm_seconds: dict[str, float] = field(default_factory=dict)  # per key: its I/O done ahead
 
@@ -103,11 +106,12 @@ def chain_of(pc: Any, ids: np.ndarray) -> tuple[list[str], list, dict[str, list[
 
 
 def find(pc: Any, ids: np.ndarray, limit: int | None = None, prefill: Prefill | None = None,
-         grid: int = 0) -> Found:
+         grid: int = 0, chunk: int = 0) -> Found:
     """Search and rebuild for the token ids ``ids`` (see module doc), at most ``limit`` tokens
     (default and cap: all but the last); ``Found.cache`` is None on a miss. ``prefill`` and
     ``grid`` (its chunk, a multiple of the block size) let the plan prefill a head itself while
-    the rest is read (``_both``)."""
+    the rest is read (``_both``). ``chunk``: the grid the caller prefills the rest on (0: the
+    block size), which says what its next forward feeds."""
     layout, bs = pc.layout, pc.block_size
     total = len(ids)
     limit = total - 1 if limit is None else min(limit, total - 1)
@@ -128,7 +132,7 @@ def find(pc: Any, ids: np.ndarray, limit: int | None = None, prefill: Prefill | 
     path = [listed.get(keys[j]) or ChainNode(keys[j], parents[j], layout.fingerprint, j * bs,
                                              ids[j * bs:(j + 1) * bs], restorable=False,
                                              tier=tiers[j]) for j in range(held)]
-    search = _Search(pc, ids, path, cands, kids)
+    search = _Search(pc, ids, path, cands, kids, chunk=chunk)
     shared_max = max((c.end for c in cands), default=0)
     plan = _plan(search, _candidate_ends(layout, cands, min(limit, shared_max)),
                  grid if prefill is not None else 0)
@@ -142,7 +146,7 @@ def find(pc: Any, ids: np.ndarray, limit: int | None = None, prefill: Prefill | 
         if found is _DAMAGED:
             # a payload failed its checksum while read into place (its file is removed now):
             # search again, the chain now ends before that block
-            return find(pc, ids, limit, prefill, grid)
+            return find(pc, ids, limit, prefill, grid, chunk)
         if found is not None:
             found.shared, found.plan = shared_max, plan
             return found
@@ -355,6 +359,8 @@ def _try_nodes(search: _Search, n: int, chosen: list[tuple[ChainNode, int]]) -> 
                     lent.append(Lent.of(got, node.start, node.end))
     by_layer = [_group_by_layer(b.arrays) for b in blocks]
     sizes = [b.nbytes for b in blocks]  # before handed-over arrays leave their blocks
+    bs = pc.block_size
+    feed = next_forward_end(n, len(search.ids), bs, search.chunk or bs) - n
     t0 = time.perf_counter()
     with rebuild_pipeline():  # a layer's buffers fill while the one before is copied
         for i in file_order(len(template)):
@@ -367,7 +373,7 @@ def _try_nodes(search: _Search, n: int, chosen: list[tuple[ChainNode, int]]) -> 
                 else:
                     local = {short: blocks[j].arrays[full] for full, short in names}
                 parts.append(Part(spans[i][j].start, spans[i][j].end, spans[i][j].desc, local))
-            template[i] = h.rebuild(layer, parts, n)
+            template[i] = h.rebuild(layer, parts, n, feed)
             del parts
     evaluate([a for layer in template for a in layer_arrays(layer)])
     t1 = time.perf_counter()

@@ -267,19 +267,23 @@ class BlockAwarePrefixCache:
         tokens (a multiple of the block size), as the Scheduler does. The fetch plan may then
         prefill a head of the prefix itself, on that grid, while the rest is read from disk
         (docs/fetch-plan.md, both at once); ``last_fetch.tokens_prefilled`` says how much.
+        Each rebuilt buffer is sized for the caller's next forward: the request's next chunk on
+        that grid (the block size's without one), up to its last token, or that token alone
+        (``chunks.next_forward_end``), so the forward runs in place on a cold cache's layout.
         """
         t0 = time.perf_counter()
         tokens = token_ids(tokens)
-        grid = self._check_chunk(prefill_chunk)
+        chunk = self._check_chunk(prefill_chunk)
+        grid = chunk if self._agreement is None and self.manager.config.fetch_overlap else 0
         total = len(tokens)
         st = self._stats
         st["tokens_requested"] += total
         if len(self._loans):
             self._loans.settle(self._held, tokens)
         found = self._find(tokens, prefill=self._head_prefill(tokens, grid) if grid else None,
-                           grid=grid)
+                           grid=grid, chunk=chunk)
         if self._agreement is not None:
-            found = self._agree(tokens, found)
+            found = self._agree(tokens, found, chunk)
         n = found.n if found is not None else 0
         plan = found.plan if found is not None else None
         if plan is not None and plan.recomputed:
@@ -327,16 +331,15 @@ class BlockAwarePrefixCache:
         return grid
 
     def _check_chunk(self, prefill_chunk: Any) -> int:
-        """The prefill grid of a fetch (0: none; always 0 with ``fetch_overlap`` off, and in a
-        group, whose ranks would have to prefill the same head together)."""
+        """The caller's prefill grid (0: none given). The fetch plan prefills a head on it only
+        with ``fetch_overlap`` on and outside a group, whose ranks would have to prefill the
+        same head together."""
         if prefill_chunk is None:
             return 0
         if (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
                 or prefill_chunk < 1 or prefill_chunk % self.block_size):
             raise ValueError(f"prefill_chunk: expected a positive multiple of the block size "
                              f"{self.block_size}, got {prefill_chunk!r}")
-        if self._agreement is not None or not self.manager.config.fetch_overlap:
-            return 0
         return prefill_chunk
 
     def _head_prefill(self, tokens: np.ndarray, grid: int) -> Callable[[int], list]:
@@ -363,22 +366,23 @@ class BlockAwarePrefixCache:
         self.last_fetch = FetchInfo(tokens_requested, n, "hot", seconds, 0, n)
 
     def _find(self, tokens: np.ndarray, limit: int | None = None,
-              prefill: Callable[[int], list] | None = None, grid: int = 0) -> Found | None:
+              prefill: Callable[[int], list] | None = None, grid: int = 0,
+              chunk: int = 0) -> Found | None:
         """This rank's longest rebuild of ``tokens`` (at most ``limit`` tokens), or None. In a
         group an error is a miss (logged, counted): a rank must never leave the collective."""
         if len(tokens) < 2 or not self.layout.ready():
             return None
         if self._agreement is None:
-            return find(self, tokens, limit, prefill, grid)
+            return find(self, tokens, limit, prefill, grid, chunk)
         try:
-            return find(self, tokens, limit)
+            return find(self, tokens, limit, chunk=chunk)
         except Exception as exc:  # noqa: BLE001 - the other ranks wait in the agreement
             self._agreement.counters["fetch_errors"] += 1
             logger.warning("fetch failed on rank %d, proposing a miss to the group: %r",
                            self.group.rank(), exc, exc_info=exc)
             return None
 
-    def _agree(self, tokens: np.ndarray, found: Found | None) -> Found | None:
+    def _agree(self, tokens: np.ndarray, found: Found | None, chunk: int) -> Found | None:
         """The group's fetch: the longest prefix every rank rebuilt. A rank above the shortest
         proposal gives back what it took and searches again below it, until all agree."""
         agreement = self._agreement
@@ -389,7 +393,7 @@ class BlockAwarePrefixCache:
         while longest != shortest:
             if n > shortest:
                 self._drop(tokens, found)
-                found = self._find(tokens, shortest) if shortest else None
+                found = self._find(tokens, shortest, chunk=chunk) if shortest else None
                 n = found.n if found is not None else 0
             longest, shortest, _ = agreement.propose(n, 0)
         agreement.counters["tokens_given_up_to_group"] += mine - n

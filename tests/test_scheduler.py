@@ -8,7 +8,7 @@ from mlx_lm.generate import generate_step
 
 from paged_cache.caches import PreallocatedRotatingKVCache, make_bounded_cache
 from paged_cache.scheduler import Scheduler, SnapshotStore
-from paged_cache.scheduler.chunks import next_chunk_end
+from paged_cache.chunks import next_chunk_end
 
 from helpers.backends import batch_equals_alone
 

@@ -83,7 +83,7 @@ class ArraysHandler(LayerHandler):
                        for k in range(1, len(shape))) if len(shape) > 1 else nbytes_of(dtype, shape)
                    for dtype, shape in filter(None, form))
 
-    def rebuild(self, layer: Any, parts: Sequence[Part], n: int) -> Any:
+    def rebuild(self, layer: Any, parts: Sequence[Part], n: int, feed: int = 0) -> Any:
         part = next(p for p in parts if p.end == n and p.desc.get("has_state"))
         stored = [part.arrays.pop(f"s{i}", None) for i in range(part.desc["size"])]
         layer.cache = [None if a is None else detached(a) for a in stored]

@@ -2,9 +2,10 @@
 
 A handler is stateless; one instance serves every layer of its cache type. Arrays a handler
 returns from ``cut`` / ``capture`` are evaluated copies that own their memory. ``rebuild`` writes
-the rows of every needed block straight into one buffer sized for the continuation and pops each
-block's arrays from its ``Part`` once written, so a caller that handed blocks over frees them as
-the live cache fills (one copy, not two). A handler whose ``reads_in_place`` is True also takes
+the rows of every needed block straight into one buffer, sized as a cold cache is after the
+caller's next forward (that forward then grows nothing), and pops each block's arrays from its
+``Part`` once written, so a caller that handed blocks over frees them as the live cache fills
+(one copy, not two). A handler whose ``reads_in_place`` is True also takes
 stored tensors in a ``Part`` (block payloads still on disk, with ``read_rows``): it asks them to
 land their rows in its buffers, and the caller reads them after the last layer.
 """
@@ -150,8 +151,10 @@ class LayerHandler:
         """The most bytes one stored node (block or checkpoint) holds for this layer."""
         raise NotImplementedError
 
-    def rebuild(self, layer: Any, parts: Sequence[Part], n: int) -> Any:
-        """Fill the fresh ``layer`` so it equals the original positioned at ``n`` tokens."""
+    def rebuild(self, layer: Any, parts: Sequence[Part], n: int, feed: int = 0) -> Any:
+        """Fill the fresh ``layer`` so it equals the original positioned at ``n`` tokens, laid
+        out as a cold cache is after the caller's next forward, which feeds ``feed`` tokens
+        (0: unknown; laid out as a cold cache before it)."""
         raise NotImplementedError
 
 

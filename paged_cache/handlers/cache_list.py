@@ -115,13 +115,13 @@ class CacheListHandler(LayerHandler):
     def node_bytes(self, layer: Any, form: Any, block_size: int) -> int:
         return sum(h.node_bytes(m, f, block_size) for (m, h), f in zip(self.members(layer), form))
 
-    def rebuild(self, layer: Any, parts: Sequence[Part], n: int) -> Any:
+    def rebuild(self, layer: Any, parts: Sequence[Part], n: int, feed: int = 0) -> Any:
         spans = [Span(p.start, p.end, p.desc) for p in parts]
         rebuilt = []
         for j, (member, handler) in enumerate(self.members(layer)):
             idx = handler.plan(member, [Span(s.start, s.end, s.desc["members"][j]) for s in spans], n)
             sub = [Part(parts[i].start, parts[i].end, parts[i].desc["members"][j],
                         split_prefixed(parts[i].arrays, f"m{j}.", pop=True)) for i in idx]
-            rebuilt.append(handler.rebuild(member, sub, n))
+            rebuilt.append(handler.rebuild(member, sub, n, feed))
         layer.caches = tuple(rebuilt)
         return layer

@@ -13,7 +13,8 @@ from paged_cache.row_path import evaluate
 
 
 class KVHandler(RowsHandler):
-    """KVCache: rows ``[0, offset)``; rebuilt into one buffer on mlx-lm's growth step."""
+    """KVCache: rows ``[0, offset)``; rebuilt into one buffer as mlx-lm's own cache holds them
+    after the caller's next forward (its growth step: ``RowsHandler.buffer_rows``)."""
 
     kind = "kv"
     cache_types = (KVCache,)
@@ -25,7 +26,7 @@ class ConcatenateKVHandler(RowsHandler):
     kind = "concat_kv"
     cache_types = (ConcatenateKVCache,)
 
-    def buffer_rows(self, layer: Any, rows: int, n: int) -> int:
+    def buffer_rows(self, layer: Any, rows: int, n: int, feed: int) -> int:
         return rows
 
 
@@ -86,21 +87,21 @@ class ChunkedKVHandler(RowsHandler):
             return shaped[-1:] or None
         return needed
 
-    def buffer_rows(self, layer: Any, rows: int, n: int) -> int:
+    def capacity(self, layer: Any, rows: int, n: int) -> int:
         """Past its first chunk, a cold cache trims its front to the last ``chunk_size`` rows
-        before each forward, and the update then concatenates its new rows onto exactly those:
-        holding exactly them, the rebuilt buffer grows alike (the same shapes from the first
-        forward on); within the first chunk it grows on mlx-lm's step like a KVCache."""
-        return rows if n > layer.chunk_size else super().buffer_rows(layer, rows, n)
+        before each forward (a view of exactly those rows), so its next forward grows from
+        them (concatenating its step-rounded new rows); within the first chunk it holds them
+        on mlx-lm's step like a KVCache."""
+        return rows if n > layer.chunk_size else super().capacity(layer, rows, n)
 
-    def rebuild(self, layer: Any, parts: Sequence[Part], n: int) -> Any:
+    def rebuild(self, layer: Any, parts: Sequence[Part], n: int, feed: int = 0) -> Any:
         runs = [(max(0, n - layer.chunk_size), n)]
         if any(part.desc.get("has_rows") for part in parts):
-            return self.rebuild_runs(layer, parts, n, runs)
+            return self.rebuild_runs(layer, parts, n, runs, feed)
         rows = runs[0][1] - runs[0][0]  # every row masked: zeros
         buffers = {}
         for name, (dims, dtype) in parts[0].desc["arrays"].items():
-            shape = (*dims[:2], self.buffer_rows(layer, rows, n), *dims[2:])
+            shape = (*dims[:2], self.buffer_rows(layer, rows, n, feed), *dims[2:])
             buffers[name] = mx.zeros(shape, dtype=getattr(mx, dtype.rsplit(".", 1)[-1]))
         evaluate(list(buffers.values()))
         return self.install(layer, buffers, n, rows)

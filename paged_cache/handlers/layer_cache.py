@@ -43,7 +43,7 @@ class _Rows(RowsHandler):
     def arrays(self, layer: Any) -> Arrays:
         return {name: compat.layer_cache_get(layer, name)[:, None] for name in self.fields}
 
-    def buffer_rows(self, layer: Any, rows: int, n: int) -> int:
+    def buffer_rows(self, layer: Any, rows: int, n: int, feed: int) -> int:
         return rows  # the model concatenates onto them: exactly the rows, no room
 
     def install(self, layer: Any, buffers: Arrays, n: int, rows: int) -> Arrays:
@@ -222,7 +222,7 @@ class LayerCacheHandler(LayerHandler):
         return union_of_plans(rows.plan(layer, self._spans(name, spans), self._target(name, n))
                               for name, rows in self.parts)
 
-    def rebuild(self, layer: Any, parts: Sequence[Part], n: int) -> Any:
+    def rebuild(self, layer: Any, parts: Sequence[Part], n: int, feed: int = 0) -> Any:
         spans = [Span(p.start, p.end, p.desc) for p in parts]
         arrays: dict = dict.fromkeys(compat.LAYER_CACHE_FIELDS)
         for name, rows in self.parts:

@@ -26,7 +26,7 @@ from mlx_lm.models.cache import RotatingKVCache
 from paged_cache import compat
 from paged_cache.caches import PreallocatedRotatingKVCache
 from paged_cache.handlers.base import Arrays, Part, Span, Stored
-from paged_cache.handlers.rows import RowsHandler, Run, held_ranges
+from paged_cache.handlers.rows import RowsHandler, Run, growth_step, held_ranges
 
 
 class RotatingHandler(RowsHandler):
@@ -98,14 +98,14 @@ class RotatingHandler(RowsHandler):
             return f"ring {ring!r:.40} is not [source position >= {stored.end}, phase < {period}]"
         return None
 
-    def rebuild(self, layer: Any, parts: Sequence[Part], n: int) -> Any:
+    def rebuild(self, layer: Any, parts: Sequence[Part], n: int, feed: int = 0) -> Any:
         phase = self.phase_at(layer, parts, n) if n > layer.max_size else None
         keep, ring = layer.keep, layer.max_size - layer.keep
         newest = 0 if phase is None else (n - phase) % ring  # rows at slots keep.. (newest first)
         if newest == 0:
-            return super().rebuild(layer, parts, n)
+            return super().rebuild(layer, parts, n, feed)
         runs = [(0, keep), (n - newest, n), (n - ring, n - newest)]
-        self.rebuild_runs(layer, parts, n, runs)
+        self.rebuild_runs(layer, parts, n, runs, feed)
         self.set_slot(layer, keep + newest, ordered=False)
         return layer
 
@@ -113,7 +113,13 @@ class RotatingHandler(RowsHandler):
         """Set the write slot of a rebuilt layer (``ordered``: its buffer is in temporal order)."""
         compat.set_ring_slot(layer, slot)
 
-    def buffer_rows(self, layer: Any, rows: int, n: int) -> int:
+    def buffer_rows(self, layer: Any, rows: int, n: int, feed: int) -> int:
+        """Exactly the rows, as a cold cache holds them after a chunk (mlx-lm concatenates
+        them), and as it holds them after any multi-token forward (which concatenates again).
+        A 1-token forward on a window not yet full writes in place after growing the buffer
+        by ``step`` rows (at most up to the window): that room is given up front."""
+        if feed == 1 and rows < layer.max_size:
+            return rows + min(growth_step(layer), layer.max_size - rows)
         return rows
 
     def install(self, layer: Any, buffers: Arrays, n: int, rows: int) -> Any:
@@ -130,7 +136,7 @@ class PreallocatedRotatingHandler(RotatingHandler):
     kind = "prealloc_rotating_kv"
     cache_types = (PreallocatedRotatingKVCache,)
 
-    def buffer_rows(self, layer: Any, rows: int, n: int) -> int:
+    def buffer_rows(self, layer: Any, rows: int, n: int, feed: int) -> int:
         return layer.max_size
 
     @staticmethod

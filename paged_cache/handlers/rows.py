@@ -21,6 +21,11 @@ FLOATS = ("float32", "float16", "bfloat16")  # an array's dtype when its form ha
 GROWTH_STEP = 256  # mlx-lm's KV growth step, for a layer that does not say its own
 
 
+def growth_step(layer: Any) -> int:
+    """The rows by which mlx-lm grows ``layer``'s buffer (its ``step``)."""
+    return getattr(layer, "step", None) or GROWTH_STEP
+
+
 def merge_runs(runs: Sequence[Run]) -> list[Run]:
     """Merge runs that continue each other both in positions and in rows."""
     out: list[Run] = []
@@ -57,13 +62,24 @@ class RowsHandler(LayerHandler):
         """Positions a layer positioned at ``n`` tokens must hold."""
         return [(0, n)]
 
-    def buffer_rows(self, layer: Any, rows: int, n: int) -> int:
-        """Rows to allocate for ``rows`` valid rows of a rebuild at ``n``: what mlx-lm's own
-        cache holds after prefilling them in chunks of its growth step (``step``, 256), so a
-        continuation grows it and runs its kernels on the same shapes and strides as on a cold
-        cache."""
-        step = getattr(layer, "step", None) or GROWTH_STEP
+    def capacity(self, layer: Any, rows: int, n: int) -> int:
+        """Rows mlx-lm's own cache holds for ``rows`` valid rows at ``n`` before its next
+        forward: those rows rounded up to its growth step (``step``, 256)."""
+        step = growth_step(layer)
         return -(-rows // step) * step
+
+    def buffer_rows(self, layer: Any, rows: int, n: int, feed: int) -> int:
+        """Rows to allocate for ``rows`` valid rows of a rebuild at ``n`` whose next forward
+        feeds ``feed`` tokens: what a cold cache holds after that forward. Its ``capacity``
+        when they fit; else mlx-lm's update grows it to the valid rows plus ``feed`` rounded up
+        to the step (it cuts a partly filled step off first, and concatenates). Allocated up
+        front, the forward writes in place (no copy of the whole buffer) and every kernel from
+        it on runs on the cold cache's shapes and strides."""
+        have = self.capacity(layer, rows, n)
+        if rows + feed <= have:
+            return have
+        step = growth_step(layer)
+        return rows + -(-feed // step) * step
 
     def install(self, layer: Any, buffers: Arrays, n: int, rows: int) -> Any:
         """Set the rebuilt buffers and counters on ``layer``."""
@@ -212,12 +228,13 @@ class RowsHandler(LayerHandler):
                 pos = b
         return sorted(needed)
 
-    def rebuild(self, layer: Any, parts: Sequence[Part], n: int) -> Any:
-        return self.rebuild_runs(layer, parts, n, self.window(layer, n))
+    def rebuild(self, layer: Any, parts: Sequence[Part], n: int, feed: int = 0) -> Any:
+        return self.rebuild_runs(layer, parts, n, self.window(layer, n), feed)
 
     def rebuild_runs(self, layer: Any, parts: Sequence[Part], n: int,
-                     runs: Sequence[tuple[int, int]]) -> Any:
-        """Rebuild with the positions of ``runs`` written to consecutive rows, in that order."""
+                     runs: Sequence[tuple[int, int]], feed: int = 0) -> Any:
+        """Rebuild with the positions of ``runs`` written to consecutive rows, in that order, in
+        buffers sized for a next forward of ``feed`` tokens (``buffer_rows``)."""
         rows = sum(hi - lo for lo, hi in runs)
         names = self.names_of(layer, parts)
         pieces: list[Piece] = []
@@ -230,7 +247,7 @@ class RowsHandler(LayerHandler):
                 pieces.append((a, b, arrays, row))
                 row += b - a
             del arrays
-        buffers = assemble_rows(pieces, names, runs, self.buffer_rows(layer, rows, n))
+        buffers = assemble_rows(pieces, names, runs, self.buffer_rows(layer, rows, n, feed))
         return self.install(layer, buffers, n, rows)
 
     def names_of(self, layer: Any, parts: Sequence[Part]) -> list[str]:

@@ -139,7 +139,7 @@ class TurboQuantHandler(RowsHandler):
         """The packed buffers for positions ``[0, n)``, on the cache's growth step."""
         return self.rebuild_runs(None, parts, n, [(0, n)])
 
-    def rebuild(self, layer: Any, parts: Sequence[Part], n: int) -> Any:
+    def rebuild(self, layer: Any, parts: Sequence[Part], n: int, feed: int = 0) -> Any:
         desc = parts[0].desc
         codec_arrays = {k: detached(v) for k, v in parts[0].arrays.items() if k.startswith("codec.")}
         for part in parts:

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from paged_cache.caches import cache_layout, make_bounded_cache
 from paged_cache.distributed import WORLD, any_rank, resolve_group
-from paged_cache.scheduler.chunks import next_chunk_end
+from paged_cache.chunks import next_chunk_end
 from paged_cache.scheduler.decode import BatchDecoder, SequentialDecoder, is_batchable
 from paged_cache.scheduler.request import GenerationResult, Request, Sampler, State
 from paged_cache.scheduler.snapshots import SnapshotStore, release
