@@ -1,5 +1,6 @@
-"""`paged-cache vllm-mlx ...` and `paged-cache openai-server ...`: another serving engine's own
-command line, with paged-cache as its prompt cache (the engine's options pass through)."""
+"""`paged-cache vllm-mlx ...`, `paged-cache openai-server ...`, `paged-cache exo ...`: another
+serving engine's own command line, with paged-cache as its prompt cache (the engine's options pass
+through)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ ENGINES: dict[str, tuple[str, str, str]] = {
     "openai-server": ("mlx-openai-server launch --model-path MODEL [options]",
                       "paged_cache.integrations.openai_server.adapter",
                       "run mlx-openai-server with paged-cache as its language models' prompt cache"),
+    "exo": ("exo [options]",
+            "paged_cache.integrations.exo.launcher",
+            "run exo with paged-cache as the prefix cache of every runner it starts"),
 }
 
 

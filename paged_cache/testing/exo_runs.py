@@ -1,0 +1,130 @@
+"""Chats played through exo's real generate path (needs exo importable: Python 3.13 and exo's
+checkout, see docs/integration.md): ``mlx_generate`` (exo's sequential runner) or
+``ExoBatchGenerator`` (its batching runner), with exo's own ``KVPrefixCache``, paged-cache's
+``PagedKVPrefixCache`` or no cache (the cold run). Used by tests/engines/test_exo.py and
+benchmarks/exo.py; exo is imported inside the functions only.
+
+The workload: conversations one after another over a shared system prompt, each a first turn,
+a second turn (the first, its reply and a new question) and that second turn asked again (a
+retry), greedy. Per request: the reply's tokens, the prompt's tokens, the cached tokens exo
+reports (``usage.prompt_tokens_details.cached_tokens``) and MLX's active memory after it.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import mlx.core as mx
+
+ROUNDS = ("first", "second", "retry")
+
+
+@dataclass
+class Request:
+    conversation: int
+    round: str
+    prompt_tokens: int
+    cached_tokens: int
+    reply: list[int]
+    active_bytes: int
+
+
+def chat_prompt(system: str, turns: list[tuple[str, str | None]]) -> str:
+    """The prompt string of the tiny models' chat template (paged_cache.testing.CHAT_TEMPLATE)
+    for a system prompt and (user, assistant reply or None for the turn asked now) pairs."""
+    out = f"<|im_start|>system\n{system}<|im_end|>\n"
+    for user, reply in turns:
+        out += f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+        if reply is not None:
+            out += f"{reply}<|im_end|>\n"
+    return out
+
+
+def filler(seed: int, chars: int) -> str:
+    """Deterministic printable text of ``chars`` characters (one token each for the byte
+    tokenizer of the tiny models)."""
+    words = ("alpha", "bravo", "delta", "gamma", "kilo", "lima", "oscar", "tango", "zulu")
+    out, i = [], seed * 7919
+    while sum(map(len, out)) < chars:
+        out.append(words[(i * 31 + 7) % len(words)] + str(i % 97) + " ")
+        i += 1
+    return "".join(out)[:chars]
+
+
+def generate_fn(kind: str) -> Callable[..., tuple[list[int], int, int]]:
+    """``ask(model, tokenizer, cache, task, prompt) -> (reply tokens, prompt tokens, cached
+    tokens)`` through exo's ``mlx_generate`` (kind "sequential") or ``ExoBatchGenerator``
+    ("batch")."""
+    if kind == "sequential":
+        from exo.worker.engines.mlx.generator.generate import mlx_generate
+
+        def ask(model: Any, tokenizer: Any, cache: Any, task: Any, prompt: str):
+            reply, usage = [], None
+            for out in mlx_generate(model=model, tokenizer=tokenizer, task=task, prompt=prompt,
+                                    kv_prefix_cache=cache, group=None):
+                reply.append(out.token)
+                usage = out.usage or usage
+            return reply, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens
+        return ask
+    from exo.worker.engines.mlx.generator.batch_generate import ExoBatchGenerator
+
+    def ask_batch(model: Any, tokenizer: Any, cache: Any, task: Any, prompt: str):
+        gen = ExoBatchGenerator(model=model, tokenizer=tokenizer, group=None,
+                                kv_prefix_cache=cache)
+        uid, reply, usage = gen.submit(task, prompt), [], None
+        while gen.has_work:
+            for got, out in gen.step():
+                assert got == uid
+                reply.append(out.token)
+                usage = out.usage or usage
+        gen.close()
+        return reply, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens
+    return ask_batch
+
+
+def play(model: Any, tokenizer: Any, cache: Any, *, conversations: int, system_chars: int,
+         user_chars: int, max_tokens: int, kind: str = "sequential",
+         on_request: Callable[[Request], None] | None = None) -> list[Request]:
+    """Play the workload (module docstring) against ``cache`` (None: no prefix cache)."""
+    from exo.shared.types.common import ModelId
+    from exo.shared.types.text_generation import (InputMessage, InputMessageContent,
+                                                  TextGenerationTaskParams)
+
+    ask = generate_fn(kind)
+    task = TextGenerationTaskParams(
+        model=ModelId("tiny"), max_output_tokens=max_tokens, temperature=0.0,
+        input=[InputMessage(role="user", content=InputMessageContent("-"))])
+    system = filler(0, system_chars)
+    out: list[Request] = []
+    for c in range(conversations):
+        history: list[tuple[str, str | None]] = []
+        for round_ in ROUNDS:
+            if round_ == "first":
+                history = [(filler(1 + c, user_chars), None)]
+            elif round_ == "second":
+                history = [history[0], (filler(1000 + c, user_chars // 8), None)]
+            reply, n_prompt, cached = ask(model, tokenizer, cache, task,
+                                          chat_prompt(system, history))
+            if round_ == "first":
+                history = [(history[0][0], tokenizer.decode(reply))]
+            gc.collect()
+            req = Request(c, round_, n_prompt, cached, reply, mx.get_active_memory())
+            out.append(req)
+            if on_request is not None:
+                on_request(req)
+    return out
+
+
+def builder_cache_class() -> str:
+    """In this process: the class exo's ``MlxBuilder.build`` would make its prefix cache from,
+    and, when it is paged-cache's, the hot budget of the manager it opens (what a runner spawned
+    under ``paged-cache exo`` reports; tests/engines/test_exo.py)."""
+    from exo.worker.engines.mlx import builder
+
+    cls = builder.KVPrefixCache
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if hasattr(cls, "setup"):
+        name += f" hot={cls(None).manager.config.hot_cache_max_bytes}"
+    return name

@@ -1,0 +1,125 @@
+"""exo's real generate path with paged-cache as its prefix cache: exo's ``mlx_generate`` and
+``ExoBatchGenerator`` (its code, from the checkout named by env ``EXO_SRC``, on Python 3.13)
+serve chats with no cache (cold), exo's own ``KVPrefixCache`` and ``PagedKVPrefixCache``.
+Collected with ``--engine exo``; skipped when ``EXO_SRC`` is not set (recipe and last result:
+docs/integration.md, exo)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+EXO_SRC = os.environ.get("EXO_SRC")
+if not EXO_SRC:
+    pytest.skip("EXO_SRC is not set: these tests run exo's own code from its checkout "
+                "(docs/integration.md, exo)", allow_module_level=True)
+sys.path.insert(0, str(Path(EXO_SRC) / "src"))
+os.environ.setdefault("EXO_DASHBOARD_DIR", str(Path(EXO_SRC) / "src"))  # exo wants a built UI
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.utils import load  # noqa: E402
+
+from paged_cache.config import CacheConfig  # noqa: E402
+from paged_cache.integrations.exo import compat  # noqa: E402
+from paged_cache.integrations.exo.adapter import PagedKVPrefixCache  # noqa: E402
+from paged_cache.integrations.exo.launcher import runner_environ  # noqa: E402
+from paged_cache.integrations.exo.prefix import FALLBACK_BASE  # noqa: E402
+from paged_cache.manager import PagedSSDCacheManager  # noqa: E402
+from paged_cache.testing import write_model_dir  # noqa: E402
+from paged_cache.testing.exo_runs import builder_cache_class, play  # noqa: E402
+
+ARCHS = ("llama", "qwen3_next")   # a KV model and a hybrid (recurrent + attention)
+SIZES = dict(conversations=3, system_chars=600, user_chars=700, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("models")
+    return {arch: load(str(write_model_dir(root / arch, arch, printable_replies=True)))
+            for arch in ARCHS}
+
+
+def paged(tmp_path: Path, **config) -> PagedKVPrefixCache:
+    config = {"block_size": 16, "ssd_dir": tmp_path / "ssd", "fetch_policy": "always-restore",
+              **config}
+    return PagedKVPrefixCache(None, manager=PagedSSDCacheManager(CacheConfig(**config)))
+
+
+def test_installed_exo_is_the_one_served() -> None:
+    assert compat.check() == []
+
+
+@pytest.mark.parametrize("kind", ["sequential", "batch"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_replies_equal_cold_and_reuse_at_least_exos_own(loaded, tmp_path, arch, kind) -> None:
+    model, tokenizer = loaded[arch]
+    cold = play(model, tokenizer, None, kind=kind, **SIZES)
+    own = play(model, tokenizer, compat.KVPrefixCache(None), kind=kind, **SIZES)
+    cache = paged(tmp_path)
+    got = play(model, tokenizer, cache, kind=kind, **SIZES)
+    assert [r.reply for r in got] == [r.reply for r in cold]
+    assert [r.reply for r in own] == [r.reply for r in cold]
+    assert [r.prompt_tokens for r in got] == [r.prompt_tokens for r in cold]
+    for i, (p, o) in enumerate(zip(got, own)):
+        assert p.cached_tokens >= o.cached_tokens, (p, o)
+        if p.round == "second":   # the first turn's prompt, less exo's 2-token cut
+            assert p.cached_tokens >= got[i - 1].prompt_tokens - 2, p
+        if p.round == "retry":    # the same prompt again: all but the cut
+            assert p.cached_tokens == p.prompt_tokens - 2, p
+    assert all(r.cached_tokens == 0 for r in cold)
+    assert cache.counters["store_errors"] == cache.counters["cache_errors"] == 0
+    cache.manager.close()
+
+
+def test_memory_within_the_hot_budget_while_exos_own_grows(loaded, tmp_path) -> None:
+    model, tokenizer = loaded["llama"]
+    sizes = dict(SIZES, conversations=6)
+    own = play(model, tokenizer, compat.KVPrefixCache(None), **sizes)
+    own_growth = [r.active_bytes for r in own if r.round == "retry"]
+    assert own_growth == sorted(own_growth) and own_growth[-1] > own_growth[0]
+    budget = 256 * 1024
+    cache = paged(tmp_path, hot_cache_max_bytes=budget)
+    base = mx.get_active_memory()
+    got = play(model, tokenizer, cache, **sizes)
+    assert cache.manager.stats()["hot"]["bytes"] <= budget
+    assert max(r.active_bytes for r in got) - base <= budget + 64 * 1024
+    assert all(p.cached_tokens >= o.cached_tokens for p, o in zip(got, own))
+    cache.manager.close()
+
+
+def test_image_requests_fall_back_to_exos_own_cache(loaded, tmp_path) -> None:
+    from exo.worker.engines.mlx.vision import MediaRegion
+
+    model, _ = loaded["llama"]
+    cache = paged(tmp_path)
+    tokens = mx.array(list(range(40, 140)))
+    media = [MediaRegion(content_hash="a" * 64, start_pos=10, end_pos=20)]
+    kv, remaining, index, exact = cache.get_kv_cache(model, tokens, media_regions=media)
+    assert index is None and remaining.shape[0] == 100
+    model(tokens[:-3][None], cache=kv)
+    cache.add_kv_cache(tokens, kv, media_regions=media, prefill_tps=12.5)
+    kv, remaining, index, exact = cache.get_kv_cache(model, tokens, media_regions=media)
+    assert index == FALLBACK_BASE and exact and cache.prefill_tps[index] == 12.5
+    assert cache.counters["fallbacks_media"] == 2 and cache.counters["requests"] == 0
+    assert len(cache.fallback.prompts) == 1
+    cache.manager.close()
+
+
+def test_startup_hook_reaches_the_spawned_runner(tmp_path) -> None:
+    config = CacheConfig(hot_cache_max_bytes="3MB", hot_cache_only=True)
+    env = runner_environ(config, tmp_path)
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            got = pool.apply_async(builder_cache_class).get(timeout=240)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert got == ("paged_cache.integrations.exo.adapter.PagedKVPrefixCache hot="
+                   f"{3 * 10**6}"), got
+    assert builder_cache_class() == "exo.worker.engines.mlx.cache.KVPrefixCache"
