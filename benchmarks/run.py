@@ -13,6 +13,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import shutil
 import sys
 import tempfile
@@ -24,7 +25,7 @@ from benchmarks import doc_tables
 from benchmarks.common import RESULTS_DIR, Context, as_json, machine, markdown_table, write_json
 
 FAMILIES = ("restore", "ttft", "remote", "lookup", "startup", "peers", "memory", "engines",
-            "sharded", "wear", "scale", "load", "policy", "real")
+            "sharded", "wear", "scale", "load", "policy", "real", "exo")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,8 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in args.only or FAMILIES:
             started = time.perf_counter()
-            print(f"== {name}", flush=True)
             module = importlib.import_module(f"benchmarks.{name}")
+            need = getattr(module, "NEEDS", None)   # an environment variable it cannot run without
+            if need and not os.environ.get(need):
+                print(f"== {name}: not run, {need} is not set ({module.__doc__.splitlines()[0]})",
+                      flush=True)
+                continue
+            print(f"== {name}", flush=True)
             out = module.run(ctx)
             # every family's plots are drawn from its JSON form, as --plots-only redraws them
             out["plots"] = (module.plots(as_json(out), ctx.results) if hasattr(module, "plots")

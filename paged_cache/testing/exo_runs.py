@@ -85,9 +85,11 @@ def generate_fn(kind: str) -> Callable[..., tuple[list[int], int, int]]:
 
 
 def play(model: Any, tokenizer: Any, cache: Any, *, conversations: int, system_chars: int,
-         user_chars: int, max_tokens: int, kind: str = "sequential",
+         user_chars: int, max_tokens: int, kind: str = "sequential", cold_retry: bool = False,
          on_request: Callable[[Request], None] | None = None) -> list[Request]:
-    """Play the workload (module docstring) against ``cache`` (None: no prefix cache)."""
+    """Play the workload (module docstring) against ``cache`` (None: no prefix cache).
+    ``cold_retry`` (no cache only): a retry is not run again but given its second turn's
+    reply (with no cache it is the same computation)."""
     from exo.shared.types.common import ModelId
     from exo.shared.types.text_generation import (InputMessage, InputMessageContent,
                                                   TextGenerationTaskParams)
@@ -105,8 +107,11 @@ def play(model: Any, tokenizer: Any, cache: Any, *, conversations: int, system_c
                 history = [(filler(1 + c, user_chars), None)]
             elif round_ == "second":
                 history = [history[0], (filler(1000 + c, user_chars // 8), None)]
-            reply, n_prompt, cached = ask(model, tokenizer, cache, task,
-                                          chat_prompt(system, history))
+            if round_ == "retry" and cold_retry and cache is None:
+                reply, n_prompt, cached = out[-1].reply, out[-1].prompt_tokens, 0
+            else:
+                reply, n_prompt, cached = ask(model, tokenizer, cache, task,
+                                              chat_prompt(system, history))
             if round_ == "first":
                 history = [(history[0][0], tokenizer.decode(reply))]
             gc.collect()

@@ -76,17 +76,20 @@ def test_replies_equal_cold_and_reuse_at_least_exos_own(loaded, tmp_path, arch, 
 
 
 def test_memory_within_the_hot_budget_while_exos_own_grows(loaded, tmp_path) -> None:
+    """exo's own cache grows by each conversation's copy; paged-cache's RAM tier holds at most
+    its budget, and active memory stops growing once that is full."""
     model, tokenizer = loaded["llama"]
     sizes = dict(SIZES, conversations=6)
     own = play(model, tokenizer, compat.KVPrefixCache(None), **sizes)
-    own_growth = [r.active_bytes for r in own if r.round == "retry"]
-    assert own_growth == sorted(own_growth) and own_growth[-1] > own_growth[0]
+    own_after = [r.active_bytes for r in own if r.round == "retry"]
+    step = min(b - a for a, b in zip(own_after, own_after[1:]))
     budget = 256 * 1024
+    assert step > budget   # each conversation's copy alone is larger than paged-cache's budget
     cache = paged(tmp_path, hot_cache_max_bytes=budget)
-    base = mx.get_active_memory()
     got = play(model, tokenizer, cache, **sizes)
+    after = [r.active_bytes for r in got if r.round == "retry"]
     assert cache.manager.stats()["hot"]["bytes"] <= budget
-    assert max(r.active_bytes for r in got) - base <= budget + 64 * 1024
+    assert max(after[1:]) - after[0] < step / 4, after   # flat from the first conversation on
     assert all(p.cached_tokens >= o.cached_tokens for p, o in zip(got, own))
     cache.manager.close()
 
