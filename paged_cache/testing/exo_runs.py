@@ -53,17 +53,17 @@ def filler(seed: int, chars: int) -> str:
     return "".join(out)[:chars]
 
 
-def generate_fn(kind: str) -> Callable[..., tuple[list[int], int, int]]:
+def generate_fn(kind: str, group: Any = None) -> Callable[..., tuple[list[int], int, int]]:
     """``ask(model, tokenizer, cache, task, prompt) -> (reply tokens, prompt tokens, cached
     tokens)`` through exo's ``mlx_generate`` (kind "sequential") or ``ExoBatchGenerator``
-    ("batch")."""
+    ("batch"), on ``group`` (exo's distributed group of a sharded model; None on one node)."""
     if kind == "sequential":
         from exo.worker.engines.mlx.generator.generate import mlx_generate
 
         def ask(model: Any, tokenizer: Any, cache: Any, task: Any, prompt: str):
             reply, usage = [], None
             for out in mlx_generate(model=model, tokenizer=tokenizer, task=task, prompt=prompt,
-                                    kv_prefix_cache=cache, group=None):
+                                    kv_prefix_cache=cache, group=group):
                 reply.append(out.token)
                 usage = out.usage or usage
             return reply, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens
@@ -71,7 +71,7 @@ def generate_fn(kind: str) -> Callable[..., tuple[list[int], int, int]]:
     from exo.worker.engines.mlx.generator.batch_generate import ExoBatchGenerator
 
     def ask_batch(model: Any, tokenizer: Any, cache: Any, task: Any, prompt: str):
-        gen = ExoBatchGenerator(model=model, tokenizer=tokenizer, group=None,
+        gen = ExoBatchGenerator(model=model, tokenizer=tokenizer, group=group,
                                 kv_prefix_cache=cache)
         uid, reply, usage = gen.submit(task, prompt), [], None
         while gen.has_work:
@@ -86,7 +86,7 @@ def generate_fn(kind: str) -> Callable[..., tuple[list[int], int, int]]:
 
 def play(model: Any, tokenizer: Any, cache: Any, *, conversations: int, system_chars: int,
          user_chars: int, max_tokens: int, kind: str = "sequential", cold_retry: bool = False,
-         on_request: Callable[[Request], None] | None = None) -> list[Request]:
+         group: Any = None, on_request: Callable[[Request], None] | None = None) -> list[Request]:
     """Play the workload (module docstring) against ``cache`` (None: no prefix cache).
     ``cold_retry`` (no cache only): a retry is not run again but given its second turn's
     reply (with no cache it is the same computation)."""
@@ -94,7 +94,7 @@ def play(model: Any, tokenizer: Any, cache: Any, *, conversations: int, system_c
     from exo.shared.types.text_generation import (InputMessage, InputMessageContent,
                                                   TextGenerationTaskParams)
 
-    ask = generate_fn(kind)
+    ask = generate_fn(kind, group)
     task = TextGenerationTaskParams(
         model=ModelId("tiny"), max_output_tokens=max_tokens, temperature=0.0,
         input=[InputMessage(role="user", content=InputMessageContent("-"))])

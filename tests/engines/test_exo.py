@@ -126,3 +126,27 @@ def test_startup_hook_reaches_the_spawned_runner(tmp_path) -> None:
     assert got == ("paged_cache.integrations.exo.adapter.PagedKVPrefixCache hot="
                    f"{3 * 10**6}"), got
     assert builder_cache_class() == "exo.worker.engines.mlx.cache.KVPrefixCache"
+
+
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_sharded_by_exos_split_every_rank_exact_and_in_step(tmp_path, mode) -> None:
+    """Two ranks (mlx.launch --backend ring on 127.0.0.1) split a llama by exo's own
+    tensor_auto_parallel / pipeline_auto_parallel and serve through exo's mlx_generate on exo's
+    group: each rank's replies equal the sharded cold run's, the ranks restore the same prefix
+    (one agreement per request), nothing hangs (the launch's timeout fails the test)."""
+    import json
+
+    from paged_cache.testing.ranks import launch
+
+    model_dir = write_model_dir(tmp_path / "llama", "llama", printable_replies=True)
+    done = launch([str(Path(__file__).parent / "exo_rank.py"), mode, str(model_dir),
+                   str(tmp_path / "ssd")], ranks=2, timeout=400, env={"EXO_SRC": EXO_SRC})
+    ranks = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in ranks) == [0, 1], done.stdout[-3000:]
+    for r in ranks:
+        assert r["paged"] == r["cold"] and r["errors"] == 0
+        assert r["agreements"] == len(r["cached"])
+        later = [c for c, p in zip(r["cached"], r["prompt"]) if c]
+        assert len(later) >= len(r["cached"]) // 2, r["cached"]
+    assert ranks[0]["cached"] == ranks[1]["cached"] and ranks[0]["cold"] == ranks[1]["cold"]
+    assert ranks[0]["shard"] != ranks[1]["shard"]
