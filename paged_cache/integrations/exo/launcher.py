@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
+from paged_cache.compat import IncompatibleVersion
 from paged_cache.config import CacheConfig
 from paged_cache.integrations.exo import compat   # checks the installed exo on import
 from paged_cache.integrations.exo.hook import activate, write_hook
@@ -50,7 +51,11 @@ def serve_main(config: CacheConfig, argv: Sequence[str]) -> int:
         activate()
         sys.argv = ["exo", *argv]
         try:
-            result = compat.exo_main()()
+            main = compat.exo_main()
+        except IncompatibleVersion as error:   # exo's node (its Rust bindings) is missing
+            raise ServeError(str(error)) from None
+        try:
+            result = main()
         except SystemExit as stop:
             return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
         return result if isinstance(result, int) else 0
