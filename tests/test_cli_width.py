@@ -159,7 +159,7 @@ def test_help_lists_only_the_flags_a_command_reads(command: str, flags: set[str]
 
 
 # The commands whose output is a server's log (or the engine's), not a table: --help only.
-SERVERS = {"serve", "vllm-mlx", "openai-server"}
+SERVERS = {"serve", "vllm-mlx", "openai-server", "exo"}
 
 
 def cli80(*argv: str) -> subprocess.CompletedProcess:

@@ -139,6 +139,8 @@ class ExoPrefixCache:
                 st["cache_errors"] += 1
                 logger.error("paged-cache fetch failed; serving uncached: %r", exc, exc_info=exc)
                 cache, n = None, 0
+        logger.info("exo request: %d of %d prompt tokens restored (%s)", n, len(tokens),
+                    prefix.last_fetch.tier if n else "miss")
         if not n:
             return self._make_cache(model), prompt_tokens, None, False
         exact = n == len(tokens) - CUT
