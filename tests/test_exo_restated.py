@@ -17,8 +17,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from helpers import exo_calls
 from helpers.managers import new_manager
-from paged_cache.layout import layer_arrays
 from paged_cache.integrations.exo.prefix import CUT, FALLBACK_BASE, ExoPrefixCache
+from paged_cache.layout import layer_arrays
 
 ARCHS = ("llama", "qwen3_next")
 CALLERS = {"mlx_generate": exo_calls.mlx_generate, "batch_submit": exo_calls.batch_submit,
@@ -83,7 +83,7 @@ def test_a_restored_cache_continues_exactly_as_the_one_stored(models, arch) -> N
             ref = previous.stored
             held = previous.stored_tokens
             assert n <= held
-            if n < held:   # only trimmable layers can be cut back (the hybrid's restore ends at held)
+            if n < held:   # only KV layers can be cut back (a hybrid's restore ends at held)
                 assert arch == "llama"
                 for layer in ref:
                     layer.trim(held - n)

@@ -34,9 +34,8 @@ from paged_cache.prefix_cache import BlockAwarePrefixCache
 logger = logging.getLogger("paged_cache.integrations.exo")
 
 CUT = 2                   # exo's prefill leaves its cache this many tokens short of the prompt
-FALLBACK_BASE = 1 << 40   # matched_index of a request exo's own cache served: FALLBACK_BASE + its index
+FALLBACK_BASE = 1 << 40   # matched_index of an entry of exo's own cache: FALLBACK_BASE + its index
 RATE_SLOTS = 4096         # prefill rates remembered (slot 0 is the unknown rate, 0.0)
-FALLBACK_REASONS = ("media", "layout")
 
 
 class PrefillRates(Sequence):
