@@ -87,12 +87,21 @@ def measure(arch: str, work: dict, scratch: Path) -> dict:
     paged["counters"] = dict(cache.counters)
     manager.close()
     shutil.rmtree(ssd, ignore_errors=True)
+    return compact(runs)
+
+
+def compact(runs: dict) -> dict:
+    """The runs as stored: each reply list replaced by whether it equals the cold run's."""
+    cold = runs["cold"].get("replies")
+    for r in runs.values():
+        if "replies" in r:
+            r["replies_equal_cold"] = r.pop("replies") == cold
     return runs
 
 
 def summary(arch: str, runs: dict) -> list:
     """The figures of one model's runs."""
-    own, paged, cold = runs["exo KVPrefixCache"], runs["paged-cache"], runs["cold"]
+    own, paged = runs["exo KVPrefixCache"], runs["paged-cache"]
     later = [i for i, r in enumerate(paged["round"]) if r != "first"]
     figures = [
         figure(FAMILY, f"{arch}: active memory after the last conversation, paged-cache vs "
@@ -108,8 +117,8 @@ def summary(arch: str, runs: dict) -> list:
                        "turns and retries)", goal=1.0, goal_op=">=",
                every_request_at_least_own=all(p >= o for p, o in zip(paged["cached"],
                                                                       own["cached"])),
-               replies_equal_cold=paged["replies"] == cold["replies"],
-               own_replies_equal_cold=own["replies"] == cold["replies"],
+               replies_equal_cold=paged["replies_equal_cold"],
+               own_replies_equal_cold=own["replies_equal_cold"],
                all_cached_paged=sum(paged["cached"]), all_cached_own=sum(own["cached"])),
     ]
     return figures
@@ -133,6 +142,22 @@ def assemble(series: dict, figures: list, work: dict) -> dict:
             "exo_commit": "b5375f8", "backend": str(mx.default_device()),
             "notes": ["exo's mlx_generate from its checkout (EXO_SRC), Python 3.13, exo's mlx-lm "
                       "fork 0.31.3 (6a3df6c), mlx 0.32.4, MLX CPU backend on a 2-core VM"]}
+
+
+def tables(data: dict) -> dict[str, str]:
+    """``runs``: per model and cache, active memory above the model after the last request and
+    its peak, cached tokens (all requests; second turns and retries), replies equal the cold
+    run's."""
+    rows = ["| model | run | active above the model, last / peak | cached tokens, all (later "
+            "turns and retries) | replies equal the cold run |", "|---|---|---|---|---|"]
+    for arch, runs in data["series"].items():
+        for name in ("exo KVPrefixCache", "paged-cache"):
+            r = runs[name]
+            later = sum(c for c, k in zip(r["cached"], r["round"]) if k != "first")
+            rows.append(f"| {arch} | {name} | {r['active'][-1] / MIB:.1f} / "
+                        f"{max(r['active']) / MIB:.1f} MiB | {sum(r['cached']):,} ({later:,}) | "
+                        f"{'yes' if r['replies_equal_cold'] else 'NO'} |")
+    return {"runs": "\n".join(rows) + "\n"}
 
 
 def plots(data: dict, results: Path) -> list[str]:
