@@ -21,7 +21,8 @@ from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.ssd.direct import advance_all, read_stored
+from paged_cache.tiers.ssd import direct
+from paged_cache.tiers.ssd.direct import advance_all, read_ahead_whole, read_stored
 from paged_cache.tiers.ssd.tier import SSDTier
 
 from helpers.prefix import assert_exact, prefill, prompt
@@ -156,29 +157,36 @@ def test_a_stored_block_is_read_in_steps_front_to_back(tmp_path: Path, compressi
 
 
 @pytest.mark.parametrize("compression", ["none", "lz4"])
-def test_the_next_layer_is_hinted_to_the_kernel(tmp_path: Path, compression: str) -> None:
-    """Once a layer's rows are read (``advance_all``), the span hinted to the kernel runs from
-    what was read to the end of the next layer's tensors in the file, and none is left after
-    the last layer; the rows and the checksum are those of a plain read."""
+def test_files_are_read_ahead_within_the_budget(tmp_path: Path, compression: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a layer's rows are read (``advance_all``), the kernel is asked for the file's next
+    bytes (up to FILE_AHEAD past what was read); the bytes hinted and not read yet are held in
+    the process's read-ahead budget until they are read or the file is closed, and nothing is
+    hinted past the budget (lz4: in memory, nothing to hint). The rows and the checksum are
+    those of a plain read either way."""
     block = _block(3)
     rows = (slice(None), slice(None), slice(2, 7))
+    want = {n: np.asarray(a) for n, a in block.arrays.items()}
     with SSDTier(tmp_path, max_bytes=1 << 30, compression=compression) as tier:
         assert tier.write_sync(block.key, fmt.raw_tensors(block), block.meta)
-        stored = tier.open_stored(block.key)
-        ends = {layer: max(t.begin + t.nbytes for n, t in stored.arrays.items()
-                           if n.startswith(f"{layer}."))
-                for layer in ("l0", "l1")}
-        assert stored.next_layer_span() == (0, ends["l0"])
-        out = {n: np.zeros((1, 6, 8, 4), np.float16) for n in block.arrays}
-        for layer in ("l0", "l1"):
-            for name in (f"{layer}.keys", f"{layer}.values"):
+        for budget in (direct.READ_AHEAD_BYTES, 16):
+            monkeypatch.setattr(direct, "READ_AHEAD_BYTES", budget)
+            stored = tier.open_stored(block.key)
+            out = {n: np.zeros((1, 6, 8, 4), np.float16) for n in block.arrays}
+            for name in ("l0.keys", "l0.values"):
                 stored.arrays[name].read_rows(rows, out[name][rows])
-            advance_all([stored, stored])  # hints once read (lz4: in memory, nothing to hint)
-            span = stored.next_layer_span()
-            if layer == "l0":  # from l0's last row not asked for (4 float16) to l1's end
-                assert span == (ends["l0"] - 4 * 2, ends["l1"])
-            else:
-                assert span is None
-        assert read_stored([stored], threads=1) and stored.rereads == 0
-        want = {n: np.asarray(a) for n, a in block.arrays.items()}
-        assert all(np.array_equal(out[n][rows], want[n][rows]) for n in block.arrays)
+            advance_all([stored, stored])
+            hinted = compression == "none" and budget > 16
+            assert stored.hinted == (stored.data_bytes - stored.position if hinted else 0)
+            assert direct._READ_AHEAD.pending == stored.hinted
+            for name in ("l1.keys", "l1.values"):
+                stored.arrays[name].read_rows(rows, out[name][rows])
+            assert read_stored([stored], threads=1) and stored.rereads == 0
+            assert stored.hinted == 0 and direct._READ_AHEAD.pending == 0
+            assert all(np.array_equal(out[n][rows], want[n][rows]) for n in block.arrays)
+        monkeypatch.setattr(direct, "READ_AHEAD_BYTES", 1 << 30)
+        stored = tier.open_stored(block.key)  # hinted, then closed unread: the budget comes back
+        read_ahead_whole([stored])
+        assert direct._READ_AHEAD.pending == (stored.data_bytes if compression == "none" else 0)
+        stored.close()
+        assert direct._READ_AHEAD.pending == 0

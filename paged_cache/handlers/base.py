@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from paged_cache.row_path import copies_on_host, evaluate, host_view, launch, to_device
-from paged_cache.tiers.ssd.direct import advance_all
+from paged_cache.tiers.ssd.direct import advance_all, read_ahead_whole
 from paged_cache.tiers.format import DTYPES, mx_dtype_name
 
 TOKEN_AXIS = 2  # every mlx-lm / mlx-vlm KV array is (B, heads, tokens, ...)
@@ -312,8 +312,7 @@ def _assemble_on_device(pieces: list[Piece], names: Sequence[str], moves: list[M
     staging = {name: np.zeros(specs[name], dtype=_host_dtype(dtypes[name])) for name in stored}
     for name in stored:  # every stored row asked for first: one read per file for the layer
         _write_rows(pieces, name, moves, staging[name])
-    advance_all([piece.file for _, _, arrays, _ in pieces for piece in arrays.values()
-                 if hasattr(piece, "read_rows")])
+    advance_all(_stored_files(pieces))
     out: Arrays = {}
     for name in names:
         if name in staging:
@@ -403,11 +402,17 @@ def _copy_on_host(pieces: list[Piece], names: Sequence[str], moves: list[Move], 
     thread) while this one is written. A source with ``read_rows`` (a block payload still on
     disk, see tiers/ssd/direct.py) is asked to land its rows there when its file is read."""
     launch(list(buffers.values()))
+    read_ahead_whole(_stored_files(pieces))  # the disk reads them while the buffers are filled
     for name in names:
         _write_rows(pieces, name, moves, host_view(buffers[name]))
         for _, _, arrays, _ in pieces:  # the name's arrays go once written
             arrays.pop(name, None)
         _allocate_ahead(name, specs[name])
+
+
+def _stored_files(pieces: list[Piece]) -> list[Any]:
+    """The block files behind the pieces' stored tensors (payloads still on disk)."""
+    return [a.file for _, _, arrays, _ in pieces for a in arrays.values() if hasattr(a, "read_rows")]
 
 
 def _write_rows(pieces: list[Piece], name: str, moves: list[Move], dst: np.ndarray) -> None:

@@ -6,9 +6,12 @@ buffer (``read_rows``); ``read_stored`` then reads every asked-for file once, in
 one vectored read per file and several files at once, straight into those buffers (lz4 files are
 decompressed piece by piece into them), and verifies each file's payload checksum over the same
 bytes. A rebuild that needs a layer's rows before the next layer is built (the device path,
-``row_path``) reads each file's places so far with ``advance_all``; the file goes on from there,
-and the kernel is asked to start reading each file's next layer meanwhile (``hint_next_layer``).
-A file whose checksum fails makes ``read_stored`` return False: the rebuilt buffers hold damaged
+``row_path``) reads each file's places so far with ``advance_all``; the file goes on from there.
+The disk reads ahead of the copies: the kernel is asked (``POSIX_FADV_WILLNEED``) for each whole
+file once a rebuild first places its rows (the host path: ``read_ahead_whole``, so the disk reads
+while the buffers are allocated), for the next file while one is read, and on the device path
+for each file's next layers, a few MiB of every file in turn; the bytes hinted and not read yet
+are bounded process-wide (READ_AHEAD_BYTES). A file whose checksum fails makes ``read_stored`` return False: the rebuilt buffers hold damaged
 rows and must be dropped.
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -29,6 +33,34 @@ from paged_cache.tiers import format as fmt
 
 IOV_MAX = 1024  # Linux's bound on the buffers of one preadv
 LZ4_CHUNK = 64 << 10  # compressed bytes decompressed at a time (output at most ~255x that)
+READ_AHEAD_BYTES = 512 << 20  # most block-file bytes hinted to the kernel and not read yet
+FILE_AHEAD = 8 << 20  # how far past what was read a rebuild reading layer by layer hints a file
+HINT_STEP = 1 << 20  # read-ahead extended this much per file in turn (``read_ahead``)
+
+
+class _ReadAhead:
+    """Bytes of block files' data sections the process asked the kernel to read ahead
+    (``POSIX_FADV_WILLNEED``) and has not read yet: at most ``READ_AHEAD_BYTES``, so a restore
+    larger than that keeps the page cache it fills bounded."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pending = 0
+
+    def take(self, n: int) -> bool:
+        """Reserve ``n`` bytes of the budget; False when they do not fit."""
+        with self.lock:
+            if self.pending + n > READ_AHEAD_BYTES:
+                return False
+            self.pending += n
+            return True
+
+    def give(self, n: int) -> None:
+        with self.lock:
+            self.pending -= n
+
+
+_READ_AHEAD = _ReadAhead()
 
 
 @dataclass
@@ -87,7 +119,9 @@ class StoredBlock:
     wanted: list[tuple[int, int, memoryview]] = field(default_factory=list)
     damage: str | None = None  # why the payload cannot be used (reported by ``read``)
     rereads: int = 0  # places asked for behind what was read already, read a second time
+    hinted: int = 0  # bytes of the read-ahead budget this file holds (hinted, not read yet)
     _pos: int = 0  # data bytes read and hashed so far
+    _hinted_to: int = 0  # data bytes the kernel was asked to read ahead (``hint_to``)
     _digest: Any = field(default_factory=xxhash.xxh3_128)
     _lz4: "_Lz4Stream | None" = None
 
@@ -96,12 +130,20 @@ class StoredBlock:
         return self.data_bytes
 
     @property
+    def position(self) -> int:
+        """Bytes of the data section read (and hashed) so far."""
+        return self._pos
+
+    @property
     def begun(self) -> bool:
         """True once part of the data section was read (``read`` must finish and verify it)."""
         return self._pos > 0 or self._lz4 is not None
 
     def close(self) -> None:
-        """Release the file (and any destination views still asked for)."""
+        """Release the file (and any destination views still asked for, and its read-ahead)."""
+        if self.hinted:
+            _READ_AHEAD.give(self.hinted)
+            self.hinted = 0
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -130,30 +172,26 @@ class StoredBlock:
         except OSError as exc:
             self.damage = f"read failed: {exc}"
 
-    def next_layer_span(self) -> tuple[int, int] | None:
-        """Data offsets ``[start, end)`` from what was read so far to the end of the next layer's
-        tensors in the file (the first layer with a tensor that starts there or later), or None
-        when no layer is left."""
-        following = [(t.begin, t.begin + t.nbytes, layer[0]) for name, t in self.arrays.items()
-                     if isinstance(t, StoredTensor) and t.begin >= self._pos
-                     and (layer := fmt.layer_of(name)) is not None]
-        if not following:
-            return None
-        nxt = min(following)[2]
-        return self._pos, max(end for _, end, layer in following if layer == nxt)
-
-    def hint_next_layer(self) -> None:
-        """Ask the kernel to start reading ``next_layer_span`` into its page cache
-        (``POSIX_FADV_WILLNEED``, where the platform has it): the disk reads it while the caller
-        moves this layer to the device, with no thread of ours and no memory of the process.
-        Only a hint: an error is ignored; an lz4 file is in memory already."""
-        span = self.next_layer_span()
-        if (span is None or self.compressed is not None or self.fd < 0
-                or not hasattr(os, "posix_fadvise")):
-            return
+    def hint_to(self, end: int) -> bool:
+        """Ask the kernel to start reading the data section up to ``end`` (from what was read or
+        hinted so far) into its page cache (``POSIX_FADV_WILLNEED``), when the bytes fit the
+        process's read-ahead budget: the disk reads ahead with no thread of ours and no memory of
+        the process. False when nothing more can be hinted (the end, the budget, no
+        ``posix_fadvise``, an lz4 file: in memory already). Only a hint: an error is ignored."""
+        start = max(self._pos, self._hinted_to)
+        end = min(end, self.data_bytes)
+        if (end <= start or self.compressed is not None or self.fd < 0
+                or not hasattr(os, "posix_fadvise") or not _READ_AHEAD.take(end - start)):
+            return False
+        self.hinted += end - start
+        self._hinted_to = end
         with contextlib.suppress(OSError):
-            os.posix_fadvise(self.fd, self.data_start + span[0], span[1] - span[0],
-                             os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(self.fd, self.data_start + start, end - start, os.POSIX_FADV_WILLNEED)
+        return True
+
+    def wanted_end(self) -> int:
+        """The end of the furthest place asked for so far (0 when none)."""
+        return max((offset + n for offset, n, _ in self.wanted), default=0)
 
     def read(self) -> bool:
         """Read the rest of the data section into the asked-for places (the rest into scratch)
@@ -187,6 +225,9 @@ class StoredBlock:
             for view in pieces:
                 self._digest.update(view)
                 self._pos += view.nbytes
+        left = max(0, self._hinted_to - self._pos)  # hinted and not read yet
+        _READ_AHEAD.give(self.hinted - left)
+        self.hinted = left
 
     def _read_again(self, offset: int, view: memoryview) -> None:
         """Bytes already read and hashed, read again into ``view`` (the file is not changed by
@@ -288,21 +329,40 @@ def _tile(wanted: list[tuple[int, int, memoryview]], start: int, end: int) -> li
 
 
 def advance_all(blocks: Sequence[Any]) -> None:
-    """``advance`` every ``StoredBlock`` among ``blocks`` with places asked for, then hint each
-    one's next layer to the kernel (``hint_next_layer``): the device path builds layers in file
-    order, so the disk reads the next layer while this one is moved to the device."""
-    advanced = []
+    """``advance`` every ``StoredBlock`` among ``blocks`` with places asked for (a rebuild calls it
+    once per layer, in file order): the kernel is asked for every file's places first, then each
+    is read, then each file's read-ahead is extended (``read_ahead``), so the disk reads the next
+    layers while this one is copied and the next one's buffers are allocated."""
+    asked = list({id(b): b for b in blocks if isinstance(b, StoredBlock) and b.wanted}.values())
+    for block in asked:
+        block.hint_to(block.wanted_end())
+    for block in asked:
+        block.advance()
+    read_ahead(asked)
+
+
+def read_ahead(blocks: Sequence[StoredBlock]) -> None:
+    """Extend each file's read-ahead to FILE_AHEAD bytes past what was read, HINT_STEP at a time
+    across the files in turn: the disk gets the files' next layers in the order a rebuild reads
+    them (one layer of every file, then the next), not one whole file after another."""
+    more = list(blocks)
+    while more:
+        more = [b for b in more if b.hint_to(min(b._pos + FILE_AHEAD, b._hinted_to + HINT_STEP))]
+
+
+def read_ahead_whole(blocks: Sequence[Any]) -> None:
+    """Ask the kernel for the rest of every ``StoredBlock`` among ``blocks``, file after file, as
+    far as the read-ahead budget goes: a rebuild that reads each file whole once its buffers
+    exist (the host path) has the disk read them meanwhile."""
     for block in blocks:
-        if isinstance(block, StoredBlock) and block.wanted:
-            block.advance()
-            advanced.append(block)
-    for block in advanced:
-        block.hint_next_layer()
+        if isinstance(block, StoredBlock):
+            block.hint_to(block.data_bytes)
 
 
 def read_stored(blocks: Sequence[Any], threads: int) -> bool:
-    """Read every ``StoredBlock`` among ``blocks`` (others are skipped), ``threads`` files at a
-    time; True when every file's checksum matched."""
+    """Read the rest of every ``StoredBlock`` among ``blocks`` (others are skipped), ``threads``
+    files at a time, each file's rest and the next file's asked of the kernel first; True when
+    every file's checksum matched."""
     stored = []
     for block in blocks:
         if isinstance(block, StoredBlock):
@@ -312,9 +372,17 @@ def read_stored(blocks: Sequence[Any], threads: int) -> bool:
                 block.close()  # nothing of it was used
     if not stored:
         return True
-    if threads <= 1 or len(stored) == 1:
-        results = [b.read() for b in stored]
+
+    sequential = threads <= 1 or len(stored) == 1
+
+    def read(i: int) -> bool:  # the next file is another thread's when several are read at once
+        for block in stored[i:i + 2 if sequential else i + 1]:
+            block.hint_to(block.data_bytes)
+        return stored[i].read()
+
+    if sequential:
+        results = [read(i) for i in range(len(stored))]
     else:
         with ThreadPoolExecutor(min(threads, len(stored)), thread_name_prefix="paged-cache-read") as pool:
-            results = list(pool.map(StoredBlock.read, stored))
+            results = list(pool.map(read, range(len(stored))))
     return all(results)
