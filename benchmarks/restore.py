@@ -130,7 +130,7 @@ def _hot(ctx: Context, model, cache, tokens, n, payload, repeats, loan: bool = F
             prefix = BlockAwarePrefixCache(manager, model)
             prefix.store(tokens[:n], cache)
             manager.flush()
-            put_back = lambda c: (prefix.store(tokens[:n], c), manager.flush())  # noqa: E731
+            put_back = lambda c: (prefix.store(tokens[:n], c), manager.flush(), mx.synchronize())  # noqa: E731
             fetch = lambda: _fetch(prefix, tokens, n, "hot")  # noqa: E731
             repeat(fetch, 1, teardown=put_back)
             timing = repeat(fetch, repeats, teardown=put_back)

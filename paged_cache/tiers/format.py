@@ -443,8 +443,8 @@ def read_header_only(read_at: Callable[[int, int], bytes], file_size: int,
     limit = expected_limit(max_bytes, expect)
     most = MAX_HEADER_BYTES if expect is None else expect.header_bytes
     head = read_at(0, min(file_size, 1 << 16))
-    if head[:4] == LZ4_MAGIC:
-        whole = head if len(head) == file_size else head + read_at(len(head), file_size - len(head))
+    if bytes(head[:4]) == LZ4_MAGIC:  # the whole file, once (a view when the caller holds it)
+        whole = head if len(head) == file_size else read_at(0, file_size)
         read = _lz4_reader(memoryview(whole))
         n = header_length(read(8), limit, most)
         h = parse_header(read(n), data_limit=limit - 8 - n)

@@ -131,7 +131,8 @@ class BlockFiles:
             if reason is None:
                 head = os.pread(fd, min(st.st_size, 4), 0)
                 whole = read_exact(fd, st.st_size) if head == fmt.LZ4_MAGIC else None
-                read_at = ((lambda off, n: whole[off:off + n]) if whole is not None
+                in_memory = memoryview(whole) if whole is not None else None  # sliced, not copied
+                read_at = ((lambda off, n: in_memory[off:off + n]) if in_memory is not None
                            else (lambda off, n: os.pread(fd, n, off)))
         except OSError as exc:
             os.close(fd)

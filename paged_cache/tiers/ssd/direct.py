@@ -32,7 +32,7 @@ import xxhash
 from paged_cache.tiers import format as fmt
 
 IOV_MAX = 1024  # Linux's bound on the buffers of one preadv
-LZ4_CHUNK = 64 << 10  # compressed bytes decompressed at a time (output at most ~255x that)
+LZ4_CHUNK = 1 << 20  # lz4: at most this many bytes in and out of one decompression call
 READ_AHEAD_BYTES = 512 << 20  # most block-file bytes hinted to the kernel and not read yet
 FILE_AHEAD = 8 << 20  # how far past what was read a rebuild reading layer by layer hints a file
 HINT_STEP = 1 << 20  # read-ahead extended this much per file in turn (``read_ahead``)
@@ -261,23 +261,28 @@ def _read_plain(fd: int, offset: int, pieces: list[memoryview]) -> str | None:
 
 
 class _Lz4Stream:
-    """The data section of an lz4 block file, decompressed LZ4_CHUNK compressed bytes at a time,
-    each output scattered into place while it is in cache (the header, checked when the block
-    was opened, skipped)."""
+    """The data section of an lz4 block file, decompressed at most LZ4_CHUNK bytes out at a time
+    (whatever the ratio) straight from the file's bytes, each output scattered into place while
+    it is in cache (the header, checked when the block was opened, skipped)."""
 
-    def __init__(self, compressed: bytes, skip: int) -> None:
-        self.dec = lz4.frame.LZ4FrameDecompressor()
+    def __init__(self, compressed: Any, skip: int) -> None:
+        self.ctx = lz4.frame.create_decompression_context()
         self.src, self.at, self.skip = memoryview(compressed), 0, skip
         self.out = memoryview(b"")
+        self.eof = False  # the frame's end marker was decoded
 
     def _more(self) -> str | None:
-        if self.at >= self.src.nbytes:
+        if self.eof or self.at >= self.src.nbytes:
             return "lz4 frame ends early"
         try:
-            out = memoryview(self.dec.decompress(self.src[self.at:self.at + LZ4_CHUNK]))
+            out, used, self.eof = lz4.frame.decompress_chunk(
+                self.ctx, self.src[self.at:self.at + LZ4_CHUNK], max_length=LZ4_CHUNK)
         except RuntimeError as exc:
             return f"lz4: {exc}"
-        self.at += LZ4_CHUNK
+        if not used and not out and not self.eof:
+            return "lz4 frame makes no progress"
+        self.at += used
+        out = memoryview(out)
         cut = min(self.skip, out.nbytes)
         self.out, self.skip = out[cut:], self.skip - cut
         return None
@@ -299,13 +304,13 @@ class _Lz4Stream:
 
     def finish(self) -> str | None:
         """Why the frame is not exactly the data section (bytes after it, not complete), or None."""
-        while self.at < self.src.nbytes and not self.out.nbytes:
+        while not self.eof and self.at < self.src.nbytes and not self.out.nbytes:
             reason = self._more()
             if reason is not None:
                 return reason
         if self.out.nbytes or self.skip:
             return "lz4 frame holds bytes after the data section"
-        if not self.dec.eof or self.dec.unused_data:
+        if not self.eof or self.at < self.src.nbytes:
             return "lz4 frame is not complete or has trailing bytes"
         return None
 

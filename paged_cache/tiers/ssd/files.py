@@ -134,15 +134,20 @@ def drain(fd: int) -> int:
     return total
 
 
-def read_exact(fd: int, size: int) -> bytearray:
-    """Read ``size`` bytes from ``fd`` (fewer only if the file is shorter)."""
-    buf = bytearray(size)
-    view, done = memoryview(buf), 0
-    while done < size:
-        n = os.readv(fd, [view[done:]])
-        if n == 0:
-            return buf[:done]
-        done += n
+def read_exact(fd: int, size: int) -> bytes | bytearray:
+    """Read ``size`` bytes from ``fd`` at its offset (fewer only if the file is shorter): one read
+    into a fresh buffer, not zero-filled first (a block file is read once, whole, when it is
+    compressed or decoded: a fill would be a second pass over as many fresh pages), continued
+    when it comes back short."""
+    first = os.read(fd, size)
+    if len(first) == size or not first:
+        return first
+    buf = bytearray(first)
+    while len(buf) < size:
+        more = os.read(fd, size - len(buf))
+        if not more:
+            break
+        buf += more
     return buf
 
 
