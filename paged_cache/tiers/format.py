@@ -22,6 +22,7 @@ FORMAT_VERSION = "1"
 COMPRESSIONS = ("none", "lz4")
 SUFFIXES = {"none": ".safetensors", "lz4": ".safetensors.lz4"}
 LZ4_MAGIC = b"\x04\x22\x4d\x18"
+LZ4_FEED = 64 << 10  # compressed bytes given to the decompressor at a time (header reads)
 LZ4_MAX_RATIO = 255  # an lz4 frame cannot expand more than this (bounds decompression)
 MAX_HEADER_BYTES = 16 << 20  # well below safetensors' own 100 MB limit
 HEADER_ALIGN = 8
@@ -383,14 +384,18 @@ def verify_header(h: Header, key: str | None) -> None:
 
 
 def _lz4_reader(data: memoryview) -> Callable[[int], bytearray]:
-    """Return read(n): exactly the next n decompressed bytes; never decompresses more than asked."""
+    """Return read(n): exactly the next n decompressed bytes; never decompresses more than asked,
+    fed LZ4_FEED input bytes at a time (the decompressor copies what it is given: one file's
+    header read copied the whole file). ``read.rest()`` is the input not fed yet."""
     dec = lz4.frame.LZ4FrameDecompressor()
-    pending = [data]
+    at = 0
 
     def read(n: int) -> bytearray:
+        nonlocal at
         out = bytearray()
         while len(out) < n:
-            src = pending.pop() if pending else b""
+            src = data[at:at + LZ4_FEED] if dec.needs_input else b""
+            at += len(src)
             try:
                 piece = dec.decompress(src, max_length=n - len(out))
             except RuntimeError as exc:
@@ -401,6 +406,7 @@ def _lz4_reader(data: memoryview) -> Callable[[int], bytearray]:
         return out
 
     read.decompressor = dec  # type: ignore[attr-defined]
+    read.rest = lambda: data[at:]  # type: ignore[attr-defined]
     return read
 
 
@@ -421,7 +427,7 @@ def split_file(data: Any, *, max_bytes: int, admit: Callable[[Header], None] | N
             admit(h)
         body = memoryview(read(h.data_bytes)) if h.data_bytes else memoryview(b"")
         dec = read.decompressor  # type: ignore[attr-defined]
-        if not dec.eof and dec.decompress(b"", max_length=1):
+        if not dec.eof and dec.decompress(read.rest(), max_length=1):  # type: ignore[attr-defined]
             raise BlockFileError("lz4 frame holds bytes after the data section")
         if not dec.eof or dec.unused_data:
             raise BlockFileError("lz4 frame is not complete or has trailing bytes")
