@@ -22,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from paged_cache.row_path import copies_on_host, evaluate, host_view, launch, to_device
+from paged_cache.handlers.unfilled import unfilled
 from paged_cache.tiers.ssd.direct import advance_all, read_ahead_whole
 from paged_cache.tiers.format import DTYPES, mx_dtype_name
 
@@ -288,8 +289,9 @@ def _assemble_on_host(pieces: list[Piece], names: Sequence[str], moves: list[Mov
                       dtypes: dict) -> Arrays:
     """numpy copies into the buffers' memory (bfloat16 through its uint16 bits)."""
     storage = {name: (specs[name], _storage_dtype(dtypes[name])) for name in names}
-    buffers = _allocate(storage)
-    _copy_on_host(pieces, names, moves, buffers, storage)
+    read = _stored_names(pieces, names, moves)
+    buffers = _allocate(storage, read)
+    _copy_on_host(pieces, names, moves, buffers, storage, read)
     out: Arrays = {}
     for name in names:
         out[name] = buffers.pop(name)
@@ -307,8 +309,7 @@ def _assemble_on_device(pieces: list[Piece], names: Sequence[str], moves: list[M
     its page cache meanwhile: ``advance_all``); the layer's buffers are evaluated together,
     once (waiting there frees each block's arrays as soon as they are written: an evaluation
     launched without waiting holds them while the next layers are built)."""
-    stored = [name for name in names
-              if any(hasattr(pieces[k][2][name], "read_rows") for k, *_ in moves)]
+    stored = _stored_names(pieces, names, moves)
     staging = {name: np.zeros(specs[name], dtype=_host_dtype(dtypes[name])) for name in stored}
     for name in stored:  # every stored row asked for first: one read per file for the layer
         _write_rows(pieces, name, moves, staging[name])
@@ -378,10 +379,13 @@ def rebuild_pipeline() -> Iterator[None]:
         _AHEAD.active, _AHEAD.buffers = False, None
 
 
-def _allocate(specs: dict) -> Arrays:
-    """Buffers of ``specs`` (name -> (shape, dtype)): those allocated ahead when they match."""
+def _allocate(specs: dict, read: Sequence[str] = ()) -> Arrays:
+    """Buffers of ``specs`` (name -> (shape, dtype)): those allocated ahead when they match;
+    those of ``read`` (rows read from disk into them) unfilled, their pages faulted in by the
+    read (handlers/unfilled.py): the caller writes every row of them."""
     ahead = _AHEAD.buffers or {}
-    buffers = {name: ahead[name][1] if name in ahead and ahead[name][0] == spec
+    buffers = {name: unfilled(*spec) if name in read
+               else ahead[name][1] if name in ahead and ahead[name][0] == spec
                else mx.zeros(spec[0], dtype=spec[1]) for name, spec in specs.items()}
     if _AHEAD.active:
         _AHEAD.buffers = {}
@@ -397,17 +401,39 @@ def _allocate_ahead(name: str, spec: tuple) -> None:
 
 
 def _copy_on_host(pieces: list[Piece], names: Sequence[str], moves: list[Move], buffers: Arrays,
-                  specs: dict) -> None:
+                  specs: dict, read: Sequence[str] = ()) -> None:
     """numpy copies into the buffers' memory, name by name: MLX fills the next buffer (its own
     thread) while this one is written. A source with ``read_rows`` (a block payload still on
-    disk, see tiers/ssd/direct.py) is asked to land its rows there when its file is read."""
+    disk, see tiers/ssd/direct.py) is asked to land its rows there when its file is read; the
+    buffers of ``read`` are unfilled: the rows no move writes are zeroed here."""
     launch(list(buffers.values()))
     read_ahead_whole(_stored_files(pieces))  # the disk reads them while the buffers are filled
     for name in names:
-        _write_rows(pieces, name, moves, host_view(buffers[name]))
+        dst = host_view(buffers[name])
+        if name in read:
+            _zero_unwritten(dst, moves)
+        _write_rows(pieces, name, moves, dst)
         for _, _, arrays, _ in pieces:  # the name's arrays go once written
             arrays.pop(name, None)
-        _allocate_ahead(name, specs[name])
+        if name not in read:  # a layer read from disk: the next one's buffers are unfilled too
+            _allocate_ahead(name, specs[name])
+
+
+def _zero_unwritten(dst: np.ndarray, moves: list[Move]) -> None:
+    """Zero the rows of ``dst`` no move writes (``moves`` sorted by destination row)."""
+    row = 0
+    for _, into, count, _ in moves:
+        if into > row:
+            dst[_rows(row, into - row)] = 0
+        row = max(row, into + count)
+    if row < dst.shape[TOKEN_AXIS]:
+        dst[_rows(row, dst.shape[TOKEN_AXIS] - row)] = 0
+
+
+def _stored_names(pieces: list[Piece], names: Sequence[str], moves: list[Move]) -> list[str]:
+    """The names some of whose rows are still on disk (a source with ``read_rows``)."""
+    return [name for name in names
+            if any(hasattr(pieces[k][2][name], "read_rows") for k, *_ in moves)]
 
 
 def _stored_files(pieces: list[Piece]) -> list[Any]:
