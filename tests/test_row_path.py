@@ -2,7 +2,8 @@
 a store asks of MLX, counted: one evaluation per layer or fewer, never one per block, on both
 paths; on the device path no host views of a RAM hit and one upload per array per layer from SSD.
 On a GPU those counts are the cost; this is what CI sees of it. From SSD the kernel is asked to
-read each file's next layer while a layer moves to the device."""
+read the files ahead, within a process-wide budget, and rows read from disk land in buffers that
+are not zero-filled first (the rows no block holds are zeroed)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from paged_cache.config import CacheConfig
 from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
+from paged_cache.handlers.base import assemble_rows
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.ssd import direct
 from paged_cache.tiers.ssd.direct import advance_all, read_ahead_whole, read_stored
@@ -190,3 +192,29 @@ def test_files_are_read_ahead_within_the_budget(tmp_path: Path, compression: str
         assert direct._READ_AHEAD.pending == (stored.data_bytes if compression == "none" else 0)
         stored.close()
         assert direct._READ_AHEAD.pending == 0
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_rows_read_from_disk_land_in_a_buffer_zero_where_no_block_holds_rows(
+        tmp_path: Path, path: str) -> None:
+    """A buffer some of whose rows are read from disk is not zero-filled first on the host path
+    (handlers/unfilled.py: the read faults its pages in): the rows no block holds (a gap, the
+    room past the last row) are zeros however dirty the recycled memory was, and the read rows
+    are the file's."""
+    block = _block(5)
+    with SSDTier(tmp_path, max_bytes=1 << 30) as tier, row_path.forced(path):
+        assert tier.write_sync(block.key, fmt.raw_tensors(block), block.meta)
+        limit = mx.set_cache_limit(1 << 30)
+        try:
+            dirty = [mx.full((1, 6, 32, 4), 7.0, dtype=mx.float16) for _ in range(8)]
+            mx.eval(dirty)
+            del dirty  # MLX's cache now holds buffers full of 7s of the rebuilt buffers' size
+            stored = tier.open_stored(block.key)
+            pieces = [(4, 12, {"keys": stored.arrays["l0.keys"]}, 0)]  # positions 4..12: rows 0..8
+            out = assemble_rows(pieces, ["keys"], [(0, 20)], 32)["keys"]
+            assert read_stored([stored], threads=1)
+        finally:
+            mx.set_cache_limit(limit)
+        got, want = np.asarray(out), np.asarray(block.arrays["l0.keys"])
+        assert not got[:, :, :4].any() and not got[:, :, 12:].any()
+        assert np.array_equal(got[:, :, 4:12], want)
