@@ -241,6 +241,7 @@ def _ssd(ctx: Context, model, cache, tokens, n, payload, repeats, compression, t
 def run(ctx: Context) -> dict:
     n = ctx.pick(512, 2048)       # tokens: 64 MiB / 256 MiB of 8B-shaped KV
     repeats = ctx.pick(3, 5)
+    restarts = ctx.pick(3, 7)     # SSD restores after a restart: the noisiest figures
     model = io_model()
     cache = filled_cache(model, n)
     tokens = [(7 * i + 3) % 251 for i in range(n + 1)]   # n cached tokens + one to feed
@@ -269,7 +270,7 @@ def run(ctx: Context) -> dict:
                           mlx_copy_gib_s=gib_s(floor)))
     ssd = {}
     for compression in ("none", "lz4"):
-        got = ssd[compression] = _ssd(ctx, model, cache, tokens, n, payload, repeats, compression)
+        got = ssd[compression] = _ssd(ctx, model, cache, tokens, n, payload, restarts, compression)
         default, raw = got["lib"][READ_THREADS_DEFAULT], got["raw"]
         base = "raw read" if compression == "none" else "read + lz4 decompress"
         figures.append(figure(

@@ -57,7 +57,7 @@ REMOTE_QUEUE_DEFAULT = 64 * 2**20   # remote write queue: 64 MiB of raw block bu
 REMOTE_TIMEOUT_DEFAULT = 0.5        # seconds a remote read or write may wait on one socket operation
 # Read by the remote tier at connect time, never stored in a CacheConfig (nor shown by `config`).
 REMOTE_PASSWORD_ENV = "PAGED_CACHE_REMOTE_PASSWORD"
-READ_THREADS_DEFAULT = 1      # block files read at once by a fetch (measured: docs/benchmarks.md)
+READ_THREADS_DEFAULT = 4      # block files read at once by a fetch (measured: docs/benchmarks.md)
 # shared_prefill: a request held back for another's prefill goes on without it after this long
 SHARED_PREFILL_MAX_WAIT_S = 60.0
 TRUE_WORDS = ("1", "true", "yes", "on")
@@ -257,7 +257,7 @@ _FIELD_SPECS: dict[str, tuple[Any, str]] = {
     "cache_salt_from_user": (parse_bool, "serve, vllm-mlx, openai-server: a request's OpenAI "
                                          "`user` field is its cache salt when it names none "
                                          "(tenants never share a prefix; default false)"),
-    "ssd_read_threads": (_read_threads, "block files a fetch reads from SSD at once (default 1)"),
+    "ssd_read_threads": (_read_threads, "block files a fetch reads from SSD at once (default 4)"),
     "fetch_policy": (lambda v, n: _choice(v, n, FETCH_POLICIES),
                      "restore or prefill a stored prefix: cost (the faster by measured rates; "
                      "default) | always-restore | always-prefill"),
