@@ -11,7 +11,9 @@ prefill and the caller's next forward (``chunks.next_forward_end``: the request'
 the caller's grid), so that forward writes in place, in the order its arrays lie in a block file
 (a payload still on disk is read once, front to back). The fetch plan (fetch_plan.py) keeps, of the candidate ends,
 those worth restoring against the model's prefill; each restore is timed per tier for the rates
-it weighs (rates.py).
+it weighs (rates.py). The reads of slow tiers are timed as they happen, in prefix order: when the
+rest is projected slower than prefilling what a stop gives up, the fetch stops there (the
+cut-off, fetch_plan.Watch). Without a prefill rate the model's is timed first (prefill_probe.py).
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ import numpy as np
 from paged_cache.block import KEY_HEX_LEN, Block
 from paged_cache.chain_index import ChainNode
 from paged_cache.chunks import next_forward_end
-from paged_cache.fetch_plan import OVERLAP_TIERS, Plan, Split, plan_fetch
+from paged_cache.fetch_plan import OVERLAP_TIERS, WATCHED_TIERS, Plan, Split, Watch, plan_fetch
 from paged_cache.handlers import Part, Span
 from paged_cache.handlers.base import clipped, rebuild_pipeline
 from paged_cache.hashing import ROOT_PARENT, shared_prefix
 from paged_cache.layout import layer_arrays
 from paged_cache.loans import Lent
+from paged_cache.prefill_probe import prefill_rate
 from paged_cache.rates import tier_label
 from paged_cache.row_path import evaluate
 from paged_cache.store import node_block
@@ -91,6 +94,18 @@ class _Search:
     chunk: int = 0  # the caller's prefill grid (0: the block size), for its next forward
     read_seconds: dict[str, float] = field(default_factory=dict)  # per key: its tier read
     warm_seconds: dict[str, float] = field(default_factory=dict)  # per key: its I/O done ahead
+    watch: Watch | None = None  # the cut-off (None: the reads are not watched)
+    watched: list[tuple[ChainNode, int, float]] = field(default_factory=list)  # (node, bytes,
+    # seconds) of each read the cut-off timed
+    sampled: set[str] = field(default_factory=set)  # keys whose reads are a rate sample already
+
+
+class _Cut(Exception):
+    """The cut-off stopped a rebuild at ``n``: the fetch goes on at ``stop`` or shorter."""
+
+    def __init__(self, n: int, stop: int, detail: str) -> None:
+        super().__init__(detail)
+        self.n, self.stop, self.detail = n, stop, detail
 
 
 Prefill = Callable[[int], list]  # the caller's prefill of a request's first h tokens: a cache at h
@@ -134,15 +149,27 @@ def find(pc: Any, ids: np.ndarray, limit: int | None = None, prefill: Prefill | 
                                              tier=tiers[j]) for j in range(held)]
     search = _Search(pc, ids, path, cands, kids, chunk=chunk)
     shared_max = max((c.end for c in cands), default=0)
-    plan = _plan(search, _candidate_ends(layout, cands, min(limit, shared_max)),
-                 grid if prefill is not None else 0)
+    ends = _candidate_ends(layout, cands, min(limit, shared_max))
+    rate = _prefill_rate(search, ends)
+    plan = _plan(search, ends, grid if prefill is not None else 0)
     if plan.split is not None:
         found = _both(search, plan.split, prefill, grid)
         if found is not None:
             found.shared, found.plan = shared_max, Plan([plan.split.end], detail=plan.split.detail)
             return found
-    for n in plan.ends:
-        found = _try(search, n)
+    if rate and plan.ends and pc.manager.config.fetch_policy == "cost":
+        # an in-place SSD read is timed ahead (warmed) only while the SSD's rate is not known
+        search.watch = Watch(rate, plan.ends, settled=pc.manager.rates.read("ssd") is not None)
+    todo = list(plan.ends)
+    while todo:
+        n = todo.pop(0)
+        try:
+            found = _try(search, n)
+        except _Cut as cut:
+            _sample_watched(search)
+            plan = plan.cut_at(cut.n, cut.stop, cut.detail)
+            todo = [e for e in todo if e <= cut.stop]
+            continue
         if found is _DAMAGED:
             # a payload failed its checksum while read into place (its file is removed now):
             # search again, the chain now ends before that block
@@ -151,6 +178,19 @@ def find(pc: Any, ids: np.ndarray, limit: int | None = None, prefill: Prefill | 
             found.shared, found.plan = shared_max, plan
             return found
     return Found(None, 0, "miss", 0, shared_max, plan=plan)
+
+
+def _prefill_rate(search: _Search, ends: list[int]) -> float | None:
+    """The model's prefill rate when the fetch plan weighs it (``fetch_policy`` cost): a fetch
+    that may read a slow tier (WATCHED_TIERS) in a process that knows none times the model first
+    (prefill_probe.py; not in a group, whose ranks would have to run it together)."""
+    pc = search.pc
+    if pc.manager.config.fetch_policy != "cost" or not ends:
+        return None
+    slow = any(c.node.tier in WATCHED_TIERS and c.start < ends[0] for c in search.cands)
+    if slow and pc.group is None:
+        return prefill_rate(pc, search.ids)
+    return pc.manager.rates.prefill(pc.layout.identity)
 
 
 def _plan(search: _Search, ends: list[int], grid: int) -> Plan:
@@ -329,14 +369,22 @@ def _try_nodes(search: _Search, n: int, chosen: list[tuple[ChainNode, int]]) -> 
     # layer's staging buffers on the device path)
     in_place = all(h.reads_in_place for h in layout.handlers)
     blocks = []
-    for node, _ in chosen:
+    covered = 0  # every chosen node up to here is read (the cut-off's prefix)
+    for j, (node, used) in enumerate(chosen):
         if node.key not in search.blocks:
             # an SSD block handed over is read without promotion (taken)
-            _read(search, node, take=node.key in handover and node.tier != "hot",
-                  in_place=in_place)
+            take = node.key in handover and node.tier != "hot"
+            if search.watch is not None and node.tier in WATCHED_TIERS:
+                _read_watched(search, node, take=take, in_place=in_place)
+            else:
+                _read(search, node, take=take, in_place=in_place)
         if search.blocks[node.key] is None:
             return None
         blocks.append(search.blocks[node.key])
+        if node.start == covered and not node.checkpoint:
+            covered = node.start + used
+        if search.watch is not None and search.watched:
+            _check_cut(search, chosen[j + 1:], covered, n)
     descs = [json.loads(b.meta[META_LAYERS]) for b in blocks]
     spans = []
     for i in range(len(layout.handlers)):
@@ -402,6 +450,54 @@ def _read(search: _Search, node: ChainNode, *, take: bool, in_place: bool) -> An
     return block
 
 
+def _read_watched(search: _Search, node: ChainNode, *, take: bool, in_place: bool) -> None:
+    """``_read`` of a slow tier's node, timed for the cut-off. A block read into place (an SSD
+    block taken) has only its header read here: its file is read through the page cache first
+    (``warm``) while the watch is not settled, else the read is not timed."""
+    t0 = time.perf_counter()
+    ahead = take and in_place and node.tier == "ssd"
+    if ahead and not search.watch.settled:
+        search.warm_seconds[node.key] = search.pc.manager.warm(node.key, node.tier)
+    elif ahead:
+        _read(search, node, take=take, in_place=in_place)
+        return
+    block = _read(search, node, take=take, in_place=in_place)
+    seconds = time.perf_counter() - t0
+    if block is not None:
+        search.watched.append((node, block.nbytes, seconds))
+        if not node.checkpoint:
+            search.watch.add(node.ntokens, seconds)
+
+
+def _check_cut(search: _Search, rest: list[tuple[ChainNode, int]], covered: int, n: int) -> None:
+    """Raise ``_Cut`` when the cut-off stops a rebuild at ``n`` here (fetch_plan.Watch):
+    ``rest``, the chosen nodes not read yet, hold the slow-tier tokens still to read."""
+    remaining = sum(node.ntokens for node, _ in rest if node.tier in WATCHED_TIERS
+                    and not node.checkpoint and node.key not in search.blocks)
+    stop = search.watch.cut(covered, remaining, n)
+    if stop is not None:
+        raise _Cut(n, stop, search.watch.detail(n, stop, remaining))
+
+
+def _sample_watched(search: _Search) -> None:
+    """The reads the cut-off timed, as rate samples of their tiers (and the bytes per token of
+    the layout), now that the fetch stopped: a rebuild shorter than them does not measure
+    them all, and none may follow."""
+    rates, fingerprint = search.pc.manager.rates, search.pc.layout.fingerprint
+    by_tier: dict[str, list[float]] = {}
+    for node, nbytes, seconds in search.watched:
+        if node.key in search.sampled:
+            continue
+        search.sampled.add(node.key)
+        sample = by_tier.setdefault(node.tier, [0, 0.0])
+        sample[0] += nbytes
+        sample[1] += seconds
+        if not node.checkpoint:
+            rates.learn_bytes_per_token(fingerprint, nbytes, node.ntokens)
+    for tier, (nbytes, seconds) in by_tier.items():
+        rates.add_read(tier, int(nbytes), seconds)
+
+
 def _measure(search: _Search, chosen: list[tuple[ChainNode, int]], blocks: list[Any],
              sizes: list[int], build_seconds: float, in_place_seconds: float) -> None:
     """One read-rate sample per tier of a restore: each block's read, its share (by bytes) of
@@ -412,8 +508,8 @@ def _measure(search: _Search, chosen: list[tuple[ChainNode, int]], blocks: list[
     stored = sum(n for n, b in zip(sizes, blocks) if isinstance(b, StoredBlock)) or 1
     by_tier: dict[str, list[float]] = {}
     for (node, _), block, nbytes in zip(chosen, blocks, sizes):
-        if node.key == HEAD_KEY:
-            continue  # prefilled, not read
+        if node.key == HEAD_KEY or node.key in search.sampled:
+            continue  # prefilled, not read; or sampled when the cut-off stopped the fetch
         seconds = (search.read_seconds.get(node.key, 0.0) + search.warm_seconds.get(node.key, 0.0)
                    + build_seconds * nbytes / total)
         if isinstance(block, StoredBlock):

@@ -14,6 +14,12 @@ Both at once: when the caller gives its prefill grid, the fetch may prefill the 
 itself while the files of the rest ``[h, n)`` are read on another thread (``Split``): ``h`` on
 the grid, chosen so the two finish together, tried when predicted at most ``SPLIT_MARGIN`` of the
 plan's time for the same ``n`` tokens (the plan without it stays the way back).
+
+The cut-off (``Watch``): whatever the plan chose, a fetch times its own reads of the slow tiers
+(``WATCHED_TIERS``) in prefix order; when the rest of its reads is projected to take longer than
+prefilling the tokens a stop gives up, it stops at the longest end it can rebuild at with what it
+has read, and the caller prefills the rest. A tier never measured costs its first fetch at most
+the reads before the cut, not the whole restore.
 """
 
 from __future__ import annotations
@@ -26,6 +32,10 @@ from paged_cache.rates import Rates
 
 POLICY_REASON = "policy"  # fetch_policy=always-prefill
 COST_REASON = "cost"      # the restore was predicted slower than the prefill
+CUT_REASON = "cut"        # the fetch's own reads ran slower than the prefill: it stopped
+WATCHED_TIERS = ("ssd", "remote")  # tiers whose reads the cut-off times (not RAM)
+SETTLED = 0.5             # cut-off: a read projected under this part of the prefill it saves is
+                          # settled (an in-place SSD read is no longer timed ahead: Watch)
 OVERLAP_TIERS = ("ssd",)  # tiers whose reads are I/O a prefill can run beside (Tier.warm)
 SPLIT_MARGIN = 0.9        # both at once: taken when predicted at most this part of the plan's time
 
@@ -41,6 +51,20 @@ class Plan:
     reason: str | None = None
     detail: str = ""
     split: "Split | None" = None  # both at once, tried first (``ends`` is the plan without it)
+    cut: int = 0  # of ``recomputed``, the tokens the cut-off gave up (Watch), reason CUT_REASON
+
+    def cut_at(self, n: int, stop: int, detail: str) -> "Plan":
+        """This plan once the cut-off stopped a rebuild at ``n`` at ``stop``: the ends up to
+        ``stop`` are left, the tokens in between are prefilled too."""
+        return replace(self, ends=[e for e in self.ends if e <= stop],
+                       recomputed=self.recomputed + n - stop, cut=self.cut + n - stop,
+                       detail=detail, split=None)
+
+    @property
+    def why(self) -> str | None:
+        """Why stored tokens are prefilled: the cut-off's reason when it stopped, else the
+        plan's."""
+        return CUT_REASON if self.cut else self.reason
 
 
 @dataclass(frozen=True)
@@ -138,3 +162,44 @@ def _detail(longest: int, best: int, gains: dict[int, float], prefill: float) ->
     kept = f", up to {best} {gains[best]:+.3f} s" if best else ""
     return (f"restoring up to {longest} gains {gains[longest]:+.3f} s over prefilling at "
             f"{prefill:.0f} tokens/s{kept}")
+
+
+@dataclass
+class Watch:
+    """The cut-off of one fetch (module doc). ``prefill``: the model's rate (tokens/s);
+    ``ends``: where the fetch can rebuild, longest first; ``settled``: the tier was found fast
+    enough that an in-place SSD read need not be timed ahead. ``tokens`` / ``seconds``: the
+    slow-tier reads timed so far (the fetch's own rate)."""
+
+    prefill: float
+    ends: list[int]
+    settled: bool = False
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        """A read of a node of ``tokens`` tokens took ``seconds``."""
+        self.tokens += tokens
+        self.seconds += seconds
+
+    def cut(self, covered: int, remaining: int, n: int) -> int | None:
+        """Where a rebuild at ``n`` stops (0: it prefills every token), or None to read on.
+        ``covered``: every node up to this position is read; ``remaining``: tokens of the
+        slow-tier nodes still to read. Stops when the rest, at the rate timed so far, would take
+        longer than prefilling the tokens between the stop and ``n``."""
+        if remaining <= 0 or self.tokens <= 0 or self.seconds <= 0:
+            return None
+        rest = remaining * self.seconds / self.tokens
+        stop = next((e for e in self.ends if e <= covered), 0)
+        given_up = (n - stop) / self.prefill
+        if rest > given_up:
+            return stop
+        self.settled = self.settled or rest <= SETTLED * given_up
+        return None
+
+    def detail(self, n: int, stop: int, remaining: int) -> str:
+        """For the log: why a rebuild at ``n`` stopped at ``stop``."""
+        rate = self.tokens / self.seconds
+        return (f"cut-off: reads at {rate:.0f} tokens/s left {remaining} tokens to read for a "
+                f"rebuild at {n}, slower than prefilling [{stop}, {n}) at "
+                f"{self.prefill:.0f} tokens/s: stopped at {stop}")

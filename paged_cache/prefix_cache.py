@@ -61,7 +61,7 @@ class FetchInfo:
     blocks: int
     tokens_shared: int = 0  # longest run of the request's tokens some stored node holds
     tokens_recomputed: int = 0  # stored tokens the fetch plan left to prefill (faster so)
-    recompute_reason: str | None = None  # why: fetch_plan's "cost" or "policy"
+    recompute_reason: str | None = None  # why: fetch_plan's "cost", "policy" or "cut"
     tokens_prefilled: int = 0  # of tokens_matched, the head the fetch prefilled (both at once)
 
 
@@ -105,7 +105,8 @@ class BlockAwarePrefixCache:
              "blocks_written", "checkpoints_written", "blocks_deduplicated", "blocks_taken",
              "blocks_rejected", "store_seconds", "restore_seconds", "recomputed_fetches",
              "recomputed_tokens", "recomputed_cost_tokens", "recomputed_policy_tokens",
-             "overlapped_fetches", "overlapped_head_tokens"), 0)
+             "recomputed_cut_tokens", "cut_fetches", "overlapped_fetches",
+             "overlapped_head_tokens", "prefill_probes", "prefill_probe_seconds"), 0)
         self.last_fetch = FetchInfo(0, 0, "miss", 0.0, 0)
         self._loans = self._new_loans()
         self._bounds: NodeBounds | None = None
@@ -289,7 +290,11 @@ class BlockAwarePrefixCache:
         if plan is not None and plan.recomputed:
             st["recomputed_fetches"] += 1
             st["recomputed_tokens"] += plan.recomputed
-            st[f"recomputed_{plan.reason}_tokens"] += plan.recomputed
+            if plan.recomputed > plan.cut:
+                st[f"recomputed_{plan.reason}_tokens"] += plan.recomputed - plan.cut
+            if plan.cut:
+                st["cut_fetches"] += 1
+                st["recomputed_cut_tokens"] += plan.cut
             logger.debug("fetch plan: %d stored tokens prefilled instead (%s)", plan.recomputed,
                          plan.detail)
         if found is not None:
@@ -311,7 +316,7 @@ class BlockAwarePrefixCache:
         self.last_fetch = FetchInfo(total, n, found.tier if n else "miss", seconds,
                                     found.used if n else 0,
                                     found.shared if found is not None else 0,
-                                    plan.recomputed if plan else 0, plan.reason if plan else None,
+                                    plan.recomputed if plan else 0, plan.why if plan else None,
                                     head)
         logger.debug("fetch: %d/%d tokens from %s (%d nodes) in %.1f ms",
                      n, total, self.last_fetch.tier, self.last_fetch.blocks, seconds * 1e3)
@@ -417,9 +422,10 @@ class BlockAwarePrefixCache:
         a sample of the prefill rate the fetch plan weighs."""
         self.manager.rates.add_prefill(self.layout.identity, tokens, seconds)
 
-    def count(self, name: str) -> None:
-        """Count one event of ``name`` in ``stats()`` (fetch.py's rejected blocks)."""
-        self._stats[name] += 1
+    def count(self, name: str, amount: float = 1) -> None:
+        """Add ``amount`` to the counter ``name`` in ``stats()`` (fetch.py's rejected blocks,
+        prefill_probe.py's timed forwards)."""
+        self._stats[name] += amount
 
     def _held(self, keys: list[str]) -> bool:
         return all(t is not None for t in self.manager.tiers_of(keys))

@@ -114,6 +114,7 @@ def test_prefill_chunk_is_checked(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------- a real, slow SSD tier
 
 SLOW_SSD = "128KB"  # an 8 KiB block of the tiny llama: 64 ms
+SLOW_PREFILL = 1.0  # tokens/s seeded: the first restore is never cut off, so it measures the SSD
 
 
 def _slow_ssd(tmp_path: Path, model, tokens: list[int]) -> CacheConfig:
@@ -122,13 +123,14 @@ def _slow_ssd(tmp_path: Path, model, tokens: list[int]) -> CacheConfig:
     with new_manager(tmp_path, block_size=BLOCK, ssd_max_bytes="64MB") as manager:
         store_prompt(model, BlockAwarePrefixCache(manager, model), tokens)
     return CacheConfig(block_size=BLOCK, ssd_dir=tmp_path, ssd_max_bytes="64MB",
-                       test_ssd_read_bytes_per_s=SLOW_SSD)
+                       test_ssd_read_bytes_per_s=SLOW_SSD, prefill_tokens_per_s=SLOW_PREFILL)
 
 
 def _measure_ssd(model, prefix: BlockAwarePrefixCache, tokens: list[int]) -> None:
-    """One SSD restore (no read rate yet: restored), which measures the tier, then every block
-    out of RAM again; then a prefill sample twice as fast as the SSD reads a token of this
-    model's layout (the tiny model's real prefill is far faster than any read)."""
+    """One SSD restore (no read rate yet, a prefill seeded far slower: restored whole), which
+    measures the tier, then every block out of RAM again; then a prefill sample (it replaces the
+    seed) twice as fast as the SSD reads a token of this model's layout (the tiny model's real
+    prefill is far faster than any read)."""
     assert assert_exact(model, prefix, tokens[:2 * BLOCK] + [7, 7]) == 2 * BLOCK
     prefix.manager.trim_hot(0)
     rates = prefix.manager.rates
@@ -195,7 +197,7 @@ def _unmarked(tmp_path: Path, model, tokens: list[int]) -> CacheConfig:
         prefill(model, cache, tokens, 0, BLOCK)
         prefix.store(tokens, cache)
     return CacheConfig(block_size=BLOCK, ssd_dir=tmp_path, ssd_max_bytes="64MB",
-                       test_ssd_read_bytes_per_s=SLOW_SSD)
+                       test_ssd_read_bytes_per_s=SLOW_SSD, prefill_tokens_per_s=SLOW_PREFILL)
 
 
 def test_no_split_over_rows_prefilled_another_way(tmp_path: Path) -> None:

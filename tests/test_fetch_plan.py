@@ -144,22 +144,28 @@ def _stored(tmp_path: Path, model, tokens: list[int]) -> CacheConfig:
 
 def _first_ssd_fetch(manager: PagedSSDCacheManager, model,
                      tokens: list[int]) -> BlockAwarePrefixCache:
-    """The first fetch after a restart, of 3 stored blocks: restored (no read rate yet), exact,
-    and measuring the SSD tier."""
+    """The first fetch after a restart, of 3 stored blocks: no read rate yet, so it reads, in
+    prefix order, timing itself; the first block's read (~160 ms) makes the other two slower
+    than their prefill (2 x 32 ms): it stops there (the cut-off), exact, the tier measured."""
     prefix = BlockAwarePrefixCache(manager, model)
-    assert assert_exact(model, prefix, tokens[:3 * BLOCK] + [7, 7]) == 3 * BLOCK
+    assert assert_exact(model, prefix, tokens[:3 * BLOCK] + [7, 7]) == BLOCK
+    info = prefix.last_fetch
+    assert (info.tokens_recomputed, info.recompute_reason) == (2 * BLOCK, "cut")
+    stats = prefix.stats()
+    assert stats["cut_fetches"] == 1 and stats["recomputed_cut_tokens"] == 2 * BLOCK
+    assert stats["recomputed_cost_tokens"] == 0 and stats["walkback_tokens_lost"] == 0
     return prefix
 
 
 def test_slow_ssd_is_prefilled_once_measured_and_exact(tmp_path: Path) -> None:
-    """The first SSD fetch after a restart restores (no read rate yet) and measures the tier;
-    the next one prefills instead, counted, and both are exact."""
+    """The first SSD fetch after a restart stops after its first block (it timed its own reads)
+    and measures the tier; the next one prefills instead, counted, and both are exact."""
     model = tiny_model("llama")
     tokens = prompt(6 * BLOCK)
     config = _stored(tmp_path, model, tokens)
     with PagedSSDCacheManager(config) as manager:
         prefix = _first_ssd_fetch(manager, model, tokens)
-        assert prefix.last_fetch.tier == "ssd" and prefix.last_fetch.tokens_recomputed == 0
+        assert prefix.last_fetch.tier == "ssd"
         rate = manager.stats()["read_bytes_per_s"]["ssd"]
         assert rate < 50e3  # measured as slow as the throttle makes it
         assert manager.rates.bytes_per_token(prefix.fingerprint) > 0
@@ -168,8 +174,9 @@ def test_slow_ssd_is_prefilled_once_measured_and_exact(tmp_path: Path) -> None:
         info = prefix.last_fetch
         assert (info.tokens_recomputed, info.recompute_reason, info.tier) == (6 * BLOCK, "cost", "miss")
         stats = prefix.stats()
-        assert stats["recomputed_fetches"] == 1 and stats["recomputed_cost_tokens"] == 6 * BLOCK
+        assert stats["recomputed_fetches"] == 2 and stats["recomputed_cost_tokens"] == 6 * BLOCK
         assert stats["walkback_tokens_lost"] == 0 and stats["prefill_tokens_per_s"] == PREFILL
+        assert stats["prefill_probes"] == 0  # the rate was set: nothing timed
 
 
 def test_hot_head_restored_slow_tail_prefilled(tmp_path: Path) -> None:
@@ -228,7 +235,9 @@ def test_scheduler_measures_prefill_and_prefills_past_a_slow_ssd(tmp_path: Path)
         assert prefix.stats()["prefill_samples"] == 8 and prefix.stats()["prefill_tokens_per_s"] > 0
         manager.flush()
         manager.trim_hot(0)  # every block only on the slow SSD now
-        assert sched.generate(tokens[:2 * BLOCK] + [4, 4], max_tokens=4).cached_tokens == 2 * BLOCK
+        # no SSD rate yet: its first block read shows the second slower than its prefill
+        assert sched.generate(tokens[:2 * BLOCK] + [4, 4], max_tokens=4).cached_tokens == BLOCK
+        assert prefix.stats()["recomputed_cut_tokens"] == BLOCK
         manager.trim_hot(0)
         got = sched.generate(tokens + [5], max_tokens=4)
         assert got.cached_tokens == 0 and got.tokens == want
@@ -237,7 +246,8 @@ def test_scheduler_measures_prefill_and_prefills_past_a_slow_ssd(tmp_path: Path)
 
 def test_remote_reads_are_measured_and_weighed(url: str) -> None:
     """A fresh host reading a prefix from a real Valkey / Redis server measures the remote
-    tier's read rate; with a prefill seeded far faster than any read it then prefills, exactly."""
+    tier's read rate; with a prefill seeded far faster than any read its first fetch stops after
+    the first block (the cut-off), and the next prefills everything, exactly."""
     model = tiny_model("llama")
     tokens = prompt(4 * BLOCK)
     remote = dict(block_size=BLOCK, hot_cache_only=True, remote_url=url, remote_timeout=5.0)
@@ -246,8 +256,8 @@ def test_remote_reads_are_measured_and_weighed(url: str) -> None:
         manager.flush()
     with PagedSSDCacheManager(CacheConfig(**remote, prefill_tokens_per_s=1e12)) as manager:
         prefix = BlockAwarePrefixCache(manager, model)
-        assert assert_exact(model, prefix, tokens[:2 * BLOCK] + [3, 3]) == 2 * BLOCK
-        assert prefix.last_fetch.tier == "remote"
+        assert assert_exact(model, prefix, tokens[:2 * BLOCK] + [3, 3]) == BLOCK
+        assert prefix.last_fetch.tier == "remote" and prefix.last_fetch.recompute_reason == "cut"
         assert manager.stats()["read_bytes_per_s"]["remote"] > 0
         manager.trim_hot(0)  # the blocks it read were promoted into RAM: out again
         assert assert_exact(model, prefix, tokens + [1]) == 0

@@ -21,6 +21,9 @@ from paged_cache.tiers.remote.client import block_name, children_name, parse_chi
 log = logging.getLogger("paged_cache.remote")
 
 READ_AHEAD_BLOCKS = 32         # at most this many blocks of a planned chain per read round trip
+# ... but the first round trip of a planned chain reads one block: the fetch times it before it
+# asks for the rest (its cut-off, fetch_plan.Watch), so a slow link costs it one block, not all
+FIRST_READ_BLOCKS = 1
 READ_AHEAD_BYTES = 64 << 20    # ... and at most this many value bytes (beyond the first block)
 MAX_LISTINGS = 1024            # child hashes of a planned chain read in one round trip
 PRESENT_SECONDS = 2.0          # how long a key seen on the server counts as held without asking
@@ -34,6 +37,7 @@ class RemoteReads:
     def _init_reads(self) -> None:
         self._plan: dict[str, int] = {}            # chain keys found on the server, in order
         self._plan_keys: list[str] = []
+        self._plan_reads = 0
         self._chain: list[str] = []
         self._fetched: dict[str, Block | None] = {}  # read ahead, not yet asked for (None: no
         # value there, or a damaged one)
@@ -75,6 +79,7 @@ class RemoteReads:
             self._plan_keys = list(on_server)
             self._plan = {k: i for i, k in enumerate(self._plan_keys)}
             self._fetched = {}
+            self._plan_reads = 0  # round trips of this plan so far
 
     def read_block(self, key: str, expect: fmt.Expected | None = None) -> Block | None:
         """The verified block for ``key`` (a read-ahead hit or one pipelined round trip that also
@@ -106,10 +111,13 @@ class RemoteReads:
         return block
 
     def _read_ahead(self, i: int) -> list[str]:
-        """Planned keys from position ``i`` within READ_AHEAD_BLOCKS and READ_AHEAD_BYTES (by
-        the sizes ``held`` saw; at least one key). Caller holds the lock."""
+        """Planned keys from position ``i`` within READ_AHEAD_BLOCKS (FIRST_READ_BLOCKS on the
+        plan's first round trip) and READ_AHEAD_BYTES (by the sizes ``held`` saw; at least one
+        key). Caller holds the lock."""
+        most = FIRST_READ_BLOCKS if self._plan_reads == 0 else READ_AHEAD_BLOCKS
+        self._plan_reads += 1
         batch, total = [self._plan_keys[i]], 0
-        for key in self._plan_keys[i + 1:i + READ_AHEAD_BLOCKS]:
+        for key in self._plan_keys[i + 1:i + most]:
             total += self._present.get(key, (0.0, READ_AHEAD_BYTES))[1]
             if total > READ_AHEAD_BYTES:
                 break
