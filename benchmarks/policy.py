@@ -31,6 +31,7 @@ import mlx.core as mx
 
 from benchmarks.common import (IO_SHAPE, MIB, Context, Timing, figure, figures_by_name, fmt_value,
                                kv_model, line_plot, ratio_met, settle)
+from benchmarks.policy_first import run_first
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
 from paged_cache.scheduler import Scheduler
 
@@ -193,11 +194,17 @@ def _kv_bytes_per_token(model: Any) -> int:
 
 def run(ctx: Context) -> dict:
     figures = [f for shape in SHAPES for f in _shape(ctx, shape)]
+    tiny = SHAPES[0].model()
+    figures += run_first(ctx, tiny, _kv_bytes_per_token(tiny))
     notes = ["CPU backend; the SSD tier's reads throttled by test_ssd_read_bytes_per_s (0: the "
              "disk's own rate, page cache warm). plan_cached / both_cached: the tokens each timed "
              "request restored (0: it prefilled; both at once: not counting the head it "
              "prefilled, both_head_tokens in all). shape: tiny (1 KiB of KV per token) or 8b "
-             "(128 KiB)."]
+             "(128 KiB). The first-request figures: a caller that never reports a prefill "
+             "(BlockAwarePrefixCache.fetch, then its own prefill of the rest), the SSD throttled "
+             "to read the prompt's KV 5x slower than its cold prefill; the first repeat's first "
+             "request includes the model's timed forward (probe_s, once per process); "
+             "first_restored: the tokens each first request restored before it stopped."]
     return {"figures": figures, "notes": notes}
 
 

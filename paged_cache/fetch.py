@@ -383,7 +383,7 @@ def _try_nodes(search: _Search, n: int, chosen: list[tuple[ChainNode, int]]) -> 
         blocks.append(search.blocks[node.key])
         if node.start == covered and not node.checkpoint:
             covered = node.start + used
-        if search.watch is not None and search.watched:
+        if search.watch is not None and search.watched and not _read_ahead(search, chosen[j + 1:]):
             _check_cut(search, chosen[j + 1:], covered, n)
     descs = [json.loads(b.meta[META_LAYERS]) for b in blocks]
     spans = []
@@ -467,6 +467,14 @@ def _read_watched(search: _Search, node: ChainNode, *, take: bool, in_place: boo
         search.watched.append((node, block.nbytes, seconds))
         if not node.checkpoint:
             search.watch.add(node.ntokens, seconds)
+
+
+def _read_ahead(search: _Search, rest: list[tuple[ChainNode, int]]) -> bool:
+    """True when the next node to read came with the last one (read ahead in the same round
+    trip): the cut-off waits for it, so that round trip's time is not put on one node alone."""
+    nxt = next((node for node, _ in rest if node.key not in search.blocks), None)
+    return (nxt is not None and nxt.tier in WATCHED_TIERS
+            and search.pc.manager.fetched(nxt.key, nxt.tier))
 
 
 def _check_cut(search: _Search, rest: list[tuple[ChainNode, int]], covered: int, n: int) -> None:

@@ -36,6 +36,12 @@ CUT_REASON = "cut"        # the fetch's own reads ran slower than the prefill: i
 WATCHED_TIERS = ("ssd", "remote")  # tiers whose reads the cut-off times (not RAM)
 SETTLED = 0.5             # cut-off: a read projected under this part of the prefill it saves is
                           # settled (an in-place SSD read is no longer timed ahead: Watch)
+# cut-off: it stops only once the reads it timed took at least EVIDENCE_SECONDS and
+# EVIDENCE_SHARE of the prefill a stop gives up, so a fixed cost (a first file open, a round
+# trip's latency) or a busy machine's hiccup is not taken for a slow tier: a slow tier costs a
+# first request at most that share of its prefill (or one node's read) before it stops
+EVIDENCE_SECONDS = 0.05
+EVIDENCE_SHARE = 0.25
 OVERLAP_TIERS = ("ssd",)  # tiers whose reads are I/O a prefill can run beside (Tier.warm)
 SPLIT_MARGIN = 0.9        # both at once: taken when predicted at most this part of the plan's time
 
@@ -186,14 +192,16 @@ class Watch:
         """Where a rebuild at ``n`` stops (0: it prefills every token), or None to read on.
         ``covered``: every node up to this position is read; ``remaining``: tokens of the
         slow-tier nodes still to read. Stops when the rest, at the rate timed so far, would take
-        longer than prefilling the tokens between the stop and ``n``."""
+        longer than prefilling the tokens between the stop and ``n``, once the reads timed are
+        evidence enough (EVIDENCE_SECONDS, EVIDENCE_SHARE)."""
         if remaining <= 0 or self.tokens <= 0 or self.seconds <= 0:
             return None
         rest = remaining * self.seconds / self.tokens
         stop = next((e for e in self.ends if e <= covered), 0)
         given_up = (n - stop) / self.prefill
         if rest > given_up:
-            return stop
+            sure = self.seconds >= max(EVIDENCE_SECONDS, EVIDENCE_SHARE * given_up)
+            return stop if sure else None
         self.settled = self.settled or rest <= SETTLED * given_up
         return None
 

@@ -209,6 +209,11 @@ class PagedSSDCacheManager:
         found = self._lower_tier(key, tier)
         return found.warm(key) if found is not None else 0.0
 
+    def fetched(self, key: str, tier: str) -> bool:
+        """True when a read of ``key`` from ``tier`` would not wait for I/O (Tier.fetched)."""
+        found = self._lower_tier(key, tier)
+        return found is not None and found.fetched(key)
+
     def _lower_tier(self, key: str, name: str) -> Tier | None:
         """The tier called ``name`` (None: none, or closed), for an I/O on ``key`` (the RAM
         tier has none: its ``header`` and ``warm`` are Tier's)."""

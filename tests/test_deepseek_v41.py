@@ -44,7 +44,7 @@ def test_layer_caches_are_rebuilt_exactly_hot_and_from_ssd_after_a_restart(tier:
     if tier == "hot":
         prefix = hot_prefix(model, BLOCK)
     else:
-        config = CacheConfig(block_size=BLOCK, ssd_dir=tmp_path)
+        config = CacheConfig(block_size=BLOCK, ssd_dir=tmp_path, fetch_policy="always-restore")
         with PagedSSDCacheManager(config) as manager:
             store_prompt(model, BlockAwarePrefixCache(manager, model), prompt(300), decode=10)
         prefix = BlockAwarePrefixCache(PagedSSDCacheManager(config), model)

@@ -42,7 +42,9 @@ def model():
 
 def make(tmp_path, model, **kw):
     hot_only = kw.pop("hot_cache_only", False)
-    cfg = dict(block_size=BLOCK, hot_cache_max_bytes=kw.pop("hot", 64 * 2**20))
+    # a restore whatever it costs: a tiny model's measured prefill may beat one (fetch_plan.py)
+    cfg = dict(block_size=BLOCK, fetch_policy="always-restore",
+               hot_cache_max_bytes=kw.pop("hot", 64 * 2**20))
     cfg.update(hot_cache_only=True) if hot_only else cfg.update(ssd_dir=tmp_path / "ssd")
     manager = PagedSSDCacheManager(CacheConfig(**cfg))
     return manager, PagedPromptCache.for_model(manager, model, **kw)
@@ -81,7 +83,8 @@ def test_fetch_is_exact_and_mutation_safe(tmp_path, model):
 
 
 def test_miss_unknown_model_and_short_prompts(tmp_path, model):
-    manager = PagedSSDCacheManager(CacheConfig(block_size=BLOCK, ssd_dir=tmp_path / "ssd"))
+    manager = PagedSSDCacheManager(CacheConfig(block_size=BLOCK, ssd_dir=tmp_path / "ssd",
+                                                   fetch_policy="always-restore"))
     with manager:
         cache = PagedPromptCache(manager, lambda key: ModelBinding(model) if key == KEY else None)
         seq = tokens_of(64)
@@ -406,7 +409,8 @@ def test_draft_model_layout_and_any_model_key_shape(tmp_path, model):
 
     draft = tiny_model("llama", num_hidden_layers=1, seed=3)
     pair = ModelWithDraft(model, draft)
-    manager = PagedSSDCacheManager(CacheConfig(block_size=BLOCK, ssd_dir=tmp_path / "ssd"))
+    manager = PagedSSDCacheManager(CacheConfig(block_size=BLOCK, ssd_dir=tmp_path / "ssd",
+                                                   fetch_policy="always-restore"))
     with manager:
         for key in (("/m", None), "default_model", ("/m", None, "/draft", "extra")):
             cache = PagedPromptCache(manager, lambda k, key=key: (

@@ -14,13 +14,18 @@ from paged_cache.testing import tiny_model
 
 from helpers.prefix import assert_exact, hot_prefix, prompt, store_prompt
 
+# these tests assert what a restore from SSD does; with the fetch plan a tiny model's measured
+# prefill may beat it (tests/test_fetch_plan.py and test_fetch_cutoff.py test the plan)
+RESTORE = "always-restore"
+
 
 @pytest.mark.parametrize("arch,compression", [("llama", "none"), ("qwen3_next", "lz4"),
                                               ("gemma3_text", "lz4")])
 def test_ssd_after_restart_equals_hot(tmp_path: Path, arch: str, compression: str) -> None:
     block = 16
     model = tiny_model(arch)
-    config = CacheConfig(block_size=block, ssd_dir=tmp_path, compression=compression)
+    config = CacheConfig(block_size=block, ssd_dir=tmp_path, compression=compression,
+                         fetch_policy=RESTORE)
     tokens = prompt(5 * block + 3)
     with PagedSSDCacheManager(config) as manager:
         stored = store_prompt(model, BlockAwarePrefixCache(manager, model), tokens)
@@ -49,7 +54,7 @@ def test_restart_then_store_under_a_shared_parent_keeps_other_tails(tmp_path: Pa
     already on disk under it: every query reuses exactly what it reused before the restart."""
     block = 16
     model = tiny_model(arch)
-    config = CacheConfig(block_size=block, ssd_dir=tmp_path)
+    config = CacheConfig(block_size=block, ssd_dir=tmp_path, fetch_policy=RESTORE)
     system = prompt(2 * block)
     long_tail = system + prompt(block + 7, seed=1)   # a full block + a partial tail under system
     short_tail = system + prompt(5, seed=2)          # a partial tail right under system
@@ -78,7 +83,7 @@ def test_weights_are_part_of_the_model_identity(tmp_path: Path) -> None:
     """Same config, different weights: different fingerprints, no shared blocks; the same seed
     rebuilt in a new process gets the same fingerprint and reuses its blocks from SSD."""
     block = 16
-    config = CacheConfig(block_size=block, ssd_dir=tmp_path)
+    config = CacheConfig(block_size=block, ssd_dir=tmp_path, fetch_policy=RESTORE)
     one, two = tiny_model("llama", seed=1), tiny_model("llama", seed=2)
     tokens = prompt(2 * block + 8)
     with PagedSSDCacheManager(config) as manager:
@@ -119,7 +124,7 @@ def test_root_children_listed_from_ssd_respect_namespaces(tmp_path: Path) -> Non
     but only ever extends with its own namespace's (the key is checked against the token ids)."""
     block = 16
     model = tiny_model("llama")
-    config = CacheConfig(block_size=block, ssd_dir=tmp_path)
+    config = CacheConfig(block_size=block, ssd_dir=tmp_path, fetch_policy=RESTORE)
     tokens = prompt(block - 4)  # a partial root block only
     with PagedSSDCacheManager(config) as manager:
         store_prompt(model, BlockAwarePrefixCache(manager, model, namespace="a"), tokens)
@@ -174,7 +179,7 @@ def test_superseded_partial_tails_never_block_hand_over(tmp_path: Path, arch: st
     reusable."""
     block = 16
     model = tiny_model(arch)
-    config = CacheConfig(block_size=block, ssd_dir=tmp_path)
+    config = CacheConfig(block_size=block, ssd_dir=tmp_path, fetch_policy=RESTORE)
     with PagedSSDCacheManager(config) as manager:
         prefix = BlockAwarePrefixCache(manager, model)
         history = store_prompt(model, prefix, prompt(2 * block + 5))

@@ -86,6 +86,11 @@ class Tier:
         it took. Nothing to do in a tier without I/O."""
         return 0.0
 
+    def fetched(self, key: str) -> bool:
+        """True when a read of ``key`` would not wait for I/O: it is in memory already (read
+        ahead with an earlier one). A fetch timing its reads (its cut-off) waits for those."""
+        return False
+
     def plan(self, chain: Sequence[str], here: Sequence[str]) -> None:
         """A chain walk found ``chain`` held (in order), ``here`` only in this tier: reads of
         them follow."""

@@ -21,9 +21,11 @@ from paged_cache.tiers.remote.client import block_name, children_name, parse_chi
 log = logging.getLogger("paged_cache.remote")
 
 READ_AHEAD_BLOCKS = 32         # at most this many blocks of a planned chain per read round trip
-# ... but the first round trip of a planned chain reads one block: the fetch times it before it
-# asks for the rest (its cut-off, fetch_plan.Watch), so a slow link costs it one block, not all
-FIRST_READ_BLOCKS = 1
+# ... but the first round trip of a planned chain reads only the blocks that make up this many
+# bytes (at least one): the fetch times them before it asks for the rest (its cut-off,
+# fetch_plan.Watch), so a slow link costs it about this much, not the whole chain; enough bytes
+# that the link's bandwidth shows rather than its latency
+FIRST_READ_BYTES = 64 << 10
 READ_AHEAD_BYTES = 64 << 20    # ... and at most this many value bytes (beyond the first block)
 MAX_LISTINGS = 1024            # child hashes of a planned chain read in one round trip
 PRESENT_SECONDS = 2.0          # how long a key seen on the server counts as held without asking
@@ -111,18 +113,25 @@ class RemoteReads:
         return block
 
     def _read_ahead(self, i: int) -> list[str]:
-        """Planned keys from position ``i`` within READ_AHEAD_BLOCKS (FIRST_READ_BLOCKS on the
-        plan's first round trip) and READ_AHEAD_BYTES (by the sizes ``held`` saw; at least one
-        key). Caller holds the lock."""
-        most = FIRST_READ_BLOCKS if self._plan_reads == 0 else READ_AHEAD_BLOCKS
+        """Planned keys from position ``i`` within READ_AHEAD_BLOCKS and READ_AHEAD_BYTES (on
+        the plan's first round trip: until FIRST_READ_BYTES) by the sizes ``held`` saw; at least
+        one key. Caller holds the lock."""
+        first = self._plan_reads == 0
         self._plan_reads += 1
-        batch, total = [self._plan_keys[i]], 0
-        for key in self._plan_keys[i + 1:i + most]:
-            total += self._present.get(key, (0.0, READ_AHEAD_BYTES))[1]
-            if total > READ_AHEAD_BYTES:
+        size = lambda key: self._present.get(key, (0.0, READ_AHEAD_BYTES))[1]  # noqa: E731
+        batch, total, sent = [self._plan_keys[i]], 0, size(self._plan_keys[i])
+        for key in self._plan_keys[i + 1:i + READ_AHEAD_BLOCKS]:
+            total += size(key)
+            if total > READ_AHEAD_BYTES or (first and sent >= FIRST_READ_BYTES):
                 break
+            sent += size(key)
             batch.append(key)
         return batch
+
+    def fetched(self, key: str) -> bool:
+        """True when a read of ``key`` would not wait for the server: it was read ahead."""
+        with self._lock:
+            return key in self._fetched
 
     def listed_children(self, parent: str, fingerprint: str) -> list[str]:
         """Keys the server lists as children of ``parent`` for ``fingerprint`` and still holds;

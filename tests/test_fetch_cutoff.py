@@ -1,0 +1,308 @@
+"""No request pays for a slow tier more than once: the cut-off and the self-measured prefill rate.
+
+A caller that never reports a prefill (a direct user of BlockAwarePrefixCache) fetches over a
+slow link: a real Valkey server behind a throttling TCP proxy (helpers/throttle.py), and a real
+SSD tier whose reads are throttled (``test_ssd_read_bytes_per_s``). Each link reads a prompt's KV
+``SLOWER`` times slower than the model's cold prefill (measured in the same test). The first
+request on a fresh host times the model (the probe), reads its first block, stops and prefills
+the rest: under 2x the cold prefill; the requests after it prefill: under 1.1x the better of a
+cold prefill and a restore. Logits where the fetch stopped are a cold run's (0.0, same chunking).
+Timings are minima/medians of interleaved runs (a loaded machine slows all alike); the unit tests
+drive the cut-off and the re-measure with given figures.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from paged_cache.config import CacheConfig
+from paged_cache.fetch_plan import EVIDENCE_SECONDS, Watch
+from paged_cache.manager import PagedSSDCacheManager
+from paged_cache.prefix_cache import BlockAwarePrefixCache
+from paged_cache.rates import Rates
+from paged_cache.rates_file import load
+from paged_cache.testing import tiny_model
+from paged_cache.testing.server import ValkeyServer
+
+from helpers.managers import new_manager
+from helpers.prefix import assert_exact, buffer_layout, prefill, prompt, store_prompt
+from helpers.throttle import ThrottledProxy
+
+BLOCK = 128
+TOKENS = 16 * BLOCK   # stored; a request adds one token to feed
+KV_PER_TOKEN = 1024   # bytes of KV a token takes in ``_model``
+SLOWER = 5            # the link reads the prompt's KV this many times slower than the prefill
+ROUNDS = 2            # fresh hosts, each timing its first request
+LOADED = 10.0         # remote_timeout: a busy machine is slow
+
+
+def _model(seed: int = 0) -> Any:
+    """A tiny llama with 1 KiB of KV per token (4 KV heads): a 128-token block is one 128 KiB
+    value, more than the remote tier's first round trip of a chain reads (FIRST_READ_BYTES)."""
+    return tiny_model("llama", num_key_value_heads=4, seed=seed)
+
+
+def _cold(model: Any, query: list[int]) -> tuple[float, mx.array, list]:
+    """A cold prefill of ``query`` in block chunks: seconds, logits, cache."""
+    cache = make_prompt_cache(model)
+    t0 = time.perf_counter()
+    logits = prefill(model, cache, query, 0, BLOCK)
+    return time.perf_counter() - t0, logits, cache
+
+
+def _warm(model: Any, prefix: BlockAwarePrefixCache, query: list[int],
+          cold: tuple[float, mx.array, list]) -> int:
+    """A request of a caller that never reports a prefill: fetch, then prefill the rest in the
+    same block chunks; the tokens restored. Its logits and buffers are the cold run's."""
+    cache, n = prefix.fetch(query)
+    cache = cache if cache is not None else prefix.make_cache()
+    logits = prefill(model, cache, query, n, BLOCK)
+    _, ref, cold_cache = cold
+    diff = mx.abs(ref[:, n:] - logits).max().item()
+    assert diff == 0.0, f"logits after a fetch of {n} tokens differ from a cold run's by {diff}"
+    assert buffer_layout(cache) == buffer_layout(cold_cache), f"buffers differ (n={n})"
+    return n
+
+
+def _rounds(seeds: range, store: Callable[[Any, list[int]], None],
+            host: Callable[[float], PagedSSDCacheManager]) -> dict:
+    """Fresh hosts, each with a model of its own (``seeds``: so each first request times the
+    model, as a fresh process's does): the model's prompt stored, a cold run, the host's first
+    request (it stops after the first block), a steady request (it prefills), a cold run.
+    ``host(rate)``: a fresh host whose link reads ``rate`` bytes/s, set from the first cold run
+    so the prompt's KV reads SLOWER x its cold prefill. The floors of the cold runs and of the
+    fetches' seconds."""
+    colds, firsts, steadies, rate = [], [], [], 0.0
+    for seed in seeds:
+        model, query = _model(seed), prompt(TOKENS + 1, seed=seed)
+        store(model, query[:TOKENS])
+        runs = [_cold(model, query) for _ in range(1 if rate else 2)]  # the rate: from a floor
+        colds += [run[0] for run in runs]
+        cold = min(runs, key=lambda run: run[0])
+        rate = rate or TOKENS * KV_PER_TOKEN / (SLOWER * cold[0])
+        with host(rate) as manager:
+            prefix = BlockAwarePrefixCache(manager, model)
+            n = _warm(model, prefix, query, cold)
+            firsts.append(prefix.last_fetch.seconds)
+            assert 0 < n < TOKENS and n % BLOCK == 0 and prefix.last_fetch.recompute_reason == "cut"
+            assert _warm(model, prefix, query, cold) == 0
+            steadies.append(prefix.last_fetch.seconds)
+            assert prefix.last_fetch.recompute_reason == "cost"
+            stats = prefix.stats()
+            assert stats["cut_fetches"] == 1 and stats["prefill_probes"] == 1
+            assert stats["prefill_probe_seconds"] > 0 and stats["prefill_tokens_per_s"] > 0
+        colds.append(_cold(model, query)[0])
+    return dict(cold=min(colds), first=min(firsts), steady=min(steadies), model=model,
+                query=query, cold_run=cold)
+
+
+def _assert_bounds(got: dict) -> None:
+    """The issue's bounds: the first request under 2x cold, the steady state under 1.1x the
+    better of cold and restore-only. A request is its fetch, then its prefill of the tokens from
+    ``n``: a cold run's chunks from there (same logits, asserted), at most a cold run's work. So
+    a request's cost over a cold prefill is its fetch's seconds (the first: the model timed, the
+    first block read; the steady: the chain lookup and the plan), held here against the floor of
+    the cold runs: two prefills of the same work on a busy machine differ by more than 10%, which
+    is not the library's doing. A restore-only request reads the whole prompt's KV through the
+    link, SLOWER x the cold floor by the throttle alone: cold is the better."""
+    cold, first, steady = got["cold"], got["first"], got["steady"]
+    best = min(cold, SLOWER * cold)
+    assert cold + first < 2.0 * cold, f"first fetch {first:.3f} s, cold prefill {cold:.3f} s"
+    assert cold + steady < 1.1 * best, f"steady fetch {steady:.3f} s, better way {best:.3f} s"
+
+
+@pytest.mark.timeout(600)
+def test_a_slow_remote_link_is_paid_for_once(server: ValkeyServer, url: str) -> None:
+    config = dict(block_size=BLOCK, hot_cache_only=True, remote_timeout=LOADED)
+
+    def store(model: Any, tokens: list[int]) -> None:
+        with PagedSSDCacheManager(CacheConfig(**config, remote_url=url)) as manager:
+            store_prompt(model, BlockAwarePrefixCache(manager, model), tokens)
+            manager.flush()
+
+    with ThrottledProxy(server.port, 0) as proxy:
+        def host(rate: float) -> PagedSSDCacheManager:
+            proxy.rate = rate
+            return PagedSSDCacheManager(CacheConfig(**config, remote_url=proxy.url))
+        _assert_bounds(_rounds(range(0, ROUNDS), store, host))
+
+
+@pytest.mark.timeout(600)
+def test_a_slow_ssd_is_paid_for_once_and_the_rates_are_saved(tmp_path: Path) -> None:
+    def store(model: Any, tokens: list[int]) -> None:
+        with new_manager(tmp_path, block_size=BLOCK, ssd_max_bytes="256MB") as manager:
+            store_prompt(model, BlockAwarePrefixCache(manager, model), tokens)
+
+    def host(rate: float) -> PagedSSDCacheManager:
+        (tmp_path / "rates.json").unlink(missing_ok=True)  # a fresh host: nothing saved
+        return PagedSSDCacheManager(CacheConfig(
+            block_size=BLOCK, ssd_dir=tmp_path, ssd_max_bytes="256MB",
+            hot_cache_max_bytes="64KiB", test_ssd_read_bytes_per_s=round(rate)))
+
+    got = _rounds(range(10, 10 + ROUNDS), store, host)
+    _assert_bounds(got)
+    saved = load(tmp_path)  # the last host's, on close: the prefill rate beside the read rates
+    model, query = got["model"], got["query"]
+    # a restart reads them: its first request prefills at once, no block read, nothing timed
+    with PagedSSDCacheManager(CacheConfig(
+            block_size=BLOCK, ssd_dir=tmp_path, ssd_max_bytes="256MB",
+            hot_cache_max_bytes="64KiB", test_ssd_read_bytes_per_s=1)) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        assert saved.prefill_tokens_per_s[prefix.layout.identity] > 0
+        assert saved.read_bytes_per_s["ssd"] > 0
+        assert _warm(model, prefix, query, got["cold_run"]) == 0
+        assert prefix.last_fetch.recompute_reason == "cost"
+        assert prefix.stats()["prefill_probes"] == 0 and manager.stats()["hits"]["ssd"] == 0
+
+
+# ---------------------------------------------------------------------- exact where it stopped
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3_next", "mamba"])
+def test_a_fetch_stopped_by_the_cut_off_is_exact(tmp_path: Path, arch: str) -> None:
+    """KV, sliding-window, hybrid and recurrent: over an SSD whose block reads take over
+    EVIDENCE_SECONDS each and a prefill seeded far faster, the fetch stops after its first node
+    (a position every layer rebuilds at) and continues like a cold run of the same chunking."""
+    model = tiny_model(arch)
+    block = 16
+    tokens = prompt(6 * block)
+    with new_manager(tmp_path, block_size=block, ssd_max_bytes="64MB") as manager:
+        store_prompt(model, BlockAwarePrefixCache(manager, model), tokens)
+    smallest = min(f.stat().st_size for f in (tmp_path / "blocks").rglob("*.safetensors*"))
+    slow = round(smallest / (4 * EVIDENCE_SECONDS))  # every node's read: > 2 x EVIDENCE_SECONDS
+    config = CacheConfig(block_size=block, ssd_dir=tmp_path, ssd_max_bytes="64MB",
+                         test_ssd_read_bytes_per_s=slow, prefill_tokens_per_s=1e9)
+    with PagedSSDCacheManager(config) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        n = assert_exact(model, prefix, tokens + [3])
+        info = prefix.last_fetch
+        assert n < 6 * block and info.recompute_reason == "cut"
+        assert info.tokens_recomputed == 6 * block - n
+        assert prefix.stats()["recomputed_cut_tokens"] == 6 * block - n
+        assert manager.stats()["read_samples"]["ssd"] >= 1  # what it read is measured
+
+
+# ---------------------------------------------------------------------- the rate is re-measured
+
+
+@pytest.mark.timeout(300)
+def test_a_recovered_link_is_measured_again_and_used(server: ValkeyServer, url: str) -> None:
+    """A link measured slow is not read while its estimate is fresh, even once it is fast again;
+    once the estimate is older than ``recheck_seconds`` the next fetch reads the link (timed),
+    finds it fast, restores the whole prefix, and its sample replaces the slow estimate."""
+    model = _model(20)
+    query = prompt(TOKENS + 1, seed=20)
+    with PagedSSDCacheManager(CacheConfig(block_size=BLOCK, hot_cache_only=True, remote_url=url,
+                                          remote_timeout=LOADED)) as manager:
+        store_prompt(model, BlockAwarePrefixCache(manager, model), query[:TOKENS])
+        manager.flush()
+    cold = _cold(model, query)
+    rate = TOKENS * KV_PER_TOKEN / (4 * SLOWER * cold[0])  # clearly slow: 20x the prefill
+    with ThrottledProxy(server.port, rate) as proxy, PagedSSDCacheManager(CacheConfig(
+            block_size=BLOCK, hot_cache_only=True, remote_url=proxy.url,
+            remote_timeout=LOADED)) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        manager.rates.recheck_seconds = 3600.0
+        _warm(model, prefix, query, cold)
+        assert prefix.last_fetch.recompute_reason == "cut"
+        slow = manager.stats()["read_bytes_per_s"]["remote"]
+        proxy.rate = 0  # the link recovers
+        hits = manager.stats()["hits"]["remote"]
+        assert _warm(model, prefix, query, cold) == 0  # the estimate is fresh: not read
+        assert prefix.last_fetch.recompute_reason == "cost"
+        assert manager.stats()["hits"]["remote"] == hits
+        manager.rates.recheck_seconds = 0.2
+        time.sleep(0.3)
+        assert _warm(model, prefix, query, cold) == TOKENS  # read again, timed, kept
+        assert prefix.last_fetch.tokens_recomputed == 0
+        fast = manager.stats()["read_bytes_per_s"]["remote"]
+        assert fast > 10 * slow  # the average restarted from the new sample
+        manager.rates.recheck_seconds = 3600.0
+        assert _warm(model, prefix, query, cold) == TOKENS  # the plan restores now
+
+
+@pytest.mark.unit
+def test_a_read_rate_is_due_again_after_recheck_seconds() -> None:
+    rates = Rates(100.0)
+    rates.recheck_seconds = 0.05
+    rates.add_read("remote", 1000, 10.0)       # slow: 100 B/s
+    assert rates.read("remote") == 100.0
+    time.sleep(0.1)
+    assert rates.read("remote") is None        # due: the plan treats it as unknown
+    assert rates.read_stats()["read_bytes_per_s"]["remote"] == 100.0  # still shown
+    rates.add_read("remote", 1000, 0.001)      # the first sample since replaces the average
+    assert rates.read("remote") == pytest.approx(1e6)
+    rates.add_read("remote", 1000, 1.0)        # then it averages again
+    assert rates.read("remote") < 1e6
+    rates.recheck_seconds = 0                  # 0: never measured again
+    time.sleep(0.1)
+    assert rates.read("remote") is not None
+
+
+@pytest.mark.unit
+def test_the_cut_off_weighs_the_rest_against_the_prefill_it_gives_up() -> None:
+    """A rebuild at 64 of 16-token nodes; the prefill at 100 tokens/s."""
+    slow = Watch(100.0, [64, 48, 32, 16])
+    assert slow.cut(covered=16, remaining=48, n=64) is None  # nothing timed yet
+    slow.add(16, 1.0)                                        # 16 tokens/s: slower
+    assert slow.cut(covered=16, remaining=48, n=64) == 16    # 3 s left against 0.48 s
+    assert "stopped at 16" in slow.detail(64, 16, 48)
+    fast = Watch(100.0, [64, 48, 32, 16])
+    fast.add(16, EVIDENCE_SECONDS)                           # 320 tokens/s: faster
+    assert fast.cut(covered=16, remaining=48, n=64) is None and fast.settled
+    brief = Watch(1e4, [64, 32])
+    brief.add(1, EVIDENCE_SECONDS / 2)                       # slow, but too brief to tell
+    assert brief.cut(covered=16, remaining=48, n=64) is None and not brief.settled
+    brief.add(1, EVIDENCE_SECONDS / 2)
+    assert brief.cut(covered=16, remaining=48, n=64) == 0    # no end at or before 16: all
+    # a long rebuild (496 tokens): one slow node is not evidence enough to give up 4.8 s of
+    # prefill; three are (1.5 s, over a quarter of the 4.48 s given up at 48)
+    long = Watch(100.0, list(range(496, 0, -16)))
+    for covered in (16, 32):
+        long.add(16, 0.5)                                    # 32 tokens/s: slower
+        assert long.cut(covered=covered, remaining=496 - covered, n=496) is None
+    long.add(16, 0.5)
+    assert long.cut(covered=48, remaining=448, n=496) == 48
+
+
+# ---------------------------------------------------------------------- the prefill rate, timed
+
+
+def test_the_prefill_rate_is_timed_once_per_model_and_process(tmp_path: Path) -> None:
+    """No rate measured, saved or set: the first fetch that may read a slow tier times the model
+    (counted), adds the sample and saves it; another manager of the process reuses it; a fetch
+    from RAM only, or a policy that weighs nothing, times nothing."""
+    model = tiny_model("llama", seed=11)  # a model no other test timed in this process
+    tokens = prompt(4 * 16)
+    with new_manager(tmp_path, block_size=16, ssd_max_bytes="64MB") as manager:
+        store_prompt(model, BlockAwarePrefixCache(manager, model), tokens)
+    hot = tiny_model("llama", seed=12)
+    with new_manager(None, block_size=16, fetch_policy="cost") as manager:
+        prefix = BlockAwarePrefixCache(manager, hot)
+        store_prompt(hot, prefix, tokens)
+        assert assert_exact(hot, prefix, tokens + [1]) == len(tokens)
+        assert prefix.stats()["prefill_probes"] == 0 and "prefill_tokens_per_s" not in prefix.stats()
+    with new_manager(tmp_path, block_size=16, ssd_max_bytes="64MB") as manager:  # always-restore
+        prefix = BlockAwarePrefixCache(manager, model)
+        assert assert_exact(model, prefix, tokens + [1]) == len(tokens)
+        assert prefix.stats()["prefill_probes"] == 0
+    for first in (True, False):
+        with new_manager(tmp_path, block_size=16, ssd_max_bytes="64MB",
+                         fetch_policy="cost") as manager:
+            prefix = BlockAwarePrefixCache(manager, model)
+            assert_exact(model, prefix, tokens + [1])
+            stats = prefix.stats()
+            assert stats["prefill_probes"] == int(first) and stats["prefill_samples"] == 1
+            assert (stats["prefill_probe_seconds"] > 0) == first
+            assert stats["prefill_tokens_per_s"] > 0
+            identity = prefix.layout.identity
+        if first:
+            (tmp_path / "rates.json").unlink()
+    assert load(tmp_path).prefill_tokens_per_s[identity] == pytest.approx(
+        stats["prefill_tokens_per_s"])
