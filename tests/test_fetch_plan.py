@@ -246,8 +246,7 @@ def test_scheduler_measures_prefill_and_prefills_past_a_slow_ssd(tmp_path: Path)
 
 def test_remote_reads_are_measured_and_weighed(url: str) -> None:
     """A fresh host reading a prefix from a real Valkey / Redis server measures the remote
-    tier's read rate; with a prefill seeded far faster than any read its first fetch stops after
-    the first block (the cut-off), and the next prefills everything, exactly."""
+    tier's read rate; with a prefill seeded far faster than any read it then prefills, exactly."""
     model = tiny_model("llama")
     tokens = prompt(4 * BLOCK)
     remote = dict(block_size=BLOCK, hot_cache_only=True, remote_url=url, remote_timeout=5.0)
@@ -256,8 +255,10 @@ def test_remote_reads_are_measured_and_weighed(url: str) -> None:
         manager.flush()
     with PagedSSDCacheManager(CacheConfig(**remote, prefill_tokens_per_s=1e12)) as manager:
         prefix = BlockAwarePrefixCache(manager, model)
-        assert assert_exact(model, prefix, tokens[:2 * BLOCK] + [3, 3]) == BLOCK
-        assert prefix.last_fetch.tier == "remote" and prefix.last_fetch.recompute_reason == "cut"
+        # its first round trip reads both blocks (64 KiB at most): restored whole, unless that
+        # round trip took the cut-off's 50 ms of evidence (a busy machine): then the first only
+        assert assert_exact(model, prefix, tokens[:2 * BLOCK] + [3, 3]) in (BLOCK, 2 * BLOCK)
+        assert prefix.last_fetch.tier == "remote"
         assert manager.stats()["read_bytes_per_s"]["remote"] > 0
         manager.trim_hot(0)  # the blocks it read were promoted into RAM: out again
         assert assert_exact(model, prefix, tokens + [1]) == 0
