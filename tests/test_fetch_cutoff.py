@@ -287,7 +287,8 @@ def test_the_prefill_rate_is_timed_once_per_model_and_process(tmp_path: Path) ->
         prefix = BlockAwarePrefixCache(manager, hot)
         store_prompt(hot, prefix, tokens)
         assert assert_exact(hot, prefix, tokens + [1]) == len(tokens)
-        assert prefix.stats()["prefill_probes"] == 0 and "prefill_tokens_per_s" not in prefix.stats()
+        stats = prefix.stats()
+        assert stats["prefill_probes"] == 0 and "prefill_tokens_per_s" not in stats
     with new_manager(tmp_path, block_size=16, ssd_max_bytes="64MB") as manager:  # always-restore
         prefix = BlockAwarePrefixCache(manager, model)
         assert assert_exact(model, prefix, tokens + [1]) == len(tokens)
