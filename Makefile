@@ -1,15 +1,32 @@
 # Two entry points do all set-up on a fresh machine: `make demo` and `make test`.
-# `make test-lowest` runs the suite against the lowest supported mlx-lm / mlx-vlm (.ci/lowest.txt).
+# `make test-lowest` runs the suite against the lowest supported mlx / mlx-lm / mlx-vlm
+# (.ci/lowest.txt, .ci/lowest-turboquant.txt).
 # pip prints each package it collects (no --quiet): a first install takes minutes and shows it.
 # `make test-engines` runs tests/engines against serving engines from the package registry, each
 # in its own environment .venv-engine-NAME (.ci/engines/NAME.engine + NAME.txt).
-PYTHON ?= python3
+# Pythons (.ci/python finds each, the interpreter's own path): `make demo` / `make test` on the
+# newest supported one, 3.13, where the machine has it (else it says so loudly and uses 3.11); the
+# lowest and engine lanes on 3.11 (mlx-openai-server needs Python < 3.13). Set PYTHON /
+# PYTHON_LOW to choose others; `make clean` first when .venv was made by another Python.
+ifeq ($(origin PYTHON),undefined)
+PYTHON := $(shell sh .ci/python 3.13 3.11)
+endif
+ifeq ($(origin PYTHON_LOW),undefined)
+PYTHON_LOW := $(shell sh .ci/python 3.11)
+endif
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 DEMO_STAMP = $(VENV)/.installed-demo
 LOWEST  ?= .venv-lowest
 LOW_STAMP = $(LOWEST)/.installed
+LOWEST_TQ ?= .venv-lowest-turboquant
+LOW_TQ_STAMP = $(LOWEST_TQ)/.installed
+# mlx-vlm below the turboquant extra's range (.ci/lowest.txt's, exo's lock), alone (no
+# dependencies): tests/test_optional_versions.py puts it first on sys.path of a paged-cache
+# import, which must turn the TurboQuant handler off and nothing else.
+OLD_VLM = .venv-old-mlx-vlm
+OLD_VLM_STAMP = $(OLD_VLM)/.installed
 PIP_INSTALL = pip install --progress-bar on --disable-pip-version-check
 # MLX's backend on Linux (the extra of the same name): the demo and the tests run on the CPU.
 BACKEND ?= cpu
@@ -39,29 +56,44 @@ $(DEMO_STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/$(PIP_INSTALL) -e ".[plot,$(BACKEND)]"
 	touch $(DEMO_STAMP)
 
-# Everything the tests need: the test tools, the turboquant (mlx-vlm) and remote extras.
+# Everything the tests need: the test tools, the turboquant (mlx-vlm) and remote extras, and the
+# out-of-range mlx-vlm of the optional-versions test.
 $(STAMP): pyproject.toml | $(BIN)/python
 	@echo "make test: installing paged-cache with its test tools and every extra into $(VENV)"
 	$(BIN)/$(PIP_INSTALL) -e ".[dev,turboquant,remote,$(BACKEND)]"
 	touch $(STAMP) $(DEMO_STAMP)
 
+$(OLD_VLM_STAMP): .ci/lowest.txt | $(BIN)/python
+	rm -rf $(OLD_VLM)
+	$(BIN)/pip install --quiet --no-deps --target $(OLD_VLM) -c .ci/lowest.txt mlx-vlm
+	touch $(OLD_VLM_STAMP)
+
+# The lowest lane: mlx, mlx-lm and mlx-vlm of .ci/lowest.txt (mlx-vlm there is below the
+# turboquant extra's range: the TurboQuant handler is off, its tests run in the lane after).
 $(LOW_STAMP): pyproject.toml .ci/lowest.txt
-	$(PYTHON) -m venv $(LOWEST)
+	$(PYTHON_LOW) -m venv $(LOWEST)
 	$(LOWEST)/bin/pip install --quiet --upgrade pip
-	$(LOWEST)/bin/$(PIP_INSTALL) -c .ci/lowest.txt ".[dev,turboquant,remote,$(BACKEND)]"
+	$(LOWEST)/bin/$(PIP_INSTALL) -c .ci/lowest.txt ".[dev,remote,$(BACKEND)]" mlx-vlm
 	touch $(LOW_STAMP)
+
+# The turboquant extra at its floor: mlx-vlm's lowest and the mlx it needs (.ci/lowest-turboquant.txt).
+$(LOW_TQ_STAMP): pyproject.toml .ci/lowest-turboquant.txt
+	$(PYTHON_LOW) -m venv $(LOWEST_TQ)
+	$(LOWEST_TQ)/bin/pip install --quiet --upgrade pip
+	$(LOWEST_TQ)/bin/$(PIP_INSTALL) -c .ci/lowest-turboquant.txt ".[dev,turboquant,$(BACKEND)]"
+	touch $(LOW_TQ_STAMP)
 
 # An engine's environment: paged-cache (editable) with its test extras and the modules the
 # engine's serving path imports, within the engine's own ranges (NAME.txt, which also holds the
 # engine's mlx-lm range); then the engine itself, without its dependencies (NAME.engine).
 .venv-engine-%/.installed: pyproject.toml .ci/engines/%.txt .ci/engines/%.engine
-	$(PYTHON) -m venv .venv-engine-$*
+	$(PYTHON_LOW) -m venv .venv-engine-$*
 	.venv-engine-$*/bin/pip install --quiet --upgrade pip
 	.venv-engine-$*/bin/pip install --quiet -e ".[dev,remote,$(BACKEND)]" -r .ci/engines/$*.txt
 	.venv-engine-$*/bin/pip install --quiet --no-deps -r .ci/engines/$*.engine
 	touch $@
 
-install: $(STAMP)
+install: $(STAMP) $(OLD_VLM_STAMP)
 
 demo: $(DEMO_STAMP)
 	$(BIN)/paged-cache demo
@@ -86,15 +118,16 @@ server:
 	command -v valkey-server >/dev/null 2>&1 || command -v redis-server >/dev/null 2>&1 || \
 		{ echo "make server: cannot install valkey-server or redis-server; install one" >&2; exit 1; }
 
-test: $(STAMP) server
-	@echo "make test: running the suite (pytest prints a dot per test)"
+test: $(STAMP) $(OLD_VLM_STAMP) server
+	@echo "make test: running the suite on $$($(BIN)/python --version) (pytest prints a dot per test)"
 	$(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
-test-long: $(STAMP) server
+test-long: $(STAMP) $(OLD_VLM_STAMP) server
 	$(BIN)/python -m pytest -q $(XDIST) --long $(PYTEST_ARGS)
 
-test-lowest: $(LOW_STAMP) server
-	$(LOWEST)/bin/python -m pytest -q $(XDIST) $(PYTEST_ARGS)
+test-lowest: $(LOW_STAMP) $(LOW_TQ_STAMP) $(OLD_VLM_STAMP) server
+	$(LOWEST)/bin/python -m pytest -q $(XDIST) -m "not turboquant" $(PYTEST_ARGS)
+	$(LOWEST_TQ)/bin/python -m pytest -q $(XDIST) -m turboquant $(PYTEST_ARGS)
 
 test-engines: $(foreach e,$(ENGINES),.venv-engine-$(e)/.installed) server
 	@for e in $(ENGINES); do \
@@ -115,4 +148,4 @@ bench: $(STAMP) server
 	$(BIN)/python -m benchmarks.run
 
 clean:
-	rm -rf $(VENV) $(LOWEST) .venv-engine-* build *.egg-info
+	rm -rf $(VENV) $(LOWEST) $(LOWEST_TQ) $(OLD_VLM) .venv-engine-* build *.egg-info

@@ -7,8 +7,9 @@ mlx-lm's cache classes and server have no public hooks for what paged-cache does
 rotating window in temporal order, restoring its write slot, allocating its buffer once, swapping
 the server's prompt cache and HTTP handler). This module is the only one that touches those
 private names: it checks that each exists in the installed version and raises
-``IncompatibleVersion`` naming the supported range otherwise, so an unsupported version fails at
-import instead of at store or fetch time (or, for an override, by silently not running).
+``IncompatibleVersion`` naming the supported range otherwise, so an unsupported mlx-lm fails at
+import instead of at store or fetch time (or, for an override, by silently not running). mlx-vlm
+is optional: an unsupported one turns only the TurboQuant handler off (handlers/__init__.py).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ _GENERATOR_METHODS = ("_tokenize", "_next_request", "_generate", "_is_batchable"
 
 
 class IncompatibleVersion(ImportError):
-    """The installed mlx-lm / mlx-vlm lacks a private name paged-cache needs."""
+    """The installed mlx-lm / mlx-vlm is outside the supported range or lacks a private name
+    paged-cache needs."""
 
 
 def _version(dist: str) -> tuple[int, ...]:
@@ -379,14 +381,29 @@ def pipeline_layers(model: Any) -> tuple[int, int] | None:
 # ----------------------------------------------------------------------------- mlx-vlm
 
 def turboquant() -> types.ModuleType:
-    """mlx-vlm's turboquant module, checked for the private codec snapshot it is used with."""
-    from mlx_vlm import turboquant as tq
+    """mlx-vlm's turboquant module, checked for the private codec snapshot it is used with.
 
-    missing = [n for n in ("TurboQuantKVCache", "_snapshot_kv_codec") if not hasattr(tq, n)]
-    if missing or not _in_range(_version("mlx-vlm"), MLX_VLM_RANGE):
-        raise _fail("mlx-vlm", MLX_VLM_RANGE, [f"mlx_vlm.turboquant.{n}" for n in missing])
-    if not hasattr(tq.TurboQuantKVCache, "prefix_cache_restore"):
-        raise _fail("mlx-vlm", MLX_VLM_RANGE, ["TurboQuantKVCache.prefix_cache_restore"])
+    ModuleNotFoundError when mlx-vlm is not installed (the turboquant extra is optional).
+    IncompatibleVersion naming the supported range when the installed one is outside it (then
+    never imported), lacks a name, or fails to import: the caller turns the TurboQuant handler
+    off, never the library.
+    """
+    try:
+        version = _version("mlx-vlm")
+    except metadata.PackageNotFoundError:
+        raise ModuleNotFoundError("mlx-vlm is not installed (the turboquant extra)") from None
+    if not _in_range(version, MLX_VLM_RANGE):
+        raise _fail("mlx-vlm", MLX_VLM_RANGE, [])
+    try:
+        from mlx_vlm import turboquant as tq
+    except Exception as exc:  # noqa: BLE001 - any failure of a broken install is this one
+        raise _fail("mlx-vlm", MLX_VLM_RANGE, [f"an importable mlx_vlm.turboquant ({exc!r:.200})"])
+    missing = [f"mlx_vlm.turboquant.{n}" for n in ("TurboQuantKVCache", "_snapshot_kv_codec")
+               if not hasattr(tq, n)]
+    if not missing and not hasattr(tq.TurboQuantKVCache, "prefix_cache_restore"):
+        missing = ["TurboQuantKVCache.prefix_cache_restore"]
+    if missing:
+        raise _fail("mlx-vlm", MLX_VLM_RANGE, missing)
     return tq
 
 

@@ -12,17 +12,12 @@ import logging
 import os
 import re
 import shutil
-import sys
+import tomllib
 import urllib.parse
 from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from decimal import Decimal
 from typing import Any, Mapping
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
 
 from paged_cache.remote_settings import (SECRET_MIN_CHARS, TLS_SCHEMES, RemoteURL, Secret,
                                           is_loopback, parse_remote_url, parse_secret)

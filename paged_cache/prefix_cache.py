@@ -106,7 +106,8 @@ class BlockAwarePrefixCache:
              "blocks_rejected", "store_seconds", "restore_seconds", "recomputed_fetches",
              "recomputed_tokens", "recomputed_cost_tokens", "recomputed_policy_tokens",
              "recomputed_cut_tokens", "cut_fetches", "overlapped_fetches",
-             "overlapped_head_tokens", "prefill_probes", "prefill_probe_seconds"), 0)
+             "overlapped_head_tokens", "prefill_probes", "prefill_probe_seconds",
+             "refused_unsupported"), 0)
         self.last_fetch = FetchInfo(0, 0, "miss", 0.0, 0)
         self._loans = self._new_loans()
         self._bounds: NodeBounds | None = None
@@ -148,6 +149,20 @@ class BlockAwarePrefixCache:
         """The chained keys of ``tokens``' blocks in this namespace (the last may be partial),
         each block hashed once however many stages of a request ask (hashing.ChainKeys)."""
         return self._chain.keys(self.layout.fingerprint, self.namespace, tokens, self.block_size)
+
+    @property
+    def unsupported(self) -> str | None:
+        """Why nothing is cached for this model (a cache type no handler supports, or whose
+        handler is off here, e.g. TurboQuant with an mlx-vlm outside its range); None if cached."""
+        return None if self.layout.ready() else self.layout.unsupported
+
+    def _supported(self) -> bool:
+        """Whether this model's layout is cached; a store or fetch refused for it is counted
+        (``refused_unsupported``), its reason logged once (CacheLayout.ready)."""
+        if self.layout.ready():
+            return True
+        self._stats["refused_unsupported"] += 1
+        return False
 
     @property
     def bounds(self) -> NodeBounds:
@@ -237,7 +252,7 @@ class BlockAwarePrefixCache:
         """
         t0 = time.perf_counter()
         tokens = token_ids(tokens)
-        if not self.layout.ready():
+        if not self._supported():
             return 0
         self.layout.check(cache, len(tokens))
         snaps = self._check_snapshots(snapshots, len(tokens))
@@ -375,7 +390,7 @@ class BlockAwarePrefixCache:
               chunk: int = 0) -> Found | None:
         """This rank's longest rebuild of ``tokens`` (at most ``limit`` tokens), or None. In a
         group an error is a miss (logged, counted): a rank must never leave the collective."""
-        if len(tokens) < 2 or not self.layout.ready():
+        if len(tokens) < 2 or not self._supported():
             return None
         if self._agreement is None:
             return find(self, tokens, limit, prefill, grid, chunk)

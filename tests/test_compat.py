@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 from mlx_lm.models.cache import RotatingKVCache
 
 from paged_cache import compat
-from paged_cache.config import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,6 +28,23 @@ def test_declared_ranges_match_pyproject() -> None:
     assert "mlx-lm" + ",".join(compat.MLX_LM_RANGE) in [d.split(";")[0].split("#")[0].strip()
                                                         for d in deps]
     assert "mlx-vlm" + ",".join(compat.MLX_VLM_RANGE) in deps
+
+
+def _pins(name: str) -> dict[str, str]:
+    lines = (ROOT / ".ci" / name).read_text().splitlines()
+    return dict(line.split("#")[0].strip().split("==") for line in lines if "==" in line)
+
+
+def test_the_lowest_lanes_pin_the_declared_floors() -> None:
+    """`make test-lowest` installs each floor pyproject.toml declares: mlx and mlx-lm (with mlx-vlm
+    below its range, .ci/lowest.txt), and the turboquant extra's (.ci/lowest-turboquant.txt)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    floors = {d.split(";")[0].split("#")[0].strip() for d in project["dependencies"]}
+    lowest, turboquant = _pins("lowest.txt"), _pins("lowest-turboquant.txt")
+    assert f"mlx>={lowest['mlx']}" in floors and lowest["mlx-cpu"] == lowest["mlx"]
+    assert lowest["mlx-lm"] == turboquant["mlx-lm"] == compat.MLX_LM_RANGE[0].lstrip(">=")
+    assert turboquant["mlx-vlm"] == compat.MLX_VLM_RANGE[0].lstrip(">=")
+    assert not compat._in_range(compat._parse(lowest["mlx-vlm"]), compat.MLX_VLM_RANGE)
 
 
 def test_installed_versions_are_in_range() -> None:
@@ -97,12 +114,16 @@ def test_batch_options_give_each_sequence_its_sampler_and_stop_tokens() -> None:
 
 
 @pytest.mark.turboquant
-def test_unsupported_mlx_vlm_fails_loudly_not_as_a_missing_extra() -> None:
+def test_a_broken_mlx_vlm_turns_off_only_the_turboquant_handler() -> None:
+    """An in-range mlx-vlm lacking a private name: paged-cache imports, the TurboQuant handler is
+    off, and a TurboQuantKVCache is refused naming the range and what is missing."""
     pytest.importorskip("mlx_vlm.turboquant")
     run = subprocess.run([sys.executable, "-c", "import mlx_vlm.turboquant as t\n"
-                          "del t._snapshot_kv_codec\nimport paged_cache.handlers\n"],
+                          "del t._snapshot_kv_codec\nfrom paged_cache import handlers\n"
+                          "handlers.require_handler(t.TurboQuantKVCache(bits=4))\n"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert run.returncode != 0
     last = run.stderr.strip().splitlines()[-1]
-    assert "paged-cache supports mlx-vlm" + ",".join(compat.MLX_VLM_RANGE) in last
+    assert last.startswith("paged_cache.handlers.registry.UnsupportedCacheError: no paged-cache "
+                           "handler for cache type TurboQuantKVCache (the TurboQuant handler is "
+                           "off: paged-cache supports mlx-vlm" + ",".join(compat.MLX_VLM_RANGE)), last
     assert "mlx_vlm.turboquant._snapshot_kv_codec" in last

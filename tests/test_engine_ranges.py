@@ -5,15 +5,10 @@ module (checked at import), the pyproject extra users install, and the .ci/engin
 from __future__ import annotations
 
 import ast
-import sys
+import tomllib
 from pathlib import Path
 
 import pytest
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 # extra name -> compat module of its adapter

@@ -12,7 +12,8 @@ from paged_cache.handlers.kv import (ChunkedKVHandler, ConcatenateKVHandler, KVH
 from paged_cache.handlers.layer_cache import LayerCacheHandler
 from paged_cache.handlers.registry import (UnsupportedCacheError, handler_for,
                                            layer_needs_exact_end, layer_needs_snapshots,
-                                           register_handler, require_handler, restorable_at_end)
+                                           register_handler, require_handler, restorable_at_end,
+                                           turn_off)
 from paged_cache.handlers.rotating import PreallocatedRotatingHandler, RotatingHandler
 
 __all__ = ["LayerHandler", "Part", "Span", "UnsupportedCacheError", "handler_for",
@@ -25,9 +26,9 @@ for _handler in (KVHandler(), ConcatenateKVHandler(), QuantizedKVHandler(), Chun
 
 try:  # optional extra: mlx-vlm
     from paged_cache.handlers.turboquant import TurboQuantHandler
-except IncompatibleVersion:  # installed but unsupported: say so, never serve it uncached silently
-    raise
-except ImportError:  # pragma: no cover - depends on the environment
-    TurboQuantHandler = None  # type: ignore[assignment,misc]
+except IncompatibleVersion as exc:  # out of range or broken: this handler only is off
+    turn_off("TurboQuantKVCache", f"the TurboQuant handler is off: {exc}")
+except ModuleNotFoundError:  # the extra is not installed: no TurboQuant cache can exist
+    pass
 else:
     register_handler(TurboQuantHandler())

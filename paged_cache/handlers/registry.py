@@ -7,11 +7,16 @@ PreallocatedRotatingKVCache) wins over its base's; an unknown class has no handl
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from paged_cache.handlers.base import LayerHandler
 
 _REGISTRY: dict[type, LayerHandler] = {}
+# Cache classes (by name: an unsupported package's class may not even import) whose handler is
+# off in this environment, and why; a layer of one is refused with that reason.
+_OFF: dict[str, str] = {}
+logger = logging.getLogger("paged_cache.handlers")
 
 
 class UnsupportedCacheError(TypeError):
@@ -22,6 +27,13 @@ def register_handler(handler: LayerHandler) -> None:
     """Register ``handler`` for each class in its ``cache_types``."""
     for cls in handler.cache_types:
         _REGISTRY[cls] = handler
+
+
+def turn_off(class_name: str, reason: str) -> None:
+    """The handler of cache class ``class_name`` is off here (e.g. an optional package outside
+    its range): a layer of that class is refused with ``reason``."""
+    _OFF[class_name] = reason
+    logger.info("%s caches will not be cached: %s", class_name, reason)
 
 
 def handler_for(layer: Any) -> LayerHandler | None:
@@ -37,7 +49,10 @@ def require_handler(layer: Any) -> LayerHandler:
     """Like ``handler_for`` but raises UnsupportedCacheError naming the class."""
     handler = handler_for(layer)
     if handler is None:
-        raise UnsupportedCacheError(f"no paged-cache handler for cache type {type(layer).__name__}")
+        name = type(layer).__name__
+        why = next((_OFF[c.__name__] for c in type(layer).__mro__ if c.__name__ in _OFF), None)
+        raise UnsupportedCacheError(f"no paged-cache handler for cache type {name}"
+                                    + (f" ({why})" if why else ""))
     return handler
 
 
