@@ -167,3 +167,5 @@ def test_unknown_cache_type_is_not_cached_with_one_warning(caplog: pytest.LogCap
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "OpaqueCache" in warnings[0].getMessage()
     assert prefix.manager.stats()["hot"]["blocks"] == 0 and not prefix.needs_snapshots
+    assert prefix.stats()["refused_unsupported"] == 3 and prefix.stats()["misses"] == 1
+    assert prefix.unsupported == "no paged-cache handler for cache type OpaqueCache"
