@@ -66,7 +66,20 @@ def _certificate(subject: str, key: Any, issuer: tuple[str, Any] | None, *, ca: 
     if not ca:
         usage = ExtendedKeyUsageOID.CLIENT_AUTH if client else ExtendedKeyUsageOID.SERVER_AUTH
         builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-    return builder.sign(key if issuer is None else issuer[1], hashes.SHA256())
+    # Python 3.13's default context verifies strictly (VERIFY_X509_STRICT): key identifiers and a
+    # key usage that says what each key may sign are required, as public CAs issue them.
+    signer = key if issuer is None else issuer[1]
+    builder = (builder
+               .add_extension(x509.KeyUsage(digital_signature=not ca, key_cert_sign=ca,
+                                            crl_sign=ca, content_commitment=False,
+                                            key_encipherment=False, data_encipherment=False,
+                                            key_agreement=False, encipher_only=False,
+                                            decipher_only=False), critical=True)
+               .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()),
+                              critical=False)
+               .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
+                   signer.public_key()), critical=False))
+    return builder.sign(signer, hashes.SHA256())
 
 
 def make_test_certs(directory: Path) -> TLSCerts:
