@@ -14,8 +14,10 @@ from helpers.prefix import assert_exact, prompt, store_prompt
 
 
 def _prefix(root: Path, model: object, block: int) -> BlockAwarePrefixCache:
+    # always-restore: what is asserted is which blocks the caches share, not the fetch plan
     manager = PagedSSDCacheManager(CacheConfig(ssd_dir=root, block_size=block,
-                                               hot_cache_max_bytes=1 << 20))
+                                               hot_cache_max_bytes=1 << 20,
+                                               fetch_policy="always-restore"))
     return BlockAwarePrefixCache(manager, model)
 
 
