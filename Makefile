@@ -1,6 +1,6 @@
 # Two entry points do all set-up on a fresh machine: `make demo` and `make test`.
 # `make test-lowest` runs the suite against the lowest supported mlx / mlx-lm / mlx-vlm
-# (.ci/lowest.txt, .ci/lowest-turboquant.txt).
+# (.ci/lowest.txt).
 # pip prints each package it collects (no --quiet): a first install takes minutes and shows it.
 # `make test-engines` runs tests/engines against serving engines from the package registry, each
 # in its own environment .venv-engine-NAME (.ci/engines/NAME.engine + NAME.txt).
@@ -20,9 +20,7 @@ STAMP   = $(VENV)/.installed
 DEMO_STAMP = $(VENV)/.installed-demo
 LOWEST  ?= .venv-lowest
 LOW_STAMP = $(LOWEST)/.installed
-LOWEST_TQ ?= .venv-lowest-turboquant
-LOW_TQ_STAMP = $(LOWEST_TQ)/.installed
-# mlx-vlm below the turboquant extra's range (.ci/lowest.txt's, exo's lock), alone (no
+# mlx-vlm below the turboquant extra's range (.ci/old-mlx-vlm.txt: exo's lock), alone (no
 # dependencies): tests/test_optional_versions.py puts it first on sys.path of a paged-cache
 # import, which must turn the TurboQuant handler off and nothing else.
 OLD_VLM = .venv-old-mlx-vlm
@@ -63,25 +61,17 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/$(PIP_INSTALL) -e ".[dev,turboquant,remote,$(BACKEND)]"
 	touch $(STAMP) $(DEMO_STAMP)
 
-$(OLD_VLM_STAMP): .ci/lowest.txt | $(BIN)/python
+$(OLD_VLM_STAMP): .ci/old-mlx-vlm.txt | $(BIN)/python
 	rm -rf $(OLD_VLM)
-	$(BIN)/pip install --quiet --no-deps --target $(OLD_VLM) -c .ci/lowest.txt mlx-vlm
+	$(BIN)/pip install --quiet --no-deps --target $(OLD_VLM) -r .ci/old-mlx-vlm.txt
 	touch $(OLD_VLM_STAMP)
 
-# The lowest lane: mlx, mlx-lm and mlx-vlm of .ci/lowest.txt (mlx-vlm there is below the
-# turboquant extra's range: the TurboQuant handler is off, its tests run in the lane after).
+# The lowest lane: mlx, mlx-lm and mlx-vlm of .ci/lowest.txt, every extra the tests need.
 $(LOW_STAMP): pyproject.toml .ci/lowest.txt
 	$(PYTHON_LOW) -m venv $(LOWEST)
 	$(LOWEST)/bin/pip install --quiet --upgrade pip
-	$(LOWEST)/bin/$(PIP_INSTALL) -c .ci/lowest.txt ".[dev,remote,$(BACKEND)]" mlx-vlm
+	$(LOWEST)/bin/$(PIP_INSTALL) -c .ci/lowest.txt ".[dev,turboquant,remote,$(BACKEND)]"
 	touch $(LOW_STAMP)
-
-# The turboquant extra at its floor: mlx-vlm's lowest and the mlx it needs (.ci/lowest-turboquant.txt).
-$(LOW_TQ_STAMP): pyproject.toml .ci/lowest-turboquant.txt
-	$(PYTHON_LOW) -m venv $(LOWEST_TQ)
-	$(LOWEST_TQ)/bin/pip install --quiet --upgrade pip
-	$(LOWEST_TQ)/bin/$(PIP_INSTALL) -c .ci/lowest-turboquant.txt ".[dev,turboquant,$(BACKEND)]"
-	touch $(LOW_TQ_STAMP)
 
 # An engine's environment: paged-cache (editable) with its test extras and the modules the
 # engine's serving path imports, within the engine's own ranges (NAME.txt, which also holds the
@@ -125,9 +115,8 @@ test: $(STAMP) $(OLD_VLM_STAMP) server
 test-long: $(STAMP) $(OLD_VLM_STAMP) server
 	$(BIN)/python -m pytest -q $(XDIST) --long $(PYTEST_ARGS)
 
-test-lowest: $(LOW_STAMP) $(LOW_TQ_STAMP) $(OLD_VLM_STAMP) server
-	$(LOWEST)/bin/python -m pytest -q $(XDIST) -m "not turboquant" $(PYTEST_ARGS)
-	$(LOWEST_TQ)/bin/python -m pytest -q $(XDIST) -m turboquant $(PYTEST_ARGS)
+test-lowest: $(LOW_STAMP) $(OLD_VLM_STAMP) server
+	$(LOWEST)/bin/python -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-engines: $(foreach e,$(ENGINES),.venv-engine-$(e)/.installed) server
 	@for e in $(ENGINES); do \
@@ -148,4 +137,4 @@ bench: $(STAMP) server
 	$(BIN)/python -m benchmarks.run
 
 clean:
-	rm -rf $(VENV) $(LOWEST) $(LOWEST_TQ) $(OLD_VLM) .venv-engine-* build *.egg-info
+	rm -rf $(VENV) $(LOWEST) $(OLD_VLM) .venv-engine-* build *.egg-info

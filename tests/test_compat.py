@@ -35,16 +35,17 @@ def _pins(name: str) -> dict[str, str]:
     return dict(line.split("#")[0].strip().split("==") for line in lines if "==" in line)
 
 
-def test_the_lowest_lanes_pin_the_declared_floors() -> None:
-    """`make test-lowest` installs each floor pyproject.toml declares: mlx and mlx-lm (with mlx-vlm
-    below its range, .ci/lowest.txt), and the turboquant extra's (.ci/lowest-turboquant.txt)."""
+def test_the_lowest_lane_pins_the_declared_floors() -> None:
+    """`make test-lowest` installs each floor pyproject.toml and compat.py declare
+    (.ci/lowest.txt); the optional-versions test's mlx-vlm is below the extra's range."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     floors = {d.split(";")[0].split("#")[0].strip() for d in project["dependencies"]}
-    lowest, turboquant = _pins("lowest.txt"), _pins("lowest-turboquant.txt")
+    lowest = _pins("lowest.txt")
     assert f"mlx>={lowest['mlx']}" in floors and lowest["mlx-cpu"] == lowest["mlx"]
-    assert lowest["mlx-lm"] == turboquant["mlx-lm"] == compat.MLX_LM_RANGE[0].lstrip(">=")
-    assert turboquant["mlx-vlm"] == compat.MLX_VLM_RANGE[0].lstrip(">=")
-    assert not compat._in_range(compat._parse(lowest["mlx-vlm"]), compat.MLX_VLM_RANGE)
+    assert lowest["mlx-lm"] == compat.MLX_LM_RANGE[0].lstrip(">=")
+    assert lowest["mlx-vlm"] == compat.MLX_VLM_RANGE[0].lstrip(">=")
+    assert not compat._in_range(compat._parse(_pins("old-mlx-vlm.txt")["mlx-vlm"]),
+                                compat.MLX_VLM_RANGE)
 
 
 def test_installed_versions_are_in_range() -> None:

@@ -1,5 +1,5 @@
 """An optional package's version never makes paged-cache fail to import: with a real mlx-vlm below
-the turboquant extra's range (.ci/lowest.txt's, the one exo locks; `make install` puts it alone in
+the turboquant extra's range (.ci/old-mlx-vlm.txt: the one exo locks; `make install` puts it alone in
 .venv-old-mlx-vlm) first on sys.path, every public name and module imports (the TurboQuant
 handler's aside), a KV model is stored and fetched exactly through the SSD tier, and a
 TurboQuantKVCache layout is refused: counted, and logged with the supported range. Run in a
@@ -67,7 +67,7 @@ def test_an_out_of_range_mlx_vlm_turns_off_only_the_turboquant_handler() -> None
                          timeout=600, cwd=ROOT, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
-    pinned = next(line.split("==")[1].strip() for line in (ROOT / ".ci/lowest.txt").read_text()
+    pinned = next(line.split("==")[1].strip() for line in (ROOT / ".ci/old-mlx-vlm.txt").read_text()
                   .splitlines() if line.startswith("mlx-vlm=="))
     assert got["mlx_vlm"] == pinned and got["mlx_vlm_file"].startswith(str(OLD_VLM))
     assert not compat._in_range(tuple(map(int, pinned.split("."))), compat.MLX_VLM_RANGE)
