@@ -20,7 +20,7 @@ from pathlib import Path
 
 from benchmarks.common import (Context, Timing, backend, bar_plot, block_files, drop_page_cache,
                                figure, figures_by_name, settle)
-from benchmarks.ttft import scheduler_ttft
+from benchmarks.ttft import hot_hit_ttft, scheduler_ttft
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
 from paged_cache.testing.real_model import SMOLLM2, auto_form, real_model_dir
 from paged_cache.scheduler import Scheduler
@@ -61,13 +61,7 @@ def run(ctx: Context) -> dict:
     with PagedSSDCacheManager(ssd_cfg) as ssd, PagedSSDCacheManager(hot_cfg) as hot:
         on_ssd, in_ram = BlockAwarePrefixCache(ssd, model), BlockAwarePrefixCache(hot, model)
         cold = Timing.of([scheduler_ttft(Scheduler(model, on_ssd), prompt, None, 0)])
-        ssd.flush()
-        cache, n = on_ssd.fetch(prompt)          # fill the hot-only cache from the SSD one
-        in_ram.store(prompt[:n], cache)
-        del cache
-        settle()
-        hot_hit = Timing.of([scheduler_ttft(Scheduler(model, in_ram), prompt, "hot", size)
-                             for _ in range(3)])
+        hot_hit = hot_hit_ttft(model, ssd, on_ssd, in_ram, prompt, size, 3)
     ssd_runs = []
     for _ in range(3):     # a restart each time: a new manager, nothing in RAM or page cache
         settle()

@@ -33,6 +33,20 @@ def scheduler_ttft(sched: Scheduler, prompt: list[int], tier: str | None, cached
     return result.ttft_s
 
 
+def hot_hit_ttft(model, ssd: PagedSSDCacheManager, on_ssd: BlockAwarePrefixCache,
+                 in_ram: BlockAwarePrefixCache, prompt: list[int], size: int,
+                 repeats: int) -> Timing:
+    """Time to first token of ``repeats`` RAM hits of ``prompt``: the hot-only cache ``in_ram``
+    is filled first from what ``on_ssd`` stored."""
+    ssd.flush()
+    cache, n = on_ssd.fetch(prompt)
+    in_ram.store(prompt[:n], cache)
+    del cache
+    settle()
+    return Timing.of([scheduler_ttft(Scheduler(model, in_ram), prompt, "hot", size)
+                      for _ in range(repeats)])
+
+
 def _size(ctx: Context, model, size: int, repeats: int, cold_repeats: int) -> dict:
     rng = random.Random(size)
     prompt = [rng.randrange(256) for _ in range(size + 1)]   # size cached tokens + one to feed
@@ -55,13 +69,7 @@ def _size(ctx: Context, model, size: int, repeats: int, cold_repeats: int) -> di
         on_ssd, in_ram = BlockAwarePrefixCache(ssd, model), BlockAwarePrefixCache(hot, model)
         miss, store_s = _miss(model, on_ssd, prompt)
         stores.append(store_s)
-        ssd.flush()
-        cache, n = on_ssd.fetch(prompt)          # fill the hot-only cache from the SSD one
-        in_ram.store(prompt[:n], cache)
-        del cache
-        settle()
-        hot_hit = Timing.of([scheduler_ttft(Scheduler(model, in_ram), prompt, "hot", size)
-                             for _ in range(repeats)])
+        hot_hit = hot_hit_ttft(model, ssd, on_ssd, in_ram, prompt, size, repeats)
         ssd_runs = []
         for _ in range(repeats):
             settle()
