@@ -17,9 +17,9 @@ PACKAGE = ROOT / "paged_cache"
 MAX_MODULE_LINES = 600
 
 
-def module_name(path: Path) -> str:
-    """The dotted name of a module file of the package."""
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def module_name(path: Path, root: Path) -> str:
+    """The dotted name of a module file of the package whose folder is ``root``."""
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -51,7 +51,7 @@ def imported_modules(source: str, name: str, is_package: bool, known: set[str]) 
 
 def import_graph(root: Path) -> dict[str, set[str]]:
     """Module -> the package's modules it imports, for every module under ``root``."""
-    files = {module_name(p): p for p in root.rglob("*.py")}
+    files = {module_name(p, root): p for p in root.rglob("*.py")}
     known = set(files)
     return {name: imported_modules(path.read_text(), name, path.name == "__init__.py", known)
             for name, path in files.items()}
@@ -121,12 +121,7 @@ def test_the_cycle_check_finds_a_cycle(tmp_path: Path) -> None:
     (pkg / "tiers" / "b.py").write_text("from typing import TYPE_CHECKING\n"
                                        "if TYPE_CHECKING:\n    from paged_cache.tiers import a\n")
     (pkg / "tiers" / "c.py").write_text("from paged_cache.tiers.a import x\n")
-    global ROOT
-    saved, ROOT = ROOT, tmp_path
-    try:
-        graph = import_graph(pkg)
-    finally:
-        ROOT = saved
+    graph = import_graph(pkg)
     assert cycles(graph) == [["paged_cache.rates", "paged_cache.rates_file"],
                              ["paged_cache.tiers.a", "paged_cache.tiers.b"]]
     assert graph["paged_cache.tiers.c"] == {"paged_cache.tiers.a"}
