@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -491,13 +491,19 @@ def _sample_watched(search: _Search) -> None:
     """The reads the cut-off timed, as rate samples of their tiers (and the bytes per token of
     the layout), now that the fetch stopped: a rebuild shorter than them does not measure
     them all, and none may follow."""
+    _add_samples(search, search.watched)
+
+
+def _add_samples(search: _Search, reads: Iterable[tuple[ChainNode, int, float]]) -> None:
+    """``reads`` (node, bytes, seconds) as one read-rate sample per tier, and each block's
+    bytes per token of the layout; a node already sampled is skipped (and each is marked)."""
     rates, fingerprint = search.pc.manager.rates, search.pc.layout.fingerprint
     by_tier: dict[str, list[float]] = {}
-    for node, nbytes, seconds in search.watched:
+    for node, nbytes, seconds in reads:
         if node.key in search.sampled:
             continue
         search.sampled.add(node.key)
-        sample = by_tier.setdefault(node.tier, [0, 0.0])
+        sample = by_tier.setdefault(tier_label(node.tier), [0, 0.0])
         sample[0] += nbytes
         sample[1] += seconds
         if not node.checkpoint:
@@ -511,24 +517,18 @@ def _measure(search: _Search, chosen: list[tuple[ChainNode, int]], blocks: list[
     """One read-rate sample per tier of a restore: each block's read, its share (by bytes) of
     the copies into place and, read into place from disk, of those reads; and the bytes per
     token of the layout's blocks."""
-    rates = search.pc.manager.rates
     total = sum(sizes) or 1
     stored = sum(n for n, b in zip(sizes, blocks) if isinstance(b, StoredBlock)) or 1
-    by_tier: dict[str, list[float]] = {}
+    reads = []
     for (node, _), block, nbytes in zip(chosen, blocks, sizes):
-        if node.key == HEAD_KEY or node.key in search.sampled:
-            continue  # prefilled, not read; or sampled when the cut-off stopped the fetch
+        if node.key == HEAD_KEY:
+            continue  # prefilled, not read
         seconds = (search.read_seconds.get(node.key, 0.0) + search.warm_seconds.get(node.key, 0.0)
                    + build_seconds * nbytes / total)
         if isinstance(block, StoredBlock):
             seconds += in_place_seconds * nbytes / stored
-        sample = by_tier.setdefault(tier_label(node.tier), [0, 0.0])
-        sample[0] += nbytes
-        sample[1] += seconds
-        if not node.checkpoint:
-            rates.learn_bytes_per_token(search.pc.layout.fingerprint, nbytes, node.ntokens)
-    for tier, (nbytes, seconds) in by_tier.items():
-        rates.add_read(tier, nbytes, seconds)
+        reads.append((node, nbytes, seconds))
+    _add_samples(search, reads)  # a node the cut-off sampled when it stopped is not again
 
 
 def _handover(search: _Search, chosen: list[tuple[ChainNode, int]]) -> set[str]:
