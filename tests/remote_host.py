@@ -26,7 +26,10 @@ TOKENS = 4 * BLOCK + 5
 
 def main(ssd_dir: str, url: str) -> None:
     model = tiny_model("llama")
-    config = CacheConfig(block_size=BLOCK, ssd_dir=ssd_dir, remote_url=url, remote_timeout=5.0)
+    # always restore: under the default cost policy a loaded machine may prefill the tiny model's
+    # few tokens instead, and these hosts test where blocks are found, not that trade
+    config = CacheConfig(block_size=BLOCK, ssd_dir=ssd_dir, remote_url=url, remote_timeout=5.0,
+                         fetch_policy="always-restore")
     with PagedSSDCacheManager(config) as manager:
         prefix = BlockAwarePrefixCache(manager, model)
         for line in sys.stdin:

@@ -38,6 +38,7 @@ LOADED = 5.0  # remote_timeout of tests that do not test timeouts: a busy CI mac
 
 def remote_config(url: str, **kw) -> CacheConfig:
     kw.setdefault("remote_timeout", LOADED)
+    kw.setdefault("fetch_policy", "always-restore")  # where blocks are found, not the cost trade
     return CacheConfig(block_size=BLOCK, hot_cache_only=True, remote_url=url, **kw)
 
 
