@@ -1,6 +1,6 @@
 """exo's unbounded prefix cache, measured as fixed: chats through exo's real generate path
 (``mlx_generate``, from the checkout named by env ``EXO_SRC``, on Python 3.13: docs/benchmarks.md
-says how to run it) one conversation after another, each a ~1.5k-token first turn over a shared
+says how to run it) one conversation after another, each a ~4k-token first turn over a shared
 system prompt, a second turn and a retry of it (paged_cache.testing.exo_runs), with exo's own
 ``KVPrefixCache`` and with paged-cache's (hot budget + SSD tier), on a KV model (llama) and a
 hybrid (qwen3_next). MLX active memory after every request; cached tokens per request against
@@ -25,12 +25,9 @@ ARCHS = ("llama", "qwen3_next")
 
 
 def sizes(ctx: Context) -> dict:
-    """50 conversations of ~1.6k tokens (6 of ~0.5k with --quick). Conversations of ~4k tokens,
-    as in exo's report, took ~40 s each for the cold run alone on the shared 2-core VM the
-    figures were measured on (over an hour for the three runs); the memory each conversation
-    adds to exo's own cache scales with its tokens."""
+    """50 conversations of ~4k tokens, as in exo's report (6 of ~0.5k with --quick)."""
     return ctx.pick(dict(conversations=6, system_chars=128, user_chars=320, max_tokens=8),
-                    dict(conversations=50, system_chars=512, user_chars=1000, max_tokens=8))
+                    dict(conversations=50, system_chars=1024, user_chars=3000, max_tokens=8))
 
 
 def _exo_path() -> None:
