@@ -218,3 +218,29 @@ def test_rows_read_from_disk_land_in_a_buffer_zero_where_no_block_holds_rows(
         got, want = np.asarray(out), np.asarray(block.arrays["l0.keys"])
         assert not got[:, :, :4].any() and not got[:, :, 12:].any()
         assert np.array_equal(got[:, :, 4:12], want)
+
+
+@pytest.mark.parametrize("cache_limit", [0, 1 << 30])
+def test_rows_copied_from_memory_land_zero_where_no_block_holds_rows(cache_limit: int) -> None:
+    """A hot restore into memory MLX's cache hands back (a server's reused memory) takes its
+    buffers unfilled, with no zero fill first (handlers/base.py ``_allocate``); into fresh
+    memory it zero-fills them: either way the rows no block holds are zeros however dirty the
+    recycled memory was, and the copied rows are the blocks'."""
+    first, second = _block(3), _block(4)
+    limit = mx.set_cache_limit(cache_limit)
+    try:
+        mx.clear_cache()
+        dirty = [mx.full((1, 6, 32, 4), 7.0, dtype=mx.float16) for _ in range(8)]
+        mx.eval(dirty)
+        del dirty  # with a cache limit: MLX's cache holds buffers of 7s of the rebuilt size
+        assert (mx.get_cache_memory() > 0) == (cache_limit > 0)
+        pieces = [(4, 12, {"keys": first.arrays["l0.keys"]}, 0),
+                  (12, 16, {"keys": second.arrays["l0.keys"]}, 2)]  # rows 2..6 of the second
+        with row_path.forced("host"):
+            out = assemble_rows(pieces, ["keys"], [(0, 20)], 32)["keys"]
+    finally:
+        mx.set_cache_limit(limit)
+    got = np.asarray(out)
+    assert not got[:, :, :4].any() and not got[:, :, 16:].any()
+    assert np.array_equal(got[:, :, 4:12], np.asarray(first.arrays["l0.keys"]))
+    assert np.array_equal(got[:, :, 12:16], np.asarray(second.arrays["l0.keys"])[:, :, 2:6])

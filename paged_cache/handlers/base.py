@@ -290,8 +290,8 @@ def _assemble_on_host(pieces: list[Piece], names: Sequence[str], moves: list[Mov
     """numpy copies into the buffers' memory (bfloat16 through its uint16 bits)."""
     storage = {name: (specs[name], _storage_dtype(dtypes[name])) for name in names}
     read = _stored_names(pieces, names, moves)
-    buffers = _allocate(storage, read)
-    _copy_on_host(pieces, names, moves, buffers, storage, read)
+    buffers, blank = _allocate(storage, read)
+    _copy_on_host(pieces, names, moves, buffers, storage, read, blank)
     out: Arrays = {}
     for name in names:
         out[name] = buffers.pop(name)
@@ -379,38 +379,54 @@ def rebuild_pipeline() -> Iterator[None]:
         _AHEAD.active, _AHEAD.buffers = False, None
 
 
-def _allocate(specs: dict, read: Sequence[str] = ()) -> Arrays:
-    """Buffers of ``specs`` (name -> (shape, dtype)): those allocated ahead when they match;
-    those of ``read`` (rows read from disk into them) unfilled, their pages faulted in by the
-    read (handlers/unfilled.py): the caller writes every row of them."""
+def _allocate(specs: dict, read: Sequence[str] = ()) -> tuple[Arrays, set[str]]:
+    """Buffers of ``specs`` (name -> (shape, dtype)) and the names of those left unfilled:
+    those allocated ahead when they match; those of ``read`` (rows read from disk into them,
+    their pages faulted in by the read) and those MLX's buffer cache can hand back (memory
+    already resident, a zero fill would only be a second pass) unfilled (handlers/unfilled.py):
+    the caller writes every row of an unfilled buffer; the others zeroed."""
     ahead = _AHEAD.buffers or {}
-    buffers = {name: unfilled(*spec) if name in read
-               else ahead[name][1] if name in ahead and ahead[name][0] == spec
-               else mx.zeros(spec[0], dtype=spec[1]) for name, spec in specs.items()}
+    buffers, blank = {}, set()
+    for name, spec in specs.items():
+        if name in ahead and ahead[name][0] == spec and name not in read:
+            buffers[name] = ahead[name][1]
+        elif name in read or _cached(spec):
+            buffers[name] = unfilled(*spec)
+            blank.add(name)
+        else:
+            buffers[name] = mx.zeros(spec[0], dtype=spec[1])
     if _AHEAD.active:
         _AHEAD.buffers = {}
-    return buffers
+    return buffers, blank
+
+
+def _cached(spec: tuple) -> bool:
+    """Whether MLX's buffer cache holds at least the bytes of a buffer of ``spec``: a restore
+    into reused memory, where an unfilled buffer costs no page faults."""
+    return mx.get_cache_memory() >= math.prod(spec[0]) * spec[1].size
 
 
 def _allocate_ahead(name: str, spec: tuple) -> None:
-    """Inside ``rebuild_pipeline``: start the buffer of ``name`` for the next layer."""
-    if _AHEAD.active:
+    """Inside ``rebuild_pipeline``: start the zero fill of the buffer of ``name`` for the next
+    layer on MLX's thread, which faults its fresh pages in while this layer is copied (not when
+    MLX's cache can hand the buffer back: ``_allocate`` then takes it unfilled)."""
+    if _AHEAD.active and not _cached(spec):
         buffer = mx.zeros(spec[0], dtype=spec[1])
         launch(buffer)
         _AHEAD.buffers[name] = (spec, buffer)
 
 
 def _copy_on_host(pieces: list[Piece], names: Sequence[str], moves: list[Move], buffers: Arrays,
-                  specs: dict, read: Sequence[str] = ()) -> None:
+                  specs: dict, read: Sequence[str], blank: set[str]) -> None:
     """numpy copies into the buffers' memory, name by name: MLX fills the next buffer (its own
     thread) while this one is written. A source with ``read_rows`` (a block payload still on
-    disk, see tiers/ssd/direct.py) is asked to land its rows there when its file is read; the
-    buffers of ``read`` are unfilled: the rows no move writes are zeroed here."""
+    disk, see tiers/ssd/direct.py) is asked to land its rows there when its file is read; in the
+    unfilled buffers (``blank``) the rows no move writes are zeroed here."""
     launch(list(buffers.values()))
     read_ahead_whole(_stored_files(pieces))  # the disk reads them while the buffers are filled
     for name in names:
         dst = host_view(buffers[name])
-        if name in read:
+        if name in blank:
             _zero_unwritten(dst, moves)
         _write_rows(pieces, name, moves, dst)
         for _, _, arrays, _ in pieces:  # the name's arrays go once written
