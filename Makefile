@@ -1,6 +1,6 @@
 # Two entry points do all set-up on a fresh machine: `make demo` and `make test`.
-# `make test-lowest` runs the suite against the lowest supported mlx / mlx-lm / mlx-vlm
-# (.ci/lowest.txt).
+# `make test-lowest` runs the suite against the lowest supported mlx and mlx-lm (.ci/lowest.txt),
+# and the tests marked turboquant against the lowest mlx-vlm (.ci/lowest-turboquant.txt).
 # pip prints each package it collects (no --quiet): a first install takes minutes and shows it.
 # `make test-engines` runs tests/engines against serving engines from the package registry, each
 # in its own environment .venv-engine-NAME (.ci/engines/NAME.engine + NAME.txt).
@@ -20,6 +20,8 @@ STAMP   = $(VENV)/.installed
 DEMO_STAMP = $(VENV)/.installed-demo
 LOWEST  ?= .venv-lowest
 LOW_STAMP = $(LOWEST)/.installed
+LOWEST_TQ ?= .venv-lowest-turboquant
+LOW_TQ_STAMP = $(LOWEST_TQ)/.installed
 # mlx-vlm below the turboquant extra's range (.ci/old-mlx-vlm.txt: exo's lock), alone (no
 # dependencies): tests/test_optional_versions.py puts it first on sys.path of a paged-cache
 # import, which must turn the TurboQuant handler off and nothing else.
@@ -66,12 +68,21 @@ $(OLD_VLM_STAMP): .ci/old-mlx-vlm.txt | $(BIN)/python
 	$(BIN)/pip install --quiet --no-deps --target $(OLD_VLM) -r .ci/old-mlx-vlm.txt
 	touch $(OLD_VLM_STAMP)
 
-# The lowest lane: mlx, mlx-lm and mlx-vlm of .ci/lowest.txt, every extra the tests need.
+# The lowest lane: mlx and mlx-lm of .ci/lowest.txt, every extra the tests need but turboquant
+# (its mlx-vlm needs a higher mlx: the tests marked turboquant are left out there, and the module
+# that imports mlx-vlm to be collected); those tests in their own environment at that extra's
+# floor (.ci/lowest-turboquant.txt).
 $(LOW_STAMP): pyproject.toml .ci/lowest.txt
 	$(PYTHON_LOW) -m venv $(LOWEST)
 	$(LOWEST)/bin/pip install --quiet --upgrade pip
-	$(LOWEST)/bin/$(PIP_INSTALL) -c .ci/lowest.txt ".[dev,turboquant,remote,$(BACKEND)]"
+	$(LOWEST)/bin/$(PIP_INSTALL) -c .ci/lowest.txt ".[dev,remote,$(BACKEND)]"
 	touch $(LOW_STAMP)
+
+$(LOW_TQ_STAMP): pyproject.toml .ci/lowest-turboquant.txt
+	$(PYTHON_LOW) -m venv $(LOWEST_TQ)
+	$(LOWEST_TQ)/bin/pip install --quiet --upgrade pip
+	$(LOWEST_TQ)/bin/pip install --quiet -c .ci/lowest-turboquant.txt ".[dev,turboquant,remote,$(BACKEND)]"
+	touch $(LOW_TQ_STAMP)
 
 # An engine's environment: paged-cache (editable) with its test extras and the modules the
 # engine's serving path imports, within the engine's own ranges (NAME.txt, which also holds the
@@ -115,8 +126,10 @@ test: $(STAMP) $(OLD_VLM_STAMP) server
 test-long: $(STAMP) $(OLD_VLM_STAMP) server
 	$(BIN)/python -m pytest -q $(XDIST) --long $(PYTEST_ARGS)
 
-test-lowest: $(LOW_STAMP) $(OLD_VLM_STAMP) server
-	$(LOWEST)/bin/python -m pytest -q $(XDIST) $(PYTEST_ARGS)
+test-lowest: $(LOW_STAMP) $(LOW_TQ_STAMP) $(OLD_VLM_STAMP) server
+	$(LOWEST)/bin/python -m pytest -q $(XDIST) -m "not turboquant" \
+		--ignore tests/test_prefix_cache_turboquant.py $(PYTEST_ARGS)
+	$(LOWEST_TQ)/bin/python -m pytest -q $(XDIST) -m turboquant $(PYTEST_ARGS)
 
 test-engines: $(foreach e,$(ENGINES),.venv-engine-$(e)/.installed) server
 	@for e in $(ENGINES); do \

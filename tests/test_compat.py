@@ -37,13 +37,16 @@ def _pins(name: str) -> dict[str, str]:
 
 def test_the_lowest_lane_pins_the_declared_floors() -> None:
     """`make test-lowest` installs each floor pyproject.toml and compat.py declare
-    (.ci/lowest.txt); the optional-versions test's mlx-vlm is below the extra's range."""
+    (.ci/lowest.txt; mlx-vlm's in .ci/lowest-turboquant.txt); the optional-versions test's
+    mlx-vlm is below the extra's range."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     floors = {d.split(";")[0].split("#")[0].strip() for d in project["dependencies"]}
-    lowest = _pins("lowest.txt")
+    lowest, turboquant = _pins("lowest.txt"), _pins("lowest-turboquant.txt")
     assert f"mlx>={lowest['mlx']}" in floors and lowest["mlx-cpu"] == lowest["mlx"]
-    assert lowest["mlx-lm"] == compat.MLX_LM_RANGE[0].lstrip(">=")
-    assert lowest["mlx-vlm"] == compat.MLX_VLM_RANGE[0].lstrip(">=")
+    assert lowest["mlx-lm"] == turboquant["mlx-lm"] == compat.MLX_LM_RANGE[0].lstrip(">=")
+    assert "mlx-vlm" not in lowest  # its floor needs a higher mlx: the turboquant tests run apart
+    assert turboquant["mlx-vlm"] == compat.MLX_VLM_RANGE[0].lstrip(">=")
+    assert turboquant["mlx-cpu"] == turboquant["mlx"]
     assert not compat._in_range(compat._parse(_pins("old-mlx-vlm.txt")["mlx-vlm"]),
                                 compat.MLX_VLM_RANGE)
 
@@ -118,7 +121,6 @@ def test_batch_options_give_each_sequence_its_sampler_and_stop_tokens() -> None:
 def test_a_broken_mlx_vlm_turns_off_only_the_turboquant_handler() -> None:
     """An in-range mlx-vlm lacking a private name: paged-cache imports, the TurboQuant handler is
     off, and a TurboQuantKVCache is refused naming the range and what is missing."""
-    pytest.importorskip("mlx_vlm.turboquant")
     run = subprocess.run([sys.executable, "-c", "import mlx_vlm.turboquant as t\n"
                           "del t._snapshot_kv_codec\nfrom paged_cache import handlers\n"
                           "handlers.require_handler(t.TurboQuantKVCache(bits=4))\n"],

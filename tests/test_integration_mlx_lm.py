@@ -71,7 +71,7 @@ def test_fetch_is_exact_and_mutation_safe(tmp_path, model):
         for _ in zip(range(5), generate_step(mx.array(rest[1:]), model, prompt_cache=got)):
             pass
         got[0].trim(30)
-        got[0].keys[...] = 0.0
+        got[0].keys[:] = 0.0
         again, rest2 = cache.fetch_nearest_cache(KEY, prompt)
         # The first fetch handed the 4-token partial tail over unwritten (a tail waits in RAM,
         # and the request's own insert puts it back): with no insert in between, the full blocks.
@@ -452,7 +452,7 @@ def test_deferred_inserts_are_served_whole_then_cut(tmp_path, model):
             assert rest == prompt[n:] and pc.last_fetch.tier == "hot"
             want = last_logits(model, prefill(model, prompt[:n]), prompt[n])
             assert mx.abs(last_logits(model, got, prompt[n]) - want).max().item() == 0.0
-            got[0].keys[...] = 0.0      # the server's copy: what is kept stays intact
+            got[0].keys[:] = 0.0      # the server's copy: what is kept stays intact
         assert paged.deferred == 2 and held(a) == [None] * 3
         assert pc.stats()["tokens_matched"] == paged.counters["cached_tokens"] == 70
         assert paged.store_deferred() == 2 and paged.deferred == 0

@@ -5,15 +5,14 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+import mlx_vlm.turboquant as tq  # the turboquant extra: missing, this module fails
 from mlx_lm.generate import generate_step
 
-tq = pytest.importorskip("mlx_vlm.turboquant")
+from paged_cache.handlers import Span, handler_for
+from paged_cache.testing.models import VOCAB
 
-from paged_cache.handlers import Span, handler_for  # noqa: E402
-from paged_cache.testing.models import VOCAB  # noqa: E402
-
-from helpers.prefix import assert_exact, hot_prefix, prefill, prompt, store_prompt  # noqa: E402
-from helpers.turboquant import tiny_vlm_llama  # noqa: E402
+from helpers.prefix import assert_exact, hot_prefix, prefill, prompt, store_prompt
+from helpers.turboquant import tiny_vlm_llama
 
 pytestmark = pytest.mark.turboquant
 BITS = [dict(bits=4), dict(bits=3.5), dict(bits=3, key_bits=2.5)]  # 2.5: a split codec

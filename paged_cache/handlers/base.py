@@ -182,7 +182,7 @@ def kept(x: mx.array) -> mx.array:
 
 def detached(x: mx.array) -> mx.array:
     """A new array object for a stored one, so in-place updates a caller makes to a rebuilt cache
-    (``a += 1``, ``a[...] = x``: MLX applies them to the object) never reach the stored block.
+    (``a += 1``, ``a[:] = x``: MLX applies them to the object) never reach the stored block.
 
     The buffer is shared until either side writes (a shared buffer is never donated), so this
     costs no second resident copy.

@@ -56,11 +56,14 @@ def free_ports(count: int) -> int:
 
 def launch_command(argv: Sequence[str], *, ranks: int = 2, module: bool = False) -> list[str]:
     """The mlx.launch command line that runs ``argv`` (a script and its arguments, or with
-    ``module`` a module name and its arguments) on ``ranks`` local ranks."""
-    # "--": the program's own options (--host, --port, ...) are not mlx.launch's abbreviations
+    ``module`` a module name and its arguments) on ``ranks`` local ranks with this interpreter."""
+    # The program is given whole, interpreter first: mlx.launch of mlx 0.32.0 executes what
+    # follows its options as it is, that of 0.32.4 puts its --python before it; "env" there
+    # runs the whole command unchanged either way. "--": the program's own options (--host, --port,
+    # ...) are not mlx.launch's abbreviations.
     return [*launcher(), "--backend", "ring", "-n", str(ranks),
-            "--starting-port", str(free_ports(ranks)), "--python", sys.executable, "--",
-            *(["-m"] if module else []), *argv]
+            "--starting-port", str(free_ports(ranks)), "--python", "env", "--",
+            sys.executable, *(["-m"] if module else []), *argv]
 
 
 def start(argv: Sequence[str], *, ranks: int = 2, module: bool = False,

@@ -179,8 +179,9 @@ def remote_store(r: Rank) -> dict[str, Any]:
 
 def plan_on_one_rank(r: Rank) -> dict[str, Any]:
     """Rank 1's fetch plan finds prefilling faster (its prefill rate seeded far above any read):
-    its first fetch after a restart restores (no read rate yet) and measures the SSD tier, its
-    second declines; the group then prefills on every rank."""
+    its first fetch after a restart restores (no read rate yet; its cut-off may stop the read
+    early) and measures the SSD tier, its second declines; the group then prefills on every
+    rank."""
     config = CacheConfig(block_size=BS, hot_cache_max_bytes="64MB", ssd_dir=r.ssd("plan", False))
     r.store(config)
     seeded = CacheConfig(block_size=BS, hot_cache_max_bytes="64MB", ssd_dir=config.ssd_dir,

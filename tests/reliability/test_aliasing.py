@@ -1,4 +1,4 @@
-"""A fetched cache is the caller's own: updating it in place (``a += 1``, ``a[...] = x``) never
+"""A fetched cache is the caller's own: updating it in place (``a += 1``, ``a[:] = x``) never
 changes what is stored, for every cache type, hot-only and write-through, shared or not."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _scribble(cache: list) -> int:
     for layer in cache:
         for a in layer_arrays(layer):
             a += 1
-            a[...] = 7
+            a[:] = 7
             n += 1
     mx.eval([a for layer in cache for a in layer_arrays(layer)])
     return n
