@@ -15,7 +15,8 @@
 - hot: ``prefix.fetch`` from the hot tier vs a plain numpy copy of the same bytes (goal >= 0.8),
   in fresh memory (a new manager per run, its store written out first, every freed page handed
   back to the OS before the fetch, vs a copy into freshly mapped memory) and in reused memory
-  (MLX's cache limit raised as a server would, one manager, vs a copy into a reused buffer); and
+  (MLX's cache limit raised as a server would, one manager, vs a copy into a reused buffer, and
+  vs the restore's copy alone: a numpy gather of the same blocks into reused buffers); and
   the cost of a loan (hot_cache_only: the lent blocks' digest) against the same hand-over with an
   SSD copy (no loan).
 """
@@ -63,6 +64,24 @@ def _memcpy(cache: list, repeats: int):
 
     reused()
     return repeat(reused, repeats), repeat(fresh, repeats)
+
+
+def _gather(cache: list, n: int, repeats: int):
+    """The hot restore's copy alone, in plain numpy: each layer array's BLOCK-row blocks (one
+    array each, as the hot tier holds them) copied into place in one buffer reused from run to
+    run (a block's rows are a strided piece of it, one run of rows per head, where a memcpy of a
+    whole layer is one sequential pass)."""
+    blocks = [[np.array(a[..., s:s + BLOCK, :], copy=True) for s in range(0, n, BLOCK)]
+              for layer in cache for a in (layer.keys, layer.values)]
+    dst = [np.empty(b[0].shape[:2] + (n,) + b[0].shape[3:], dtype=b[0].dtype) for b in blocks]
+
+    def gather():
+        for parts, out in zip(blocks, dst):
+            for j, part in enumerate(parts):
+                np.copyto(out[..., j * BLOCK:(j + 1) * BLOCK, :], part)
+
+    gather()
+    return repeat(gather, repeats)
 
 
 def _to_device(cache: list, repeats: int):
@@ -263,6 +282,13 @@ def run(ctx: Context) -> dict:
         FAMILY, "hot restore lent (hot_cache_only) vs handed over without a loan", measured=lent,
         baseline=hot["reused"], invert=True, tokens=n, bytes=payload,
         meaning="restore time without a loan / with one (the lent blocks' digest, reused memory)"))
+    gathered = _gather(cache, n, repeats)
+    figures.append(figure(
+        FAMILY, "hot restore (reused memory) vs a numpy gather of the same blocks", measured=hot["reused"],
+        baseline=gathered, invert=True, tokens=n, bytes=payload,
+        meaning="gather time / restore time: the blocks copied into place in reused buffers, "
+                "the restore's copy alone (a memcpy of whole layers is one sequential pass)",
+        gather_vs_memcpy=reused_copy.median / gathered.median))
     floor = _mlx_concat(cache, n, repeats)
     figures.append(figure(FAMILY, "hot restore (reused memory) vs MLX concatenate of the same blocks",
                           measured=hot["reused"], baseline=floor, invert=True,
