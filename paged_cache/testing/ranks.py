@@ -57,13 +57,14 @@ def free_ports(count: int) -> int:
 def launch_command(argv: Sequence[str], *, ranks: int = 2, module: bool = False) -> list[str]:
     """The mlx.launch command line that runs ``argv`` (a script and its arguments, or with
     ``module`` a module name and its arguments) on ``ranks`` local ranks with this interpreter."""
-    # The program is given whole, interpreter first: mlx.launch of mlx 0.32.0 executes what
-    # follows its options as it is, that of 0.32.4 puts its --python before it; "env" there
-    # runs the whole command unchanged either way. "--": the program's own options (--host, --port,
-    # ...) are not mlx.launch's abbreviations.
+    # The program is given whole, behind "env": mlx.launch of mlx 0.31.2 runs a command it
+    # finds on PATH as it is (a file it would hand to its --python, resolved out of the
+    # virtual environment), that of 0.32.0 runs what follows its options as it is, that of
+    # 0.32.4 puts its --python ("env" here too) before it. "--": the program's own options
+    # (--host, --port, ...) are not mlx.launch's abbreviations.
     return [*launcher(), "--backend", "ring", "-n", str(ranks),
             "--starting-port", str(free_ports(ranks)), "--python", "env", "--",
-            sys.executable, *(["-m"] if module else []), *argv]
+            "env", sys.executable, *(["-m"] if module else []), *argv]
 
 
 def start(argv: Sequence[str], *, ranks: int = 2, module: bool = False,
