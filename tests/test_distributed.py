@@ -157,3 +157,31 @@ def test_one_process_has_no_group_and_keeps_its_fingerprint(tmp_path: Path) -> N
         assert "rank" not in default.stats() and "agreements" not in default.stats()
         with pytest.raises(TypeError, match="group: expected an mx.distributed.Group"):
             BlockAwarePrefixCache(manager, model, group="world")
+
+
+def test_stop_ends_a_rank_that_outlived_its_launcher() -> None:
+    """A rank can outlive mlx.launch (its peer failed to start and it waits on the ring): stop()
+    signals the whole process group even when the launcher has already ended."""
+    import time
+
+    from paged_cache.testing.ranks import stop
+
+    launcher = subprocess.Popen(["sh", "-c", "sleep 600 & echo $!"], stdout=subprocess.PIPE,
+                                text=True, start_new_session=True)
+    orphan = int(launcher.stdout.readline())
+    launcher.wait(timeout=30)
+    assert _state(orphan) not in ("gone", "Z")  # alive after its launcher ended
+    stop(launcher, grace=1.0)
+    deadline = time.monotonic() + 10  # SIGKILL lands asynchronously
+    while _state(orphan) not in ("gone", "Z"):  # killed (a zombie until its parent reaps it)
+        assert time.monotonic() < deadline, f"pid {orphan} survived stop(): {_state(orphan)}"
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    """A process's state letter from /proc, or "gone"."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"

@@ -76,25 +76,30 @@ def start(argv: Sequence[str], *, ranks: int = 2, module: bool = False,
 
 
 def stop(process: subprocess.Popen, grace: float = 5.0) -> None:
-    """End the launcher and every rank: SIGTERM to the group, SIGKILL after ``grace`` seconds."""
-    if process.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
+    """End the launcher and every rank: SIGTERM to the group, then, once the launcher ended or
+    after ``grace`` seconds, SIGKILL to whatever of the group is left (a rank whose peer failed
+    to start can outlive the launcher, waiting on the ring for good)."""
+    if process.poll() is None:
+        _signal_group(process, signal.SIGTERM)
         try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=wait)
-            return
+            process.wait(timeout=grace)
         except subprocess.TimeoutExpired:
-            continue
+            pass
+    _signal_group(process, signal.SIGKILL)
+    process.wait()
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:  # nobody left in the group
+        pass
 
 
 def launch(argv: Sequence[str], *, ranks: int = 2, timeout: float = 180.0, module: bool = False,
            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run ``argv`` on ``ranks`` local ranks to the end; ``LaunchTimeout`` (every rank killed)
-    when it takes longer than ``timeout`` seconds."""
+    """Run ``argv`` on ``ranks`` local ranks to the end (a rank left behind by the launcher is
+    killed); ``LaunchTimeout`` (every rank killed) when it takes longer than ``timeout`` seconds."""
     process = start(argv, ranks=ranks, module=module, env=env, stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT, text=True)
     try:
@@ -104,6 +109,7 @@ def launch(argv: Sequence[str], *, ranks: int = 2, timeout: float = 180.0, modul
         out, _ = process.communicate()
         raise LaunchTimeout(f"{ranks} ranks of {' '.join(argv)} still running after {timeout} s "
                             f"(killed); output:\n{(out or '')[-4000:]}") from None
+    stop(process)
     return subprocess.CompletedProcess(process.args, process.returncode, out, "")
 
 
