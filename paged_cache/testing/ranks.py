@@ -92,7 +92,7 @@ def stop(process: subprocess.Popen, grace: float = 5.0) -> None:
 def _signal_group(process: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(process.pid, sig)
-    except ProcessLookupError:  # nobody left in the group
+    except (ProcessLookupError, PermissionError):  # nobody (but zombies, on macOS) left
         pass
 
 
