@@ -14,10 +14,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from paged_cache.config import CacheConfig  # noqa: E402
-from paged_cache.manager import PagedSSDCacheManager  # noqa: E402
 from paged_cache.prefix_cache import BlockAwarePrefixCache  # noqa: E402
 from paged_cache.testing import tiny_model  # noqa: E402
+from helpers.managers import new_manager  # noqa: E402
 from helpers.prefix import assert_exact, prompt, store_prompt  # noqa: E402
 
 BLOCK = 16
@@ -26,11 +25,7 @@ TOKENS = 4 * BLOCK + 5
 
 def main(ssd_dir: str, url: str) -> None:
     model = tiny_model("llama")
-    # always restore: under the default cost policy a loaded machine may prefill the tiny model's
-    # few tokens instead, and these hosts test where blocks are found, not that trade
-    config = CacheConfig(block_size=BLOCK, ssd_dir=ssd_dir, remote_url=url, remote_timeout=5.0,
-                         fetch_policy="always-restore")
-    with PagedSSDCacheManager(config) as manager:
+    with new_manager(Path(ssd_dir), block_size=BLOCK, remote_url=url, remote_timeout=5.0) as manager:
         prefix = BlockAwarePrefixCache(manager, model)
         for line in sys.stdin:
             command, _, arg = line.strip().partition(" ")

@@ -179,9 +179,6 @@ def test_stop_ends_a_rank_that_outlived_its_launcher() -> None:
 
 
 def _state(pid: int) -> str:
-    """A process's state letter from /proc, or "gone"."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return "gone"
+    """A process's state letter (``ps``: Linux and macOS alike), or "gone"."""
+    run = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True)
+    return run.stdout.strip()[:1] or "gone"

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from paged_cache.block import Block
 from paged_cache.tiers.hot import HotTier
-from helpers.blocks import key_of, make_block, mlx_keeps_freed_buffers
+from helpers.backends import mlx_keeps_freed_buffers
+from helpers.blocks import key_of, make_block
 
 pytestmark = pytest.mark.unit
 

@@ -17,8 +17,6 @@ import numpy as np
 import pytest
 
 from paged_cache import Block, row_path
-from paged_cache.config import CacheConfig
-from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
 from paged_cache.handlers.base import assemble_rows
@@ -27,7 +25,8 @@ from paged_cache.tiers.ssd import direct
 from paged_cache.tiers.ssd.direct import advance_all, read_ahead_whole, read_stored
 from paged_cache.tiers.ssd.tier import SSDTier
 
-from helpers.blocks import mlx_keeps_freed_buffers
+from helpers.backends import mlx_keeps_freed_buffers
+from helpers.managers import new_manager
 from helpers.prefix import assert_exact, prefill, prompt
 
 BLOCK, LAYERS = 16, 6
@@ -59,12 +58,9 @@ def _work(blocks: int, tmp_path: Path) -> dict[str, row_path.Counts]:
     """The counts of a store, a RAM-tier fetch and (after a restart) an SSD fetch of a prompt of
     ``blocks`` full blocks; each fetch checked exact against a cold run."""
     tokens = prompt(blocks * BLOCK + 5)
-    # always restore: under the default cost policy a loaded machine may prefill the tiny model
-    # after the first SSD read instead (it did in CI); these count the restore's work
-    restoring = dict(block_size=BLOCK, ssd_dir=tmp_path / str(blocks), fetch_policy="always-restore")
-    config = CacheConfig(**restoring, hot_cache_max_bytes="64MB")
+    ssd_dir = tmp_path / str(blocks)
     out = {}
-    with PagedSSDCacheManager(config) as manager:
+    with new_manager(ssd_dir, block_size=BLOCK, hot_cache_max_bytes="64MB") as manager:
         prefix = BlockAwarePrefixCache(manager, MODEL)
         cache = prefix.make_cache()
         prefill(MODEL, cache, tokens, 0, BLOCK)
@@ -77,7 +73,7 @@ def _work(blocks: int, tmp_path: Path) -> dict[str, row_path.Counts]:
         assert n == len(tokens) and prefix.last_fetch.tier == "hot"
         del got
         manager.flush()
-    with PagedSSDCacheManager(CacheConfig(**restoring, hot_cache_max_bytes=0)) as manager:
+    with new_manager(ssd_dir, block_size=BLOCK, hot_cache_max_bytes=0) as manager:
         prefix = BlockAwarePrefixCache(manager, MODEL)
         before = row_path.counts()
         got, n = prefix.fetch(tokens[:blocks * BLOCK] + [1])

@@ -81,13 +81,3 @@ def block_files(root: Path) -> dict[str, Path]:
     return {path.name[:64]: path for path in (blocks.rglob("*") if blocks.is_dir() else ())
             if path.is_file() and not path.is_symlink()}
 
-
-def mlx_keeps_freed_buffers() -> bool:
-    """Whether MLX's allocator keeps freed buffers in its cache (``mx.get_cache_memory``) under
-    the current cache limit: on the CPU backend of mlx 0.31.2 it keeps none."""
-    probe = mx.zeros((1 << 18,))
-    mx.eval(probe)
-    del probe
-    kept = mx.get_cache_memory() > 0
-    mx.clear_cache()
-    return kept
