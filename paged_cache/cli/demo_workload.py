@@ -383,7 +383,9 @@ def demo_model(console: Any, output: Path, model_dir: Path | None, tiny: bool,
     form = auto_form()
     with console.status(f"{SMOLLM2.title} ({form}): downloading it once ({SMOLLM2.download_mb} MB) "
                         "or taking it from the cache"):
-        return real_model_dir(SMOLLM2.name, form, cache_dir)
+        # printed above the spinner; a plain line where stdout is not a terminal
+        return real_model_dir(SMOLLM2.name, form, cache_dir,
+                              say=lambda line: console.print(line, markup=False))
 
 
 def chat_lines(rows: list[TurnRow]) -> list[str]:

@@ -71,6 +71,12 @@ def add_dir_arguments(parser: argparse.ArgumentParser, *, positional: bool = Tru
     add_config_arguments(parser, fields)
 
 
+def say(line: str) -> None:
+    """One plain line of progress on stderr (kept by a log file or CI as on a terminal; stdout
+    keeps the command's result)."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def fail(command: str, message: str, status: int = EXIT_USAGE) -> int:
     """Print ``paged-cache COMMAND: error: MESSAGE`` to stderr and return ``status``."""
     print(f"paged-cache {command}: error: {message}", file=sys.stderr)
