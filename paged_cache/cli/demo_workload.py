@@ -267,9 +267,28 @@ def turn_table(rows: list[TurnRow], width: int | None = None) -> Any:
                   "RAM tier", "SSD", "peak / cold"], cells, width=width,
                  right=("prompt", "cached", "TTFT", "cold", "speedup", "RAM tier", "SSD",
                         "peak / cold"),
-                 optional=("peak / cold", "same", "cold", "SSD"), section_ends=restart,
-                 caption="TTFT with the cache vs a cold prefill of the same prompt; same = first "
-                         "token equals the cold run's; peak = MLX peak memory")
+                 optional=tuple(TURN_OPTIONAL), section_ends=restart, caption=turn_caption)
+
+
+# Columns dropped in this order when the table is too narrow, and what each shows
+TURN_OPTIONAL = {"peak / cold": "peak memory", "same": "same first token", "cold": "cold TTFT",
+                 "SSD": "SSD bytes"}
+
+
+def turn_caption(shown: list[str]) -> str:
+    """What the turn table's columns mean, for the columns ``shown`` only; names those a wider
+    terminal would show."""
+    parts = ["TTFT with the cache vs a cold prefill of the same prompt" if "cold" in shown else
+             "TTFT with the cache; speedup over a cold prefill of the same prompt"]
+    if "same" in shown:
+        parts.append("same = first token equals the cold run's")
+    if "peak / cold" in shown:
+        parts.append("peak = MLX peak memory")
+    hidden = [what for name, what in reversed(TURN_OPTIONAL.items()) if name not in shown]
+    if hidden:
+        parts.append(f"a wider terminal adds {', '.join(hidden)} (every column is in "
+                     "demo-results.json)")
+    return "; ".join(parts)
 
 
 def summary_lines(result: DemoResult) -> list[str]:
