@@ -20,7 +20,7 @@ from paged_cache.testing import tiny_model, write_model_dir
 from paged_cache.tiers.ssd.manifest import PAGE_BYTES
 from helpers.blocks import block_files, key_of
 from helpers.cli import FP_A, FP_B, chain, cli_json, run_cli, serve_stats, store
-from helpers.serve import ask, live_stats, paged_argv, turn_messages
+from helpers.serve import REQUEST_LINE, ask, live_stats, paged_argv, turn_messages
 from helpers.serve import server as serve_process
 
 
@@ -402,7 +402,8 @@ def test_stats_of_a_running_server(tmp_path):
 def test_inspect_agrees_with_stats_while_a_server_runs(tmp_path):
     """A running `paged-cache serve` records what it wrote a second after its last write, not a
     minute later or at exit: `inspect` then shows the bytes `stats` counts, less only what the
-    recording transaction itself wrote (a few manifest pages, recorded with the next one)."""
+    recording transaction itself wrote (a few manifest pages, recorded with the next one). Its
+    log speaks of paged-cache's tiers only."""
     model = write_model_dir(tmp_path / "tiny-llama", "llama")
     ssd = tmp_path / "ssd"
     slack = 8 * (PAGE_BYTES + 24)  # a WAL frame is a page and a 24-byte header
@@ -430,3 +431,7 @@ def test_inspect_agrees_with_stats_while_a_server_runs(tmp_path):
         status, out, _ = run_cli("inspect", str(ssd))
         assert status == 0 and proc.poll() is None
         assert f"written {render.size(second['written_bytes'])} since " in out
+    # The server's log has paged-cache's line per request, not mlx_lm.server's lines about the
+    # in-memory prompt cache paged-cache replaced.
+    log = (tmp_path / "serve.log").read_text()
+    assert len(REQUEST_LINE.findall(log)) == 2 and "Prompt Cache" not in log, log[-3000:]

@@ -122,6 +122,11 @@ def patch_server(manager: PagedSSDCacheManager | Callable[[Any], PagedSSDCacheMa
                 return kept[2]
             return super()._tokenize(tokenizer, request, args)
 
+        def _log_cache_stats(self) -> None:
+            """Nothing: mlx_lm.server's "Prompt Cache: N sequences, X GB" lines, before every
+            fetch, described the cache this class replaced; each request's own line says what
+            the tiers hold."""
+
         def _next_request(self, timeout: float | None = None) -> Any:
             """The generation thread's poll of the request queue, through ``SharedPrefills``
             (requests sharing a prefix another is prefilling wait for it). When it would wait
