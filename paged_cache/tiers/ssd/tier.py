@@ -543,8 +543,7 @@ class SSDTier(WriteBehind, Tier):
         return True
 
     def _manifest_written(self, recording: bool = False) -> None:
-        """Count what the manifest's transactions wrote since the last call (``recording``: the
-        transaction recording the deferred updates, see ``DeferredUpdates.wrote``)."""
+        """Count what the manifest wrote since the last call (``DeferredUpdates.wrote``)."""
         written = self._manifest.take_written()
         if written:
             self._count("manifest_write_bytes", written)
