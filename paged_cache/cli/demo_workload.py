@@ -249,6 +249,11 @@ def run_workload(model: Any, tokenizer: Any, config: CacheConfig, model_dir: str
 # ------------------------------------------------------------------------------ output
 
 
+# Columns dropped in this order when the table is too narrow, and what each shows
+TURN_OPTIONAL = {"peak / cold": "peak memory", "same": "same first token", "cold": "cold TTFT",
+                 "SSD": "SSD bytes"}
+
+
 def turn_table(rows: list[TurnRow], width: int | None = None) -> Any:
     """A rich Table with one row per turn, fitted to ``width`` (the console's)."""
     from paged_cache.cli.render import table
@@ -268,11 +273,6 @@ def turn_table(rows: list[TurnRow], width: int | None = None) -> Any:
                  right=("prompt", "cached", "TTFT", "cold", "speedup", "RAM tier", "SSD",
                         "peak / cold"),
                  optional=tuple(TURN_OPTIONAL), section_ends=restart, caption=turn_caption)
-
-
-# Columns dropped in this order when the table is too narrow, and what each shows
-TURN_OPTIONAL = {"peak / cold": "peak memory", "same": "same first token", "cold": "cold TTFT",
-                 "SSD": "SSD bytes"}
 
 
 def turn_caption(shown: list[str]) -> str:
