@@ -48,6 +48,11 @@ def test_test_only_flags_are_taken_but_not_listed(capsys) -> None:
     for name in HIDDEN_FIELDS:
         for command in commands():
             assert flag_of(name) not in help_of(command), (command, name)
+    # `config` lists the settings a user has, not the test ones, unless one was set
+    for argv in (["config", "--hot-cache-only"], ["config", "--hot-cache-only", "--json"]):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert "block_size" in out and not any(name in out for name in HIDDEN_FIELDS), argv
     assert main(["config", "--hot-cache-only", "--test-ssd-read-bytes-per-s", "1MiB"]) == 0
     out = capsys.readouterr().out
     assert "test_ssd_read_bytes_per_s  1048576  [flag:--test-ssd-read-bytes-per-s]" in out

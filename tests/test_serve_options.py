@@ -124,9 +124,27 @@ def test_client_gone_mid_stream_keeps_its_prefix(hot_only, model_dir, tmp_path):
 
 
 def run_serve(*argv: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", **(env_extra or {}))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env_extra or {})}
     return subprocess.run([sys.executable, "-m", "paged_cache.cli.main", "serve", *argv],
                           capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_an_unreachable_hub_says_so_and_what_to_do_instead(tmp_path):
+    """A Hugging Face id with no network (the hub's endpoint a closed port on this machine): the
+    error says the hub could not be reached, and names a local directory, make-model and the
+    hub's offline variable instead of the HTTP client's own words alone."""
+    endpoint = f"http://127.0.0.1:{free_port()}"   # bound and closed: the connection is refused
+    done = run_serve("--model", "org/some-model", "--port", str(free_port()), "--hot-cache-only",
+                     env_extra={"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": endpoint,
+                                "HF_HOME": str(tmp_path / "hf")})
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"paged-cache serve: error: --model 'org/some-model' could not be "
+                           f"loaded: the Hugging Face hub at {endpoint} could not be reached ("), line
+    for advice in (f"it is not in the hub's cache ({tmp_path / 'hf' / 'hub'})",
+                   "a local mlx-lm model directory", "`paged-cache make-model DIR --real smollm2`",
+                   "HF_HUB_OFFLINE=1"):
+        assert advice in line, (advice, line)
 
 
 def test_startup_failures_exit_fast_and_create_nothing(model_dir, tmp_path):
@@ -143,7 +161,8 @@ def test_startup_failures_exit_fast_and_create_nothing(model_dir, tmp_path):
         port = str(busy.getsockname()[1])
         cases = {
             "hub id, offline": (["--model", "org/missing-model", "--port", str(free_port())],
-                                "--model 'org/missing-model' could not be loaded"),
+                                "--model 'org/missing-model' could not be loaded: HF_HUB_OFFLINE "
+                                "is set and it is not in the hub's cache ("),
             "unloadable directory": (["--model", str(broken), "--port", str(free_port())],
                                      f"--model '{broken}' could not be loaded"),
             "port in use": (["--model", str(model_dir), "--port", port],

@@ -416,3 +416,24 @@ def test_sigkill_while_writing_never_serves_a_partial_block(tmp_path: Path, long
                 label = labels[key]
                 assert same_block(got, stored_block(label, n=512 + (label % 7) * 300))
             assert t.stats()["damaged"] == 0 and disk_bytes(root) <= budget
+
+
+def test_an_idle_writer_records_its_tally_once(tmp_path: Path, monkeypatch) -> None:
+    """The bytes written reach the manifest's tally (what `inspect` shows) a second after the
+    last write, not a minute later; and recording them is not itself a write to record: an idle
+    tier writes nothing more, even with every periodic update due at once."""
+    from paged_cache.cachedir.inventory import CacheDir
+    from paged_cache.tiers.ssd import deferred
+
+    root = tmp_path / "c"
+    with tier(root) as t:
+        assert put(t, stored_block("tally"))
+        deadline = time.monotonic() + 30
+        while CacheDir(root).written()[0] < t.stats()["write_bytes"]:
+            assert time.monotonic() < deadline, (CacheDir(root).written(), t.stats())
+            time.sleep(0.2)
+        monkeypatch.setattr(deferred, "PERIODIC_SECONDS", 0.0)
+        time.sleep(2.5)  # the idle writer's deferred updates run each second
+        quiet = t.stats()["manifest_write_bytes"]
+        time.sleep(2.5)
+        assert t.stats()["manifest_write_bytes"] == quiet

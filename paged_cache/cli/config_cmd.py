@@ -9,7 +9,7 @@ import textwrap
 from typing import Any
 
 from paged_cache.cli import render
-from paged_cache.cli.options import add_config_arguments
+from paged_cache.cli.options import HIDDEN_FIELDS, add_config_arguments
 from paged_cache.cli.render import config_command
 from paged_cache.config import CacheConfig, format_size
 
@@ -26,10 +26,13 @@ def register(subparsers: Any) -> None:
 
 def _describe(config: CacheConfig) -> dict[str, Any]:
     """{field: {value, source, active[, human]}} including the resolved SSD budget; with
-    hot_cache_only the SSD fields are inactive (kept with their source, not used)."""
+    hot_cache_only the SSD fields are inactive (kept with their source, not used). A setting for
+    tests (``HIDDEN_FIELDS``) is shown only where something set it."""
     out: dict[str, Any] = {}
     inactive = config.inactive_fields()
     for name, value in config.to_dict().items():
+        if name in HIDDEN_FIELDS and config.sources[name] == "default":
+            continue
         entry: dict[str, Any] = {"value": value, "source": config.sources[name],
                                  "active": name not in inactive}
         if name.endswith("_bytes") and isinstance(value, int):
@@ -48,7 +51,7 @@ def run(args: argparse.Namespace, config: CacheConfig) -> int:
     if args.json:
         print(json.dumps(described, indent=2))
         return 0
-    width = max(map(len, described))
+    width = max(map(len, config.to_dict()))  # the same columns whether a hidden one shows or not
     # a terminal's width (or $COLUMNS); piped, one line per setting (for grep)
     columns = render.console().width if render.sized_output() else sys.maxsize
     for name, entry in described.items():

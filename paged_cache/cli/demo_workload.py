@@ -249,6 +249,11 @@ def run_workload(model: Any, tokenizer: Any, config: CacheConfig, model_dir: str
 # ------------------------------------------------------------------------------ output
 
 
+# Columns dropped in this order when the table is too narrow, and what each shows
+TURN_OPTIONAL = {"peak / cold": "peak memory", "same": "same first token", "cold": "cold TTFT",
+                 "SSD": "SSD bytes"}
+
+
 def turn_table(rows: list[TurnRow], width: int | None = None) -> Any:
     """A rich Table with one row per turn, fitted to ``width`` (the console's)."""
     from paged_cache.cli.render import table
@@ -267,9 +272,23 @@ def turn_table(rows: list[TurnRow], width: int | None = None) -> Any:
                   "RAM tier", "SSD", "peak / cold"], cells, width=width,
                  right=("prompt", "cached", "TTFT", "cold", "speedup", "RAM tier", "SSD",
                         "peak / cold"),
-                 optional=("peak / cold", "same", "cold", "SSD"), section_ends=restart,
-                 caption="TTFT with the cache vs a cold prefill of the same prompt; same = first "
-                         "token equals the cold run's; peak = MLX peak memory")
+                 optional=tuple(TURN_OPTIONAL), section_ends=restart, caption=turn_caption)
+
+
+def turn_caption(shown: list[str]) -> str:
+    """What the turn table's columns mean, for the columns ``shown`` only; names those a wider
+    terminal would show."""
+    parts = ["TTFT with the cache vs a cold prefill of the same prompt" if "cold" in shown else
+             "TTFT with the cache; speedup over a cold prefill of the same prompt"]
+    if "same" in shown:
+        parts.append("same = first token equals the cold run's")
+    if "peak / cold" in shown:
+        parts.append("peak = MLX peak memory")
+    hidden = [what for name, what in reversed(TURN_OPTIONAL.items()) if name not in shown]
+    if hidden:
+        parts.append(f"a wider terminal adds {', '.join(hidden)} (every column is in "
+                     "demo-results.json)")
+    return "; ".join(parts)
 
 
 def summary_lines(result: DemoResult) -> list[str]:
@@ -383,7 +402,9 @@ def demo_model(console: Any, output: Path, model_dir: Path | None, tiny: bool,
     form = auto_form()
     with console.status(f"{SMOLLM2.title} ({form}): downloading it once ({SMOLLM2.download_mb} MB) "
                         "or taking it from the cache"):
-        return real_model_dir(SMOLLM2.name, form, cache_dir)
+        # printed above the spinner; a plain line where stdout is not a terminal
+        return real_model_dir(SMOLLM2.name, form, cache_dir,
+                              say=lambda line: console.print(line, markup=False))
 
 
 def chat_lines(rows: list[TurnRow]) -> list[str]:

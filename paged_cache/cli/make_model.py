@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from paged_cache.cli import render
 from paged_cache.cli.render import fail
 from paged_cache.testing.gguf import FORMS
 from paged_cache.testing.model_dir import (DTYPES, SIZE_KEYS, TOKENIZER_VOCAB_SIZE,
@@ -70,7 +71,7 @@ def _real(args: argparse.Namespace, sizes: dict) -> int:
     form = auto_form() if args.form == "auto" else args.form
     cache = args.cache_dir or default_models_dir()
     try:
-        path = write_real_model(args.dir, args.real, form, cache)
+        path = write_real_model(args.dir, args.real, form, cache, say=render.say)
     except RealModelError as error:
         return fail("make-model", str(error), status=1)
     print(path)

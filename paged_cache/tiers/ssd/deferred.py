@@ -7,7 +7,11 @@ Forgets go with the next transaction. Access times and the tally are periodic: e
 an access time moves a row in the LRU index (a few manifest pages each, more than a small block's
 own row), and a conversation reads its whole chain every turn, so they are written when this
 process is about to evict (its eviction order must see them), at flush / close, and otherwise
-once they are ``PERIODIC_SECONDS`` old; a block used many times meanwhile is written once."""
+once they are ``PERIODIC_SECONDS`` old; a block used many times meanwhile is written once. The
+tally alone (one row) also goes when the writer idles after a write, so `paged-cache inspect`
+agrees with a running process's `bytes_written` a second after its last write. What the
+transaction recording these updates writes itself makes nothing due: it waits for the next
+transaction (else recording it would be due again, every minute, on an idle server)."""
 
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ class DeferredUpdates:
         self._applying: set[str] = set()         # forgets taken by a transaction not yet done
         self._incomplete: set[str] = set()       # renamed files whose row completion failed
         self._written = 0                        # bytes written, not yet in the tally
+        self._tally_due = False                  # _written holds more than recording's own bytes
         self._since: float | None = None         # when the oldest periodic update was kept
 
     def touch(self, key: str) -> None:
@@ -39,12 +44,15 @@ class DeferredUpdates:
             self._touches[key] = now()
             self._since = self._since or time.monotonic()
 
-    def wrote(self, nbytes: int) -> None:
-        """``nbytes`` more were written to the directory (block files or the manifest)."""
+    def wrote(self, nbytes: int, *, recording: bool = False) -> None:
+        """``nbytes`` more were written to the directory (block files or the manifest);
+        ``recording``: by the transaction that recorded these updates, which makes nothing due."""
         if nbytes:
             with self._lock:
                 self._written += nbytes
-                self._since = self._since or time.monotonic()
+                if not recording:
+                    self._tally_due = True
+                    self._since = self._since or time.monotonic()
 
     def periodic_due(self) -> bool:
         """True when access times or written bytes have waited ``PERIODIC_SECONDS``."""
@@ -58,16 +66,19 @@ class DeferredUpdates:
             self._touches.pop(key, None)
 
     @contextmanager
-    def taken(self, periodic: bool = True) -> Iterator[Deferred]:
+    def taken(self, periodic: bool = True, tally: bool = False) -> Iterator[Deferred]:
         """The deferred updates, for one manifest transaction to apply (kept for the next one if
-        it fails): the forgets, and with ``periodic`` the access times and written bytes; until
-        it is done the removed keys still count as gone (``gone``)."""
+        it fails): the forgets, with ``periodic`` the access times and written bytes, with
+        ``tally`` the written bytes when a write is waiting in them; until it is done the removed
+        keys still count as gone (``gone``)."""
         with self._lock:
             forgets, self._forgets = self._forgets, set()
-            touches, written = {}, 0
+            touches, written, due = {}, 0, self._tally_due
             if periodic:
-                touches, written, self._since = self._touches, self._written, None
-                self._touches, self._written = {}, 0
+                touches, self._touches, self._since = self._touches, {}, None
+            if periodic or (tally and due):
+                written, self._written, self._tally_due = self._written, 0, False
+                self._since = self._since if self._touches else None
             self._applying |= forgets
         try:
             yield Deferred(touches, forgets, written)
@@ -77,6 +88,7 @@ class DeferredUpdates:
                     self._touches[key] = max(t, self._touches.get(key, t))
                 self._forgets |= forgets
                 self._written += written
+                self._tally_due = self._tally_due or (due and bool(written))
                 if touches or written:
                     self._since = self._since or time.monotonic()
             raise

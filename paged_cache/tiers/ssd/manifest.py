@@ -484,7 +484,8 @@ def written_tally(db: sqlite3.Connection) -> tuple[int, float | None]:
     """(bytes, since): what every process recorded writing to the directory (block files, and
     the manifest's own WAL and checkpoint writes) since unix time ``since``, when this version
     first opened the manifest; (0, None) for a manifest without the tally. A process records its
-    bytes at least every ``deferred.PERIODIC_SECONDS`` while it writes, and when it closes."""
+    bytes a second after its writer goes idle, at least every ``deferred.PERIODIC_SECONDS`` while
+    it writes, and when it closes."""
     rows = dict(db.execute("SELECT name, value FROM info WHERE name IN (?, ?)",
                            (WRITTEN, WRITTEN_SINCE)).fetchall())
     try:

@@ -413,7 +413,7 @@ class SSDTier(WriteBehind, Tier):
         return TOUCH_FLUSH_SECONDS
 
     def _idle(self) -> None:
-        self._flush_deferred(periodic=self._updates.periodic_due())
+        self._flush_deferred(periodic=self._updates.periodic_due(), tally=True)
 
     def _take(self) -> list[Write]:
         item = self._queue[0]
@@ -542,28 +542,28 @@ class SSDTier(WriteBehind, Tier):
                 return False
         return True
 
-    def _manifest_written(self) -> None:
-        """Count what the manifest's transactions wrote since the last call."""
+    def _manifest_written(self, recording: bool = False) -> None:
+        """Count what the manifest wrote since the last call (``DeferredUpdates.wrote``)."""
         written = self._manifest.take_written()
         if written:
             self._count("manifest_write_bytes", written)
-            self._updates.wrote(written)
+            self._updates.wrote(written, recording=recording)
 
-    def _flush_deferred(self, periodic: bool = True) -> None:
+    def _flush_deferred(self, periodic: bool = True, tally: bool = False) -> None:
         """Apply the deferred manifest updates: all of them, or (``periodic`` False: the writer
-        idling) the forgets and incomplete rows only."""
+        idling) the forgets, incomplete rows and, with ``tally``, the written tally only."""
         settled = self._retry_completions()
         self._manifest_written()
         sizes = (0, 0)
         try:
-            with self._updates.taken(periodic) as deferred:
+            with self._updates.taken(periodic, tally) as deferred:
                 sizes = (len(deferred.touches), len(deferred.forgets))
                 self._manifest.apply(deferred, self._files.exists)
         except (sqlite3.Error, ManifestError) as exc:
             self._deferred_failed(f"{sizes[0]} access times, {sizes[1]} removed rows", exc)
             return
         finally:
-            self._manifest_written()
+            self._manifest_written(recording=True)
         if self._deferred_failing and settled:
             self._deferred_failing = False
             log.info("deferred manifest updates resumed")
