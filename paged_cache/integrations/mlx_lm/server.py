@@ -27,6 +27,7 @@ from paged_cache.integrations.shared.shutdown import close_logged
 from paged_cache.integrations.shared.tenants import (SaltError, attach_salt, error_body, request_salt,
                                                      salt_of_args)
 from paged_cache.manager import PagedSSDCacheManager
+from paged_cache.metrics import histograms
 
 logger = logging.getLogger("paged_cache.integrations.mlx_lm")
 
@@ -296,6 +297,7 @@ def serve_main(config: CacheConfig, server_argv: Sequence[str]) -> int:
                 stack.callback(lambda: close_logged(manager, stopped.get("by", "server stopped"),
                                                     logger))
                 logger.info("serving with paged-cache: %s", _describe(fitted))
+                histograms.set_process_labels(engine="mlx_lm", model=provider.cli_args.model)
                 if config.remote_url and not config.remote_secret and not config.remote_insecure:
                     # loopback (another host is refused without a secret); the opt-out warns
                     # at each manager start itself

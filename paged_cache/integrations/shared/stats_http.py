@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable, Iterable, Mapping
 
+from paged_cache.metrics import histograms
 from paged_cache.stats import render_prometheus
 
 STATS_PATH = "/paged-cache/stats"
@@ -63,7 +64,9 @@ def stats_response(path: str, source: StatsSource,
         return None
     sections = _read(source)
     if route == METRICS_PATH:
-        return 200, PROMETHEUS_TYPE, render_prometheus(sections, gauges=gauges).encode()
+        text = render_prometheus(sections, gauges=gauges, labels=histograms.process_labels(),
+                                 extra=histograms.ALL)
+        return 200, PROMETHEUS_TYPE, text.encode()
     return 200, JSON_TYPE, json.dumps(stats_document(sections), default=str).encode()
 
 
