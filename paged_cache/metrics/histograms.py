@@ -25,7 +25,6 @@ BYTES_PER_SECOND_BUCKETS = tuple(float(m * 10 ** e) for e in range(6, 11) for m 
     + (1e11,)
 TOKEN_BUCKETS = (0.0,) + tuple(float(2 ** e) for e in range(4, 19))
 PROCESS_LABELS = ("engine", "model")
-OUTCOMES = ("hit", "miss")           # a request's outcome; a hit also names the tier it came from
 PLAN_DECISIONS = ("restore", "prefill", "both")
 
 _process = {"engine": "library", "model": ""}
@@ -34,12 +33,17 @@ _process_lock = threading.Lock()
 
 def set_process_labels(*, engine: str | None = None, model: str | None = None) -> None:
     """The labels every histogram of this process carries: the engine serving (``mlx_lm``,
-    ``vllm_mlx``, ``openai_server``, ``exo``, ``scheduler``) and the model it serves."""
+    ``vllm_mlx``, ``openai_server``, ``exo``, ``scheduler``) and the model it serves. Every
+    series a server can observe is created at zero then, so ``rate`` sees its first increase."""
     with _process_lock:
         if engine is not None:
             _process["engine"] = str(engine)
         if model is not None:
             _process["model"] = str(model)
+        labels = dict(_process)
+    for histogram, children in KNOWN_SERIES:
+        for child in children:
+            histogram.labels(**labels, **child)
 
 
 def process_labels() -> dict[str, str]:
@@ -81,6 +85,15 @@ PLAN_SECONDS = _histogram(
     "The fetch plan's decision (restore, prefill, both at once) with its predicted time and the "
     "fetch's actual time (kind predicted or actual).", ("decision", "kind"), SECONDS_BUCKETS)
 ALL = (FETCH_SECONDS, RESTORE_RATE, STORE_SECONDS, QUEUE_WAIT, TTFT, CACHED_TOKENS, PLAN_SECONDS)
+HIT_TIERS = ("hot", "ssd", "remote", "mixed")
+KNOWN_SERIES = (  # the label values each histogram is observed with, created at zero up front
+    (FETCH_SECONDS, [{"tier": t} for t in (*HIT_TIERS, "miss")]),
+    (RESTORE_RATE, [{"tier": t} for t in ("hot", "ssd", "remote")]),
+    (STORE_SECONDS, [{}]), (CACHED_TOKENS, [{}]),
+    (QUEUE_WAIT, [{"tier": t} for t in ("ssd", "remote")]),
+    (TTFT, [{"outcome": "hit", "tier": t} for t in HIT_TIERS] + [{"outcome": "miss",
+                                                                  "tier": "none"}]),
+    (PLAN_SECONDS, [{"decision": d, "kind": "actual"} for d in PLAN_DECISIONS]))
 
 
 def _observe(histogram: Histogram, value: float, **labels: str) -> None:
