@@ -6,6 +6,9 @@ cached-token ratio) and for every query of the Grafana dashboard in dashboards/.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -15,7 +18,8 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from paged_cache.metrics.histograms import SECONDS_BUCKETS
+from paged_cache.cli.render import duration
+from paged_cache.metrics.histograms import SECONDS_BUCKETS, quantile
 from paged_cache.testing import write_model_dir
 from paged_cache.testing.engines import ask, usage_cached
 from paged_cache.testing.prometheus import PrometheusServer, promtool_check
@@ -124,6 +128,7 @@ def test_prometheus_scrapes_serve_and_agrees_with_the_client(model_dir, tmp_path
             doc = live_stats(url)
             wait_scraped(prom, len(turns))
             check_queries(prom, turns, doc)
+            check_summary(prom, url, doc)
             check_dashboard(prom)
     metrics = parse_exposition(text)
     hits = [t for t in turns if t[1] > 0]
@@ -175,6 +180,31 @@ def check_queries(prom: PrometheusServer, turns: list[tuple[int, int, float]], d
     assert scalar(prom, f"sum(rate(paged_cache_requests_cached_tokens_total[{WINDOW_S}s])) / "
                         f"sum(rate(paged_cache_requests_prompt_tokens_total[{WINDOW_S}s]))") \
         == pytest.approx(ratio)
+
+
+def check_summary(prom: PrometheusServer, url: str, doc: dict) -> None:
+    """`paged-cache stats` at 80 columns shows the p50 / p99 time to first token of each
+    outcome and fetch time of each tier: Prometheus's histogram_quantile of the same series."""
+    env = {**os.environ, "COLUMNS": "80"}
+    out = subprocess.run([sys.executable, "-m", "paged_cache.cli.main", "stats", "--url", url],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert max(map(len, lines)) <= 80, out.stdout
+    rows = " ".join(line.partition("│")[2].strip() for line in lines)   # wrapped cells joined
+    shown = 0
+    for name in ("time_to_first_token_seconds", "fetch_seconds"):
+        for series in doc["histograms"][name]:
+            labels = ",".join(f'{k}="{v}"' for k, v in series["labels"].items())
+            for q in (0.5, 0.99):
+                ours = quantile(q, series["buckets"])
+                theirs = scalar(prom, f"histogram_quantile({q}, paged_cache_{name}_bucket"
+                                      f"{{{labels}}})")
+                assert ours == pytest.approx(theirs), (name, labels, q)
+                assert duration(ours) in rows, (duration(ours), out.stdout)
+                shown += 1
+    row_names = {line.partition("│")[0].strip() for line in lines}
+    assert shown >= 8 and {"TTFT p50/p99", "fetch p50/p99"} <= row_names, out.stdout
 
 
 def check_dashboard(prom: PrometheusServer) -> None:

@@ -147,3 +147,43 @@ def observe_first_token(tier: str, seconds: float) -> None:
     ``miss``."""
     miss = tier == "miss"
     _observe(TTFT, seconds, outcome="miss" if miss else "hit", tier="none" if miss else tier)
+
+
+def summary() -> dict[str, list[dict[str, Any]]]:
+    """The histograms observed so far, for the JSON stats document: by name (less the
+    ``paged_cache_`` prefix), each series with a count above 0 as its ``labels``, ``count``,
+    ``sum`` and cumulative ``buckets`` ([upper bound, count], +Inf last)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for histogram in ALL:
+        for family in histogram.collect():
+            series: dict[tuple, dict[str, Any]] = {}
+            for sample in family.samples:
+                labels = {k: v for k, v in sample.labels.items() if k != "le"}
+                entry = series.setdefault(tuple(sorted(labels.items())), {
+                    "labels": labels, "count": 0.0, "sum": 0.0, "buckets": []})
+                if sample.name.endswith("_bucket"):
+                    entry["buckets"].append([float(sample.labels["le"]), sample.value])
+                elif sample.name.endswith(("_count", "_sum")):
+                    entry[sample.name.rsplit("_", 1)[1]] = sample.value
+            name = family.name.removeprefix("paged_cache_")
+            out[name] = [s for s in series.values() if s["count"] > 0]
+    return out
+
+
+def quantile(q: float, buckets: Sequence[Sequence[float]]) -> float | None:
+    """The ``q`` quantile of cumulative ``buckets`` ([upper bound, count], +Inf last) as
+    Prometheus's ``histogram_quantile`` estimates it: linear within the bucket that holds it, the
+    highest finite bound when that is the +Inf bucket; None when empty."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lower, below = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if bound == float("inf"):
+                return lower
+            if count == below:
+                return bound
+            return lower + (bound - lower) * (rank - below) / (count - below)
+        lower, below = bound, count
+    return lower

@@ -457,7 +457,8 @@ class PagedPromptCache:
         if request.store_failed:
             stored = f"store failed after {request.store_seconds * 1e3:.1f} ms"
         elif request.stores:
-            stored = f"store {request.store_seconds * 1e3:.1f} ms ({request.stores} inserts)"
+            stored = (f"store {request.store_seconds * 1e3:.1f} ms ({request.stores} "
+                      f"insert{'s' * (request.stores != 1)})")
         else:
             stored = "not stored (ended without a cache insert)"
         logger.info("request: %d/%d prompt tokens cached (%s), fetch %.1f ms, %s; hot tier %s",

@@ -1,7 +1,8 @@
 """The HTTP contract between a serving process and `paged-cache stats`.
 
 A server answers ``GET /paged-cache/stats`` with a JSON document (``stats_document``) and
-``GET /metrics`` with the Prometheus text of the same sections. ``stats_response`` builds both;
+``GET /metrics`` with the Prometheus text of the same sections, each followed by the process's
+histograms (``paged_cache.metrics.histograms``). ``stats_response`` builds both;
 ``answer`` sends one from an ``http.server`` request handler, so a server's ``do_GET`` is
 ``if not answer(self, source): <its own routes>``. Sources are called on one reader thread:
 they read counters only (no MLX, no payload I/O), and a thread-per-request server then opens
@@ -24,6 +25,7 @@ from paged_cache.stats import render_prometheus
 
 STATS_PATH = "/paged-cache/stats"
 METRICS_PATH = "/metrics"
+HISTOGRAMS = "histograms"  # the JSON document's section of the histograms (histograms.summary)
 DOCUMENT_VERSION = 1
 JSON_TYPE = "application/json"
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -67,7 +69,8 @@ def stats_response(path: str, source: StatsSource,
         text = render_prometheus(sections, gauges=gauges, labels=histograms.process_labels(),
                                  extra=histograms.ALL)
         return 200, PROMETHEUS_TYPE, text.encode()
-    return 200, JSON_TYPE, json.dumps(stats_document(sections), default=str).encode()
+    document = stats_document({**sections, HISTOGRAMS: histograms.summary()})
+    return 200, JSON_TYPE, json.dumps(document, default=str).encode()
 
 
 def answer(handler: BaseHTTPRequestHandler, source: StatsSource,

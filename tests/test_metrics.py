@@ -1,0 +1,118 @@
+"""The metrics module itself: every figure the stats dicts hold has a HELP that says what it
+means, the quantiles `paged-cache stats` shows are Prometheus's, and a scrape stuck in the middle
+holds up neither a fetch nor a store."""
+
+from __future__ import annotations
+
+import threading
+import urllib.request
+
+import mlx.core as mx
+import pytest
+
+from paged_cache import BlockAwarePrefixCache, PagedSSDCacheManager
+from paged_cache.integrations.mlx_lm.adapter import PagedPromptCache
+from paged_cache.metrics import histograms
+from paged_cache.metrics.families import samples
+from paged_cache.stats import nested_gauges, render_prometheus
+from paged_cache.testing import tiny_model
+from helpers.cli import serve_stats
+from helpers.managers import new_manager
+from helpers.metrics import parse_exposition, value
+
+STUCK_SECONDS = 60.0   # what a stalled scrape may hold up before the test fails
+
+
+def test_every_stats_figure_has_a_meaning(tmp_path, url) -> None:
+    """Every number of a serving process's stats (RAM, SSD, the remote tier, prefix cache,
+    requests) gets a HELP from the meanings table, never the fallback."""
+    model = tiny_model("llama")
+    with new_manager(tmp_path / "ssd", block_size=16, remote_url=url) as manager:
+        cache = PagedPromptCache.for_model(manager, model)
+        prefix = BlockAwarePrefixCache(manager, model)
+        tokens = list(range(40))
+        kv = prefix.make_cache()
+        model(mx.array([tokens]), cache=kv)
+        prefix.store(tokens, kv)
+        prefix.fetch(tokens + [1])
+        sections = {**cache.stats(), "prefix": prefix.stats()}
+        fallback = [(name, help_text) for name, _, help_text, _, _ in
+                    samples(sections, PagedPromptCache.STAT_GAUGES)
+                    if help_text.startswith("paged-cache ")]
+    assert "remote" in sections["manager"] and "ssd" in sections["manager"]
+    assert fallback == []
+
+
+def test_quantile_is_prometheus_histogram_quantile() -> None:
+    inf = float("inf")
+    assert histograms.quantile(0.5, []) is None
+    assert histograms.quantile(0.5, [[1.0, 0], [inf, 0]]) is None
+    # 4 observations at or under 0.1, 6 more under 0.5: the median is 60% into (0.1, 0.5]
+    buckets = [[0.1, 4.0], [0.5, 10.0], [inf, 10.0]]
+    assert histograms.quantile(0.5, buckets) == pytest.approx(0.1 + 0.4 * (5 - 4) / 6)
+    assert histograms.quantile(0.2, buckets) == pytest.approx(0.1 * 2 / 4)   # from 0
+    # a quantile in the +Inf bucket is the highest finite bound
+    assert histograms.quantile(0.99, [[0.1, 1.0], [inf, 3.0]]) == 0.1
+
+
+def test_a_stalled_scrape_holds_up_no_fetch_nor_store(tmp_path) -> None:
+    """A scrape stuck reading the stats (its source blocked) leaves the serving path free: a
+    store and a fetch on another thread finish, and the scrape then shows their histograms."""
+    model = tiny_model("llama")
+    release, entered = threading.Event(), threading.Event()
+    with new_manager(tmp_path / "ssd", block_size=16) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+
+        def stuck_source() -> dict:
+            entered.set()
+            release.wait(STUCK_SECONDS)
+            return {"manager": manager.stats(), "prefix": prefix.stats()}
+
+        gauges = (nested_gauges("manager", PagedSSDCacheManager.STAT_GAUGES)
+                  | nested_gauges("prefix", BlockAwarePrefixCache.STAT_GAUGES))
+        server, url = serve_stats(stuck_source, gauges)
+        scraped: list[str] = []
+        scrape = threading.Thread(target=lambda: scraped.append(
+            urllib.request.urlopen(url + "/metrics", timeout=STUCK_SECONDS).read().decode()))
+        try:
+            before = histograms.summary()
+            scrape.start()
+            assert entered.wait(STUCK_SECONDS)
+            tokens = list(range(48))
+            fetched: list[int] = []
+
+            def serve_one() -> None:
+                kv = prefix.make_cache()
+                model(mx.array([tokens]), cache=kv)
+                prefix.store(tokens, kv)
+                fetched.append(prefix.fetch(tokens + [3])[1])
+
+            worker = threading.Thread(target=serve_one)
+            worker.start()
+            worker.join(STUCK_SECONDS)
+            assert not worker.is_alive() and fetched == [48], "the scrape held up the cache"
+            release.set()
+            scrape.join(STUCK_SECONDS)
+        finally:
+            release.set()
+            server.shutdown()
+            server.server_close()
+    metrics = parse_exposition(scraped[0])
+    stores = sum(s["count"] for s in before.get("store_seconds", []))
+    assert value(metrics, "paged_cache_store_seconds_count") == stores + 1
+    assert value(metrics, "paged_cache_fetch_seconds_count", tier="hot") >= 1
+
+
+def test_known_series_start_at_zero() -> None:
+    """Once a server sets its labels, every series it can observe exists at 0 (rate() then sees
+    the first observation), carrying that engine and model."""
+    histograms.set_process_labels(engine="test-engine", model="test-model")
+    try:
+        text = parse_exposition(render_prometheus({}, extra=histograms.ALL))
+    finally:
+        histograms.set_process_labels(engine="library", model="")
+    for outcome, tier in (("hit", "ssd"), ("hit", "remote"), ("miss", "none")):
+        assert value(text, "paged_cache_time_to_first_token_seconds_count", engine="test-engine",
+                     model="test-model", outcome=outcome, tier=tier) == 0
+    assert value(text, "paged_cache_write_queue_wait_seconds_count", engine="test-engine",
+                 tier="remote") == 0
