@@ -64,6 +64,7 @@ class FetchInfo:
     tokens_recomputed: int = 0  # stored tokens the fetch plan left to prefill (faster so)
     recompute_reason: str | None = None  # why: fetch_plan's "cost", "policy" or "cut"
     tokens_prefilled: int = 0  # of tokens_matched, the head the fetch prefilled (both at once)
+    predicted_seconds: float | None = None  # the plan's prediction of its reads (None: none)
 
 
 def as_tokens(tokens: Any, name: str = "tokens") -> list[int]:
@@ -334,7 +335,7 @@ class BlockAwarePrefixCache:
                                     found.used if n else 0,
                                     found.shared if found is not None else 0,
                                     plan.recomputed if plan else 0, plan.why if plan else None,
-                                    head)
+                                    head, plan.predicted if plan else None)
         histograms.observe_fetch(self.last_fetch)
         logger.debug("fetch: %d/%d tokens from %s (%d nodes) in %.1f ms",
                      n, total, self.last_fetch.tier, self.last_fetch.blocks, seconds * 1e3)

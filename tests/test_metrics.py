@@ -116,3 +116,46 @@ def test_known_series_start_at_zero() -> None:
                      model="test-model", outcome=outcome, tier=tier) == 0
     assert value(text, "paged_cache_write_queue_wait_seconds_count", engine="test-engine",
                  tier="remote") == 0
+
+
+def test_the_plan_decision_is_observed_with_its_prediction(tmp_path) -> None:
+    """Under the cost policy, with the model's prefill rate and the tiers' read rates known,
+    a fetch that restores is observed as ``restore`` with the plan's predicted read time and
+    the fetch's actual time; a plan that finds prefilling faster is observed as ``prefill``."""
+    model = tiny_model("llama")
+    tokens = list(range(64))
+    with new_manager(tmp_path / "ssd", block_size=16, fetch_policy="cost",
+                     prefill_tokens_per_s=1.0) as manager:   # slow prefill: restoring wins
+        prefix = BlockAwarePrefixCache(manager, model)
+        kv = prefix.make_cache()
+        model(mx.array([tokens]), cache=kv)
+        prefix.store(tokens, kv)
+        assert prefix.fetch(tokens + [5])[1] == 64   # learns the layout's bytes per token
+        for tier in ("hot", "ssd"):
+            manager.rates.add_read(tier, 1 << 20, 0.001)
+        before = plan_counts()
+        assert prefix.fetch(tokens + [5])[1] == 64
+        info = prefix.last_fetch
+        assert info.predicted_seconds is not None and info.predicted_seconds > 0
+        after = plan_counts()
+        assert after[("restore", "actual")] == before.get(("restore", "actual"), 0) + 1
+        assert after[("restore", "predicted")] == before.get(("restore", "predicted"), 0) + 1
+        assert histograms.plan_decision(info) == "restore"
+    with new_manager(tmp_path / "ssd2", block_size=16, fetch_policy="always-prefill") as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        kv = prefix.make_cache()
+        model(mx.array([tokens]), cache=kv)
+        prefix.store(tokens, kv)
+        before = plan_counts()
+        assert prefix.fetch(tokens + [5])[1] == 0
+        assert histograms.plan_decision(prefix.last_fetch) == "prefill"
+        assert plan_counts()[("prefill", "actual")] == before.get(("prefill", "actual"), 0) + 1
+
+
+def plan_counts() -> dict[tuple[str, str], float]:
+    """Observations of the fetch plan histogram so far, by (decision, kind), any engine."""
+    out: dict[tuple[str, str], float] = {}
+    for series in histograms.summary().get("fetch_plan_seconds", []):
+        key = (series["labels"]["decision"], series["labels"]["kind"])
+        out[key] = out.get(key, 0) + series["count"]
+    return out

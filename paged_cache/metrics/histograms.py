@@ -93,7 +93,8 @@ KNOWN_SERIES = (  # the label values each histogram is observed with, created at
     (QUEUE_WAIT, [{"tier": t} for t in ("ssd", "remote")]),
     (TTFT, [{"outcome": "hit", "tier": t} for t in HIT_TIERS] + [{"outcome": "miss",
                                                                   "tier": "none"}]),
-    (PLAN_SECONDS, [{"decision": d, "kind": "actual"} for d in PLAN_DECISIONS]))
+    (PLAN_SECONDS, [{"decision": d, "kind": "actual"} for d in PLAN_DECISIONS]
+     + [{"decision": d, "kind": "predicted"} for d in ("restore", "both")]))
 
 
 def _observe(histogram: Histogram, value: float, **labels: str) -> None:
@@ -108,7 +109,7 @@ def observe_fetch(info: Any) -> None:
     decision = plan_decision(info)
     if decision is not None:
         _observe(PLAN_SECONDS, info.seconds, decision=decision, kind="actual")
-        if getattr(info, "predicted_seconds", None) is not None:
+        if info.predicted_seconds is not None:
             _observe(PLAN_SECONDS, info.predicted_seconds, decision=decision, kind="predicted")
 
 
