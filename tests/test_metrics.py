@@ -14,6 +14,7 @@ from paged_cache import BlockAwarePrefixCache, PagedSSDCacheManager
 from paged_cache.integrations.mlx_lm.adapter import PagedPromptCache
 from paged_cache.metrics import histograms
 from paged_cache.metrics.families import samples
+from paged_cache.scheduler import Scheduler
 from paged_cache.stats import nested_gauges, render_prometheus
 from paged_cache.testing import tiny_model
 from helpers.cli import serve_stats
@@ -157,5 +158,37 @@ def plan_counts() -> dict[tuple[str, str], float]:
     out: dict[tuple[str, str], float] = {}
     for series in histograms.summary().get("fetch_plan_seconds", []):
         key = (series["labels"]["decision"], series["labels"]["kind"])
+        out[key] = out.get(key, 0) + series["count"]
+    return out
+
+
+def test_the_scheduler_observes_time_to_first_token_by_outcome(tmp_path) -> None:
+    """The library's own engine: a cold request is a miss, the same prompt again a RAM hit;
+    each observed once, with the time the request itself measured."""
+    model = tiny_model("llama")
+    prompt = list(range(50))
+    with new_manager(tmp_path / "ssd", block_size=16) as manager:
+        sched = Scheduler(model, BlockAwarePrefixCache(manager, model), block_size=16,
+                          prefill_chunk_size=16)
+        before, seconds = ttft_counts(), ttft_sum()
+        first = sched.generate(prompt, max_tokens=2)
+        second = sched.generate(prompt, max_tokens=2)
+        after = ttft_counts()
+    assert first.cached_tokens == 0 and second.cached_tokens > 0
+    assert ttft_sum() - seconds == pytest.approx(first.ttft_s + second.ttft_s)
+    assert after[("miss", "none")] == before.get(("miss", "none"), 0) + 1
+    assert after[("hit", "hot")] == before.get(("hit", "hot"), 0) + 1
+
+
+def ttft_sum() -> float:
+    """Seconds observed by the time-to-first-token histogram so far, every series."""
+    return sum(s["sum"] for s in histograms.summary().get("time_to_first_token_seconds", []))
+
+
+def ttft_counts() -> dict[tuple[str, str], float]:
+    """Observations of the time-to-first-token histogram so far, by (outcome, tier)."""
+    out: dict[tuple[str, str], float] = {}
+    for series in histograms.summary().get("time_to_first_token_seconds", []):
+        key = (series["labels"]["outcome"], series["labels"]["tier"])
         out[key] = out.get(key, 0) + series["count"]
     return out
