@@ -3,8 +3,8 @@
 Each ``observe_*`` function is the one line a stage calls (fetch, store, the writer thread, the
 rates, an engine's first token). Observing takes only the histogram child's own short lock (a
 float add), never a lock of the cache, so a scrape never holds up a fetch or the generation
-thread. The labels ``engine`` and ``model`` are the process's (``set_process_labels``): what the
-server serves, never anything of a request's content or tenant.
+thread. The labels ``engine``, ``model`` and ``rank`` are the process's (``set_process_labels``):
+what the server serves, never anything of a request's content or tenant.
 
 Buckets span a Mac's GPU and a CPU backend: a millisecond to five minutes for times, a megabyte
 to a hundred gigabytes a second for restore rates, up to 256 Ki tokens for cached prompt tokens
@@ -24,22 +24,23 @@ SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 BYTES_PER_SECOND_BUCKETS = tuple(float(m * 10 ** e) for e in range(6, 11) for m in (1, 2.5, 5)) \
     + (1e11,)
 TOKEN_BUCKETS = (0.0,) + tuple(float(2 ** e) for e in range(4, 19))
-PROCESS_LABELS = ("engine", "model")
+PROCESS_LABELS = ("engine", "model", "rank")
 PLAN_DECISIONS = ("restore", "prefill", "both")
 
-_process = {"engine": "library", "model": ""}
+_process = {"engine": "library", "model": "", "rank": "0"}
 _process_lock = threading.Lock()
 
 
-def set_process_labels(*, engine: str | None = None, model: str | None = None) -> None:
-    """The labels every histogram of this process carries: the engine serving (``mlx_lm``,
-    ``vllm_mlx``, ``openai_server``, ``exo``, ``scheduler``) and the model it serves. Every
-    series a server can observe is created at zero then, so ``rate`` sees its first increase."""
+def set_process_labels(*, engine: str | None = None, model: str | None = None,
+                       rank: int | None = None) -> None:
+    """The labels every metric of this process carries: the engine serving (``mlx_lm``,
+    ``vllm_mlx``, ``openai_server``, ``exo``, ``scheduler``), the model it serves and its rank
+    in the group of a sharded model (0 alone). Every series a server can observe is created at
+    zero then, so ``rate`` sees its first increase."""
     with _process_lock:
-        if engine is not None:
-            _process["engine"] = str(engine)
-        if model is not None:
-            _process["model"] = str(model)
+        for name, given in (("engine", engine), ("model", model), ("rank", rank)):
+            if given is not None:
+                _process[name] = str(given)
         labels = dict(_process)
     for histogram, children in KNOWN_SERIES:
         for child in children:

@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Iterable, Mapping
 
 from paged_cache.metrics import histograms
@@ -91,3 +91,26 @@ def answer(handler: BaseHTTPRequestHandler, source: StatsSource,
     handler.end_headers()
     handler.wfile.write(body)
     return True
+
+
+def start_endpoint(host: str, port: int, source: StatsSource,
+                   gauges: Iterable[str] = ()) -> ThreadingHTTPServer:
+    """A server of its own answering the two stats paths on ``host:port`` from a daemon thread
+    (a process with no HTTP server of its own: a rank of a sharded model); ``shutdown`` stops
+    it. ValueError naming the address when it cannot be bound (taken, or no such host)."""
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if not answer(self, source, gauges):
+                self.send_error(404)
+
+        def log_message(self, *args: Any) -> None:  # a scrape a second would flood the log
+            pass
+
+    try:
+        server = ThreadingHTTPServer((host, port), Handler)
+    except OSError as error:
+        raise ValueError(f"cannot listen on {host}:{port} for the metrics: "
+                         f"{error.strerror or error}") from error
+    threading.Thread(target=server.serve_forever, name="paged-cache-metrics",
+                     daemon=True).start()
+    return server
