@@ -153,13 +153,19 @@ def test_the_plan_decision_is_observed_with_its_prediction(tmp_path) -> None:
         assert plan_counts()[("prefill", "actual")] == before.get(("prefill", "actual"), 0) + 1
 
 
-def plan_counts() -> dict[tuple[str, str], float]:
-    """Observations of the fetch plan histogram so far, by (decision, kind), any engine."""
-    out: dict[tuple[str, str], float] = {}
-    for series in histograms.summary().get("fetch_plan_seconds", []):
-        key = (series["labels"]["decision"], series["labels"]["kind"])
+def counts(name: str, *labels: str) -> dict[tuple[str, ...], float]:
+    """Observations of histogram ``name`` (less ``paged_cache_``) so far, by the values of
+    ``labels``, any engine, model and rank."""
+    out: dict[tuple[str, ...], float] = {}
+    for series in histograms.summary().get(name, []):
+        key = tuple(series["labels"][label] for label in labels)
         out[key] = out.get(key, 0) + series["count"]
     return out
+
+
+def plan_counts() -> dict[tuple[str, ...], float]:
+    """Observations of the fetch plan histogram so far, by (decision, kind)."""
+    return counts("fetch_plan_seconds", "decision", "kind")
 
 
 def test_the_scheduler_observes_time_to_first_token_by_outcome(tmp_path) -> None:
@@ -185,10 +191,6 @@ def ttft_sum() -> float:
     return sum(s["sum"] for s in histograms.summary().get("time_to_first_token_seconds", []))
 
 
-def ttft_counts() -> dict[tuple[str, str], float]:
+def ttft_counts() -> dict[tuple[str, ...], float]:
     """Observations of the time-to-first-token histogram so far, by (outcome, tier)."""
-    out: dict[tuple[str, str], float] = {}
-    for series in histograms.summary().get("time_to_first_token_seconds", []):
-        key = (series["labels"]["outcome"], series["labels"]["tier"])
-        out[key] = out.get(key, 0) + series["count"]
-    return out
+    return counts("time_to_first_token_seconds", "outcome", "tier")
