@@ -69,10 +69,17 @@ def test_every_rank_answers_its_own_metrics(model_dir, tmp_path) -> None:
         cold_replies(client)
         stats = live_stats(f"http://127.0.0.1:{port}")
         texts = [scrape(metrics + rank) for rank in (0, 1)]
+        summary = subprocess.run([sys.executable, "-m", "paged_cache.cli.main", "stats", "--url",
+                                  f"http://127.0.0.1:{port}"], capture_output=True, text=True,
+                                 timeout=60, env={**os.environ, "COLUMNS": "200"})
     finally:
         stop(proc)
     assert f"metrics of ranks 0-1 at http://127.0.0.1:{metrics}-{metrics + 1}/metrics" \
         in log.read_text()
+    urls = [f"http://127.0.0.1:{metrics + rank}/metrics" for rank in (0, 1)]
+    assert stats["paged_cache"]["metrics_endpoints"] == urls
+    row = next(line for line in summary.stdout.splitlines() if line.startswith("metrics"))
+    assert f"rank 0 {urls[0]}; rank 1 {urls[1]}" in row, summary.stdout
     for rank, text in enumerate(texts):
         check = promtool_check(text)
         assert check.returncode == 0, check.stdout + check.stderr

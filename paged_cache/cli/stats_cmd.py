@@ -187,6 +187,9 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
                      f"{render.size(remote.get('write_bytes'))} written, "
                      f"{_plural(remote.get('errors', 0), 'error')}, {remote.get('damaged', 0)} "
                      f"damaged, mean round trip {mean}"])
+    endpoints = doc.get("paged_cache", {}).get("metrics_endpoints") or []
+    if endpoints:
+        rows.append(["metrics", "; ".join(f"rank {r} {url}" for r, url in enumerate(endpoints))])
     if h["errors"]:
         rows.append(["cache errors", f"{h['errors']} (logged by the server; requests went on "
                                      "uncached)"])

@@ -343,6 +343,7 @@ def _metrics_endpoint(stack: ExitStack, group: Any, host: str, base: int,
         raise ServeError(f"--metrics-port {base} (rank {rank}): {error}") from error
     stack.callback(endpoint.server_close)
     stack.callback(endpoint.shutdown)
+    stats_http.publish_endpoints(f"http://{host}:{base + r}/metrics" for r in range(size))
     last = f"-{base + size - 1}" if size > 1 else ""
     logger.info("metrics of %s at http://%s:%d%s/metrics (rank r at %d + r)",
                 f"ranks 0-{size - 1}" if size > 1 else "this process", host, base, last, base)

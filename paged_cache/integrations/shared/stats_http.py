@@ -38,6 +38,7 @@ StatsSource = Callable[[], Mapping[str, Any]]
 
 _reader: ThreadPoolExecutor | None = None
 _reader_lock = threading.Lock()
+_endpoints: list[str] = []  # the metrics URL of each process of this server (publish_endpoints)
 
 
 def _read(source: StatsSource) -> Mapping[str, Any]:
@@ -49,11 +50,20 @@ def _read(source: StatsSource) -> Mapping[str, Any]:
     return _reader.submit(source).result(timeout=READ_TIMEOUT_SECONDS)
 
 
+def publish_endpoints(urls: Iterable[str]) -> None:
+    """The metrics URL of each process of this server, rank by rank: the document's head
+    lists them (``metrics_endpoints``), so `paged-cache stats` shows where to scrape each."""
+    _endpoints[:] = list(urls)
+
+
 def stats_document(sections: Mapping[str, Any]) -> dict[str, Any]:
-    """The JSON document: ``paged_cache`` (version, pid, times) then one entry per section."""
+    """The JSON document: ``paged_cache`` (version, pid, times, and the metrics URL of each
+    process when published) then one entry per section."""
     now = time.time()
     head = {"document_version": DOCUMENT_VERSION, "pid": os.getpid(), "time": now,
             "uptime_seconds": now - _STARTED}
+    if _endpoints:
+        head["metrics_endpoints"] = list(_endpoints)
     return {"paged_cache": head, **{str(k): v for k, v in sections.items()}}
 
 
