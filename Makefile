@@ -118,6 +118,20 @@ server:
 	fi; \
 	command -v valkey-server >/dev/null 2>&1 || command -v redis-server >/dev/null 2>&1 || \
 		{ echo "make server: cannot install valkey-server or redis-server; install one" >&2; exit 1; }
+	@# The metrics tests check /metrics with promtool and scrape a server with a real Prometheus
+	@# (tests/test_prometheus.py): Debian's prometheus package brings both; macOS: brew.
+	@if command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1; then \
+		exit 0; \
+	elif command -v apt-get >/dev/null 2>&1; then \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		echo "make server: installing prometheus (and promtool) with apt-get for the metrics tests"; \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq prometheus >/dev/null; \
+	elif command -v brew >/dev/null 2>&1; then \
+		echo "make server: installing prometheus with brew for the metrics tests"; \
+		brew install prometheus; \
+	fi; \
+	command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 || \
+		{ echo "make server: cannot install prometheus and promtool; install them" >&2; exit 1; }
 
 test: $(STAMP) $(OLD_VLM_STAMP) server
 	@echo "make test: running the suite on $$($(BIN)/python --version) (pytest prints a dot per test)"

@@ -155,7 +155,8 @@ def find(pc: Any, ids: np.ndarray, limit: int | None = None, prefill: Prefill | 
     if plan.split is not None:
         found = _both(search, plan.split, prefill, grid)
         if found is not None:
-            found.shared, found.plan = shared_max, Plan([plan.split.end], detail=plan.split.detail)
+            found.shared, found.plan = shared_max, Plan([plan.split.end], detail=plan.split.detail,
+                                                        predicted=plan.split.predicted)
             return found
     if rate and plan.ends and pc.manager.config.fetch_policy == "cost":
         # an in-place SSD read is timed ahead (warmed) only while the SSD's rate is not known

@@ -58,6 +58,7 @@ class Plan:
     detail: str = ""
     split: "Split | None" = None  # both at once, tried first (``ends`` is the plan without it)
     cut: int = 0  # of ``recomputed``, the tokens the cut-off gave up (Watch), reason CUT_REASON
+    predicted: float | None = None  # seconds predicted for the reads kept (None: no estimate)
 
     def cut_at(self, n: int, stop: int, detail: str) -> "Plan":
         """This plan once the cut-off stopped a rebuild at ``n`` at ``stop``: the ends up to
@@ -80,6 +81,7 @@ class Split:
     head: int
     end: int
     detail: str
+    predicted: float  # seconds: the head's prefill beside the reads, then the other reads
 
 
 Node = tuple[int, int, str]  # (start, tokens, tier) of a node a rebuild reads
@@ -112,9 +114,11 @@ def _restore_plan(policy: str, ends: list[int], reads_of: Callable[[int], list[t
     if gains[best] <= 0:
         return Plan([], ends[0], COST_REASON, _detail(ends[0], 0, gains, prefill))
     keep = [n for n in ends if n <= best and gains[n] > 0]
+    reads = best / prefill - gains[best] if math.isfinite(gains[best]) else None
     if best == ends[0]:
-        return Plan(keep)
-    return Plan(keep, ends[0] - best, COST_REASON, _detail(ends[0], best, gains, prefill))
+        return Plan(keep, predicted=reads)
+    return Plan(keep, ends[0] - best, COST_REASON, _detail(ends[0], best, gains, prefill),
+                predicted=reads)
 
 
 def gain(n: int, reads: list[tuple[str, int]], prefill: float, per_token: float,
@@ -160,7 +164,8 @@ def split(plan: Plan, n: int, nodes: list[Node], grid: int,
         return plan
     seconds, h = best
     return replace(plan, split=Split(h, n, f"prefilling [0, {h}) while reading [{h}, {n}): "
-                                           f"{seconds:.3f} s predicted against {before:.3f} s"))
+                                           f"{seconds:.3f} s predicted against {before:.3f} s",
+                                      seconds))
 
 
 def _detail(longest: int, best: int, gains: dict[int, float], prefill: float) -> str:

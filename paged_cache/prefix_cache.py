@@ -25,6 +25,7 @@ from paged_cache.handlers.base import Captured
 from paged_cache.hashing import ChainKeys, model_identity, token_ids
 from paged_cache.layout import CacheLayout, layer_arrays
 from paged_cache.loans import Loans
+from paged_cache.metrics import histograms
 from paged_cache.store import put_back, store_chain
 
 logger = logging.getLogger("paged_cache.prefix_cache")
@@ -63,6 +64,7 @@ class FetchInfo:
     tokens_recomputed: int = 0  # stored tokens the fetch plan left to prefill (faster so)
     recompute_reason: str | None = None  # why: fetch_plan's "cost", "policy" or "cut"
     tokens_prefilled: int = 0  # of tokens_matched, the head the fetch prefilled (both at once)
+    predicted_seconds: float | None = None  # the plan's prediction of its reads (None: none)
 
 
 def as_tokens(tokens: Any, name: str = "tokens") -> list[int]:
@@ -269,6 +271,7 @@ class BlockAwarePrefixCache:
         st["checkpoints_written"] += result.checkpoints
         st["blocks_deduplicated"] += result.deduplicated
         st["store_seconds"] += seconds
+        histograms.observe_store(seconds)
         logger.debug("store: %d tokens, %d new blocks, %d checkpoints, %d held in %.1f ms",
                      len(tokens), result.written, result.checkpoints, result.deduplicated,
                      seconds * 1e3)
@@ -332,7 +335,8 @@ class BlockAwarePrefixCache:
                                     found.used if n else 0,
                                     found.shared if found is not None else 0,
                                     plan.recomputed if plan else 0, plan.why if plan else None,
-                                    head)
+                                    head, plan.predicted if plan else None)
+        histograms.observe_fetch(self.last_fetch)
         logger.debug("fetch: %d/%d tokens from %s (%d nodes) in %.1f ms",
                      n, total, self.last_fetch.tier, self.last_fetch.blocks, seconds * 1e3)
         return (found.cache, n) if n else (None, 0)
@@ -384,6 +388,7 @@ class BlockAwarePrefixCache:
         st["tokens_saved"] += n
         st["restore_seconds"] += seconds
         self.last_fetch = FetchInfo(tokens_requested, n, "hot", seconds, 0, n)
+        histograms.observe_fetch(self.last_fetch)
 
     def _find(self, tokens: np.ndarray, limit: int | None = None,
               prefill: Callable[[int], list] | None = None, grid: int = 0,

@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any
 
+from paged_cache.metrics import histograms
 from paged_cache.rates_file import READ_TIERS, SavedRates
 
 ALPHA = 0.25  # weight of a new sample: about the last 4-8 samples count
@@ -100,6 +101,7 @@ class Rates:
         with self._lock:
             estimate = self._read[tier_label(tier)]
             estimate.add(nbytes, seconds, restart=self._stale(estimate))
+        histograms.observe_restore(tier_label(tier), nbytes, seconds)
 
     def learn_bytes_per_token(self, layout: str, nbytes: int, tokens: int) -> None:
         """A block of ``layout`` (fingerprint) holds ``tokens`` tokens in ``nbytes``."""

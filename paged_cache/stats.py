@@ -1,18 +1,21 @@
-"""Prometheus text exposition of the stats dicts of the manager, prefix cache and scheduler.
+"""Prometheus text exposition of the stats dicts of the manager, prefix cache and scheduler,
+written by ``prometheus_client``.
 
-Nested dicts are flattened with "_" (``{"hot": {"hits": 3}}`` -> ``hot_hits``); only numbers (and
-bools, as 0/1) are exported. Types are declared where each stats dict is built: every class with
-a ``stats()`` method lists its gauges (levels that go up and down) in ``STAT_GAUGES``, as flattened
-names; every other number is a counter (it only accumulates while the object lives).
+Nested dicts are flattened with "_" (``{"hot": {"hits": 3}}`` -> ``hot_hits``) to say which
+numbers are gauges: every class with a ``stats()`` method lists its gauges (levels that go up
+and down) in ``STAT_GAUGES``, as flattened names; every other number is a counter (it only
+accumulates while the object lives). Names, labels and HELP text: ``paged_cache.metrics``.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from typing import Any, Iterable, Mapping
 
-_INVALID = re.compile(r"[^a-zA-Z0-9_:]")
+from prometheus_client import generate_latest
+from prometheus_client.registry import Collector
+
+from paged_cache.metrics.families import PREFIX, families
 
 
 def nested_gauges(prefix: str, gauges: Iterable[str]) -> frozenset[str]:
@@ -34,40 +37,35 @@ def flatten(stats: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
     return out
 
 
-def _metric_name(prefix: str, name: str) -> str:
-    metric = _INVALID.sub("_", f"{prefix}_{name}" if prefix else name)
-    return metric if not metric[:1].isdigit() else f"_{metric}"
+class _Snapshot(Collector):
+    """The families of stats already read, then the ``extra`` collectors (the histograms)."""
 
+    def __init__(self, metrics: list, extra: Iterable[Collector]) -> None:
+        self.metrics, self.extra = metrics, tuple(extra)
 
-def _number(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return str(int(value)) if value.is_integer() and abs(value) < 2**63 else repr(value)
+    def collect(self):  # noqa: ANN201 - prometheus_client's Collector signature
+        yield from self.metrics
+        for collector in self.extra:
+            yield from collector.collect()
 
 
 def render_prometheus(stats_dicts: Mapping[str, Any] | Iterable[Mapping[str, Any]],
-                      prefix: str = "paged_cache", *, gauges: Iterable[str] = ()) -> str:
-    """Prometheus text format (HELP/TYPE lines, counters named ``*_total``) for one stats dict or
-    several (e.g. ``{"manager": m.stats(), "prefix": p.stats()}`` or ``[m.stats(), s.stats()]``).
+                      prefix: str = PREFIX, *, gauges: Iterable[str] = (),
+                      labels: Mapping[str, str] | None = None,
+                      extra: Iterable[Collector] = ()) -> str:
+    """Prometheus text format 0.0.4 for one stats dict or several (e.g. ``{"manager":
+    m.stats(), "prefix": p.stats()}`` or ``[m.stats(), s.stats()]``), then ``extra`` collectors
+    (a server's histograms).
 
     ``gauges``: the flattened names that are gauges (e.g. ``nested_gauges("manager",
-    PagedSSDCacheManager.STAT_GAUGES)``); every other number is a counter.
+    PagedSSDCacheManager.STAT_GAUGES)``); every other number is a counter. ``labels``: labels
+    every sample of the stats carries (a server's ``engine`` and ``model``).
     """
-    gauges = set(gauges)
     if isinstance(stats_dicts, Mapping):
-        flat = flatten(stats_dicts)
+        sections: Mapping[str, Any] = stats_dicts
     else:
-        flat = {}
+        sections = {}
         for stats in stats_dicts:
-            flat.update(flatten(stats))
-    lines: list[str] = []
-    for name in sorted(flat):
-        counter = name not in gauges
-        metric = _metric_name(prefix, name)
-        if counter and not metric.endswith("_total"):
-            metric += "_total"
-        kind = "counter" if counter else "gauge"
-        lines.append(f"# HELP {metric} paged-cache {kind} {name}")
-        lines.append(f"# TYPE {metric} {kind}")
-        lines.append(f"{metric} {_number(flat[name])}")
-    return "\n".join(lines) + "\n" if lines else ""
+            sections = {**sections, **stats}
+    snapshot = _Snapshot(families(sections, gauges, labels, prefix), extra)
+    return generate_latest(snapshot).decode()

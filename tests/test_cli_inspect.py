@@ -14,11 +14,13 @@ import mlx.core as mx
 import pytest
 
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
+from paged_cache.metrics import histograms
 from paged_cache.stats import nested_gauges, render_prometheus
 from paged_cache.cli import render
 from paged_cache.testing import tiny_model, write_model_dir
 from paged_cache.tiers.ssd.manifest import PAGE_BYTES
 from helpers.blocks import block_files, key_of
+from helpers.metrics import parse_exposition, value
 from helpers.cli import FP_A, FP_B, chain, cli_json, run_cli, serve_stats, store
 from helpers.serve import REQUEST_LINE, ask, live_stats, paged_argv, turn_messages
 from helpers.serve import server as serve_process
@@ -348,9 +350,12 @@ def test_stats_of_a_running_server(tmp_path):
                 assert not missing, (section, missing)
 
             status, out, _ = run_cli("stats", "--url", url, "--prometheus")
-            assert status == 0 and out == render_prometheus(sections(), gauges=gauges)
-            assert "# TYPE paged_cache_manager_ssd_open_seconds gauge" in out
-            assert "paged_cache_prefix_tokens_matched_total 50" in out
+            labels = histograms.process_labels()
+            assert status == 0
+            assert out.startswith(render_prometheus(sections(), gauges=gauges, labels=labels))
+            assert "# TYPE paged_cache_tier_open_seconds gauge" in out
+            assert value(parse_exposition(out), "paged_cache_prefix_tokens_matched_total") == 50
+            assert "# TYPE paged_cache_fetch_seconds histogram" in out
             assert "# TYPE paged_cache_prefix_loans_open gauge" in out and "loans_open_total" not in out
             # The summary first: hits, tokens saved, the tiers; every counter only with --all,
             # in human units (no raw float seconds).

@@ -113,9 +113,9 @@ def test_rates_are_gauges_in_stats_and_metrics(tmp_path: Path) -> None:
         assert stats["read_samples"] == {"hot": 1, "ssd": 1, "remote": 0}
         text = render_prometheus({"manager": stats},
                                  gauges={f"manager_{g}" for g in manager.STAT_GAUGES})
-    assert "# TYPE paged_cache_manager_read_bytes_per_s_ssd gauge" in text
-    assert "paged_cache_manager_read_bytes_per_s_ssd 8192" in text
-    assert "# TYPE paged_cache_manager_read_samples_ssd_total counter" in text
+    assert "# TYPE paged_cache_tier_read_bytes_per_second gauge" in text
+    assert 'paged_cache_tier_read_bytes_per_second{tier="ssd"} 8192.0' in text
+    assert "# TYPE paged_cache_tier_read_samples_total counter" in text
 
 
 @pytest.mark.unit

@@ -227,7 +227,7 @@ def test_one_info_line_per_request_and_stats_sections(tmp_path, model, caplog):
         assert re.match(r"request: 0/36 prompt tokens cached \(miss\), fetch [\d.]+ ms, "
                         r"store [\d.]+ ms \(2 inserts\); hot tier ", lines[0]), lines[0]
         assert re.match(r"request: 40/43 prompt tokens cached \(hot\), fetch [\d.]+ ms, "
-                        r"store [\d.]+ ms \(1 inserts\); hot tier ", lines[1]), lines[1]
+                        r"store [\d.]+ ms \(1 insert\); hot tier ", lines[1]), lines[1]
         stats = cache.stats()
         assert set(stats) == {"manager", "prefix", "requests"}
         req = stats["requests"]

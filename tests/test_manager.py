@@ -17,6 +17,7 @@ import pytest
 
 from paged_cache import Block, PagedSSDCacheManager, render_prometheus
 from paged_cache.stats import nested_gauges
+from helpers.metrics import kind, parse_exposition, value
 from helpers.blocks import DTYPES, block_files, key_of, make_block, same_block
 from helpers.managers import new_manager
 
@@ -416,29 +417,33 @@ def test_prometheus_exposition_of_manager_stats(tmp_path):
             manager.put(make_block(i))
         manager.get(key_of(0))
         manager.get(key_of(99))
-        text = render_prometheus({"manager": manager.stats(),
-                                  "prefix": {"lookups": 3, "walkbacks": 1, "store_seconds": 0.5}},
+        manager.flush()
+        stats = manager.stats()
+        text = render_prometheus({"manager": stats,
+                                  "prefix": {"hits": 3, "walkbacks": 1, "store_seconds": 0.5}},
                                  gauges=nested_gauges("manager", manager.STAT_GAUGES))
-    lines = text.splitlines()
-    assert "# TYPE paged_cache_manager_hits_ssd_total counter" in lines
-    assert "# TYPE paged_cache_manager_hot_bytes gauge" in lines
-    assert "# TYPE paged_cache_manager_ssd_queue_bytes gauge" in lines
-    assert "# TYPE paged_cache_manager_ssd_write_bytes_total counter" in lines
-    assert "# TYPE paged_cache_manager_ssd_open_seconds gauge" in lines
-    assert "# TYPE paged_cache_manager_ssd_max_bytes gauge" in lines
-    assert "# TYPE paged_cache_manager_hot_evicted_bytes_total counter" in lines
-    assert "paged_cache_manager_misses_total 1" in lines
-    assert "paged_cache_manager_hot_cache_only 0" in lines
-    assert "# TYPE paged_cache_prefix_walkbacks_total counter" in lines
-    assert "# TYPE paged_cache_prefix_store_seconds_total counter" in lines
-    assert not any("compression" in line for line in lines)   # strings are not exported
-    names = [line.split()[0] for line in lines if not line.startswith("#")]
-    assert len(names) == len(set(names)) and all(
-        line.startswith("#") or len(line.split()) == 2 for line in lines)
+    metrics = parse_exposition(text)   # every family with a HELP that says what it means
+    assert kind(metrics, "paged_cache_lookup_hits_total") == "counter"
+    assert value(metrics, "paged_cache_lookup_hits_total", tier="ssd") == stats["hits"]["ssd"]
+    assert kind(metrics, "paged_cache_tier_bytes") == "gauge"
+    assert kind(metrics, "paged_cache_tier_queue_bytes") == "gauge"
+    assert value(metrics, "paged_cache_tier_write_bytes_total", tier="ssd") \
+        == stats["ssd"]["write_bytes"] > 0
+    assert kind(metrics, "paged_cache_tier_open_seconds") == "gauge"
+    assert value(metrics, "paged_cache_tier_max_bytes", tier="hot") == 2048
+    assert kind(metrics, "paged_cache_tier_evicted_bytes_total") == "counter"
+    assert value(metrics, "paged_cache_manager_misses_total") == 1
+    assert value(metrics, "paged_cache_manager_hot_cache_only") == 0
+    assert kind(metrics, "paged_cache_prefix_walkbacks_total") == "counter"
+    assert value(metrics, "paged_cache_fetches_total", outcome="hit") == 3
+    assert kind(metrics, "paged_cache_prefix_store_seconds_total") == "counter"
+    assert "compression" not in text   # strings are not exported
+    assert "hits_total_total" not in text and 'tier="total"' not in text   # sums are PromQL's
+    # a number no table describes still gets a HELP line, saying so
     assert render_prometheus([{"a": {"hits": 1}}, {"b": 2.5}], prefix="x",
                              gauges=["a_hits"]) == (
-        "# HELP x_a_hits paged-cache gauge a_hits\n# TYPE x_a_hits gauge\nx_a_hits 1\n"
-        "# HELP x_b_total paged-cache counter b\n# TYPE x_b_total counter\nx_b_total 2.5\n")
+        "# HELP x_a_hits paged-cache gauge a.hits.\n# TYPE x_a_hits gauge\nx_a_hits 1.0\n"
+        "# HELP x_b_total paged-cache counter b.\n# TYPE x_b_total counter\nx_b_total 2.5\n")
     json.dumps(manager.stats())
 
 

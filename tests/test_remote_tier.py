@@ -21,6 +21,7 @@ from paged_cache.hashing import chain_keys
 from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.stats import nested_gauges, render_prometheus
+from helpers.metrics import kind, parse_exposition, value
 from paged_cache.testing import tiny_model
 from paged_cache.testing.server import ServerCluster, ValkeyServer, client, free_port
 from paged_cache.tiers import format as fmt
@@ -277,15 +278,15 @@ def test_stats_and_metrics_show_the_remote_tier(url: str) -> None:
         text = render_prometheus({"manager": stats},
                                  gauges=nested_gauges("manager", manager.STAT_GAUGES))
     assert stats["hits"]["remote"] == 3 and stats["remote"]["read_bytes"] > 0
-    for metric in ("paged_cache_manager_remote_hits_total", "paged_cache_manager_remote_errors_total",
-                   "paged_cache_manager_remote_read_bytes_total",
-                   "paged_cache_manager_remote_write_bytes_total",
-                   "paged_cache_manager_remote_read_seconds_total",
-                   "paged_cache_manager_remote_outages_total", "paged_cache_manager_remote_skipped_total",
-                   "# TYPE paged_cache_manager_remote_available gauge",
-                   "# TYPE paged_cache_manager_remote_ttl gauge",
-                   "# TYPE paged_cache_manager_remote_read_seconds_max gauge"):
-        assert metric in text
+    metrics = parse_exposition(text)
+    assert value(metrics, "paged_cache_tier_hits_total", tier="remote") == 3
+    assert value(metrics, "paged_cache_tier_read_bytes_total", tier="remote") \
+        == stats["remote"]["read_bytes"]
+    for counter in ("errors", "write_bytes", "read_seconds", "outages", "skipped"):
+        assert kind(metrics, f"paged_cache_tier_{counter}_total") == "counter"
+        assert (frozenset({("tier", "remote")}) in metrics[f"paged_cache_tier_{counter}_total"][1])
+    for gauge in ("available", "ttl", "read_seconds_max"):
+        assert kind(metrics, f"paged_cache_tier_{gauge}") == "gauge"
 
 
 def test_server_keys_are_namespaced(url: str) -> None:
@@ -316,7 +317,7 @@ def test_inspect_and_stats_cli_show_the_remote_tier(tmp_path: Path, url: str) ->
             summary = next(line for line in out.splitlines() if line.startswith("remote tier"))
             assert status == 0 and f"{url}: up" in summary and "remote_write_bytes" in out
             status, out, _ = run_cli("stats", "--url", stats_url, "--prometheus")
-            assert "paged_cache_manager_remote_writes_total 3" in out
+            assert value(parse_exposition(out), "paged_cache_tier_writes_total", tier="remote") == 3
         finally:
             server.shutdown()
     data = cli_json("inspect", str(tmp_path), "--remote-url", url)

@@ -15,8 +15,9 @@ import pytest
 from paged_cache.integrations.mlx_lm.adapter import PREFILL_SAMPLE_TOKENS
 from paged_cache.testing import write_model_dir
 from helpers.blocks import block_files
+from helpers.metrics import kind, parse_exposition, value
 from helpers.serve import (MODES, QUESTIONS, REQUEST_LINE, SYSTEM, ask, conversation, live_stats,
-                           paged_argv, parse_prometheus, server)
+                           paged_argv, server)
 
 BYTE_LIMIT = 40_000    # --prompt-cache-bytes for the SSD server: small enough to force spills
 
@@ -55,21 +56,38 @@ def check_live_stats(url: str, turns: list[tuple[str, int, int]]) -> None:
     assert "tokens/s" in plan and "/s" in plan.split("reads")[1], summary.stdout
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
-        metrics = parse_prometheus(r.read().decode())
-    assert metrics["paged_cache_requests_cached_tokens_total"] == ("counter", cached)
-    assert metrics["paged_cache_prefix_tokens_matched_total"] == ("counter", cached)
-    assert metrics["paged_cache_manager_hot_bytes"][0] == "gauge"
+        metrics = parse_exposition(r.read().decode())
+    assert value(metrics, "paged_cache_requests_cached_tokens_total") == cached
+    assert value(metrics, "paged_cache_prefix_tokens_matched_total") == cached
+    assert kind(metrics, "paged_cache_requests_cached_tokens_total") == "counter"
+    assert kind(metrics, "paged_cache_tier_bytes") == "gauge"
+    assert value(metrics, "paged_cache_tier_bytes", tier="hot") == doc["manager"]["hot"]["bytes"]
+    # the process's labels: the engine and the model served
+    assert value(metrics, "paged_cache_tier_bytes", engine="mlx_lm", tier="hot") > 0
+    # outcomes and tiers are labels; their sum is PromQL's
+    for tier in ("hot", "ssd", "mixed"):
+        assert value(metrics, "paged_cache_requests_total", outcome="hit", tier=tier) \
+            == requests[f"requests_{tier}"]
+    assert value(metrics, "paged_cache_requests_total") == len(turns)
+    assert value(metrics, "paged_cache_fetches_total", outcome="miss") == prefix["misses"]
     # types come from the STAT_GAUGES declarations, not from the names
-    assert metrics["paged_cache_requests_sequences"][0] == "gauge"
-    assert metrics["paged_cache_prefix_loans_open"][0] == "gauge"
+    assert kind(metrics, "paged_cache_requests_sequences") == "gauge"
+    assert kind(metrics, "paged_cache_prefix_loans_open") == "gauge"
     if "ssd" in doc["manager"]:
-        assert metrics["paged_cache_manager_ssd_open_seconds"][0] == "gauge"
-        assert metrics["paged_cache_manager_ssd_queue_bytes"][0] == "gauge"
-    assert metrics["paged_cache_prefix_restore_seconds_total"][0] == "counter"
-    assert metrics["paged_cache_prefix_prefill_tokens_per_s"][0] == "gauge"
-    assert metrics["paged_cache_prefix_recomputed_tokens_total"][0] == "counter"
-    read = [metrics[f"paged_cache_manager_read_bytes_per_s_{t}"] for t in doc["manager"]["read_bytes_per_s"]]
-    assert read and all(kind == "gauge" and rate > 0 for kind, rate in read), read
+        assert kind(metrics, "paged_cache_tier_open_seconds") == "gauge"
+        assert kind(metrics, "paged_cache_tier_queue_bytes") == "gauge"
+    assert kind(metrics, "paged_cache_prefix_restore_seconds_total") == "counter"
+    assert kind(metrics, "paged_cache_prefix_prefill_tokens_per_second") == "gauge"
+    assert kind(metrics, "paged_cache_prefix_recomputed_tokens_total") == "counter"
+    read = [value(metrics, "paged_cache_tier_read_bytes_per_second", tier=t)
+            for t in doc["manager"]["read_bytes_per_s"]]
+    assert read and kind(metrics, "paged_cache_tier_read_bytes_per_second") == "gauge"
+    assert all(rate > 0 for rate in read), read
+    # the histograms: one time to first token and one fetch per request
+    assert value(metrics, "paged_cache_time_to_first_token_seconds_count") == len(turns)
+    assert value(metrics, "paged_cache_time_to_first_token_seconds_count", outcome="miss") \
+        == sum(c == 0 for _, c, _ in turns)
+    assert value(metrics, "paged_cache_cached_prompt_tokens_sum") == cached
     # mlx_lm.server's own routes still answer next to the stats routes.
     with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
         assert r.status == 200
@@ -112,7 +130,7 @@ def test_serve_matches_plain_server_and_reuses_across_restart(model_dir, tmp_pat
     lines = REQUEST_LINE.findall(text)
     assert [(int(c), int(p)) for c, p, _, _ in lines] == [(c, p) for _, c, p in paged], lines
     assert [t for _, _, t, _ in lines][0] == "miss" and "miss" not in [t for _, _, t, _ in lines][1:]
-    assert all(re.fullmatch(r"store [\d.]+ ms \(\d+ inserts\)", st) for *_, st in lines), lines
+    assert all(re.fullmatch(r"store [\d.]+ ms \(\d+ inserts?\)", st) for *_, st in lines), lines
     info = [ln for ln in re.findall(r"paged_cache\S* INFO (.*)", text)
             if not ln.startswith(("serving with", "SSD tier at", "stopped ("))]   # start, stop
     assert len(info) == len(MODES), info

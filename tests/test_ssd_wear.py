@@ -74,8 +74,9 @@ def test_twenty_turn_conversation_writes_one_copy(tmp_path: Path, arch: str) -> 
     counted = ssd_stats["bytes_written"]
     assert counted == ssd_stats["write_bytes"] + ssd_stats["manifest_write_bytes"]
     exported = [line.split() for line in metrics.splitlines()
-                if line.startswith("paged_cache_manager_ssd_bytes_written_total ")]
-    assert len(exported) == 1 and int(exported[0][1]) >= counted   # read later: the writer runs on
+                if line.startswith("paged_cache_tier_bytes_written_total{")
+                and 'tier="ssd"' in line]
+    assert len(exported) == 1 and float(exported[0][1]) >= counted   # read later: the writer runs on
     assert stats["requests"]["requests_hot"] == 19, stats["requests"]   # every turn reused
     # The counter is what the process wrote (wchar: every write call's bytes, sockets and the
     # log included, which are small here).

@@ -25,6 +25,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__)
     parser.add_argument("--model", required=True,
                         help="mlx-lm model directory or Hugging Face repo (as mlx_lm.server)")
+    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                        help="also answer /metrics and /paged-cache/stats on --host at PORT + "
+                             "rank, in every process (each rank of a model sharded with "
+                             "mlx.launch); default: on the serving port only, rank 0 alone")
     add_config_arguments(parser)
     parser.set_defaults(func=config_command("serve", run), accepts_extra_args=True,
                         log_level=SERVER_LOG_DEFAULT)
@@ -71,13 +75,16 @@ def run(args: argparse.Namespace, config: CacheConfig) -> int:
     model = os.path.expanduser(args.model) if args.model.startswith("~") else args.model
     server_argv = ["--model", model, "--log-level", args.log_level, *args.extra_args]
     check_server_options(args.command_parser, server_argv)
+    if args.metrics_port is not None and not 1 <= args.metrics_port <= MAX_PORT:
+        args.command_parser.error(f"--metrics-port: expected a TCP port in 1-{MAX_PORT}, got "
+                                  f"{args.metrics_port}")
     # mlx_lm.server's logging.basicConfig is a no-op once ours ran: apply its level here (the
     # paged_cache loggers have it already, cli.main).
     logging.getLogger().setLevel(args.log_level)
     from paged_cache.integrations.mlx_lm import ServeError, serve_main
 
     try:
-        status = serve_main(config, server_argv)
+        status = serve_main(config, server_argv, args.metrics_port)
     except ServeError as error:
         status = fail("serve", str(error), 1)
     # The manager is closed (every block written). Skip interpreter finalization: there, MLX's

@@ -9,7 +9,8 @@ import urllib.request
 from typing import Any
 
 from paged_cache.cli import render
-from paged_cache.integrations.shared.stats_http import METRICS_PATH, STATS_PATH
+from paged_cache.integrations.shared.stats_http import HISTOGRAMS, METRICS_PATH, STATS_PATH
+from paged_cache.metrics.histograms import quantile
 from paged_cache.stats import flatten
 
 DEFAULT_URL = "http://127.0.0.1:8080"  # mlx_lm.server's default --host / --port
@@ -127,6 +128,18 @@ def _tier(stats: dict[str, Any] | None) -> dict[str, Any] | None:
             "blocks": stats.get("blocks"), "written": written}
 
 
+def _plural(n: int | None, word: str) -> str:
+    """``1 block``, ``2 blocks`` (``-`` when unknown)."""
+    return "-" if n is None else f"{n} {word}{'s' * (n != 1)}"
+
+
+def _recomputed(tokens: int) -> str:
+    """What the fetch plan prefilled instead of reading, said plainly."""
+    if not tokens:
+        return "stored tokens found: all read, none prefilled instead"
+    return f"{_plural(tokens, 'stored token')} prefilled instead of read (predicted faster)"
+
+
 def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.1%}"
 
@@ -146,20 +159,20 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
             f"saved ~{render.duration(h['ttft_saved_seconds'])} of prefill (cached tokens x this "
             f"server's {render.duration(per_token)}/token)")
         rows.append(["TTFT", f"mean {render.duration(h['ttft_mean_seconds'])}; {saved}"])
+    rows += percentile_rows(doc.get(HISTOGRAMS) or {})
     rates = [f"{name} {render.size(rate)}/s" for name, rate in h["read_bytes_per_s"].items()]
     if h["prefill_tokens_per_s"] is not None or rates:
         prefill = h["prefill_tokens_per_s"]
         rows.append(["fetch plan", f"prefill {'-' if prefill is None else f'{prefill:.0f}'} "
                                    f"tokens/s; reads {', '.join(rates) or '-'}; "
-                                   f"{h['recomputed_tokens']} stored tokens prefilled, "
-                                   "faster than restored"])
+                                   f"{_recomputed(h['recomputed_tokens'])}"])
     for name, label in (("hot", "hot tier"), ("ssd", "SSD tier")):
         tier = h[name]
         if tier is None:
             continue
         used = tier["bytes"] / tier["max_bytes"] if tier["max_bytes"] else None
         text = (f"{render.size(tier['bytes'])} of {render.size(tier['max_bytes'])} "
-                f"({_ratio(used)}), {tier['blocks']} blocks")
+                f"({_ratio(used)}), {_plural(tier['blocks'], 'block')}")
         if name == "ssd":
             text += f"; {render.size(tier['written'])} written"
         rows.append([label, text])
@@ -169,13 +182,38 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
         mean = render.duration(remote.get("read_seconds", 0) / reads) if reads else "-"
         rows.append(["remote tier",
                      f"{remote.get('url')}: {'up' if remote.get('available') else 'DOWN'}, "
-                     f"{remote.get('hits', 0)} hits, {render.size(remote.get('read_bytes'))} read, "
-                     f"{render.size(remote.get('write_bytes'))} written, {remote.get('errors', 0)} "
-                     f"errors, {remote.get('damaged', 0)} damaged, mean round trip {mean}"])
+                     f"{_plural(remote.get('hits', 0), 'hit')}, "
+                     f"{render.size(remote.get('read_bytes'))} read, "
+                     f"{render.size(remote.get('write_bytes'))} written, "
+                     f"{_plural(remote.get('errors', 0), 'error')}, {remote.get('damaged', 0)} "
+                     f"damaged, mean round trip {mean}"])
+    endpoints = doc.get("paged_cache", {}).get("metrics_endpoints") or []
+    if endpoints:
+        rows.append(["metrics", "; ".join(f"rank {r} {url}" for r, url in enumerate(endpoints))])
     if h["errors"]:
         rows.append(["cache errors", f"{h['errors']} (logged by the server; requests went on "
                                      "uncached)"])
     return rows
+
+
+def percentile_rows(histograms: dict[str, list[dict[str, Any]]]) -> list[list[str]]:
+    """p50 / p99 of the time to first token by outcome and of a fetch's time by tier, from the
+    document's histograms (as Prometheus's histogram_quantile estimates them)."""
+    rows = []
+    for name, label, what in (("time_to_first_token_seconds", "TTFT p50/p99", _outcome),
+                              ("fetch_seconds", "fetch p50/p99", lambda s: s["labels"]["tier"])):
+        parts = [f"{what(s)} {render.duration(quantile(0.5, s['buckets']))} / "
+                 f"{render.duration(quantile(0.99, s['buckets']))} ({s['count']:.0f})"
+                 for s in histograms.get(name, [])]
+        if parts:
+            rows.append([label, "; ".join(parts)])
+    return rows
+
+
+def _outcome(series: dict[str, Any]) -> str:
+    """A time-to-first-token series' name for people: ``miss``, ``hit hot``, ``hit ssd``..."""
+    labels = series["labels"]
+    return "miss" if labels["outcome"] == "miss" else f"hit {labels['tier']}"
 
 
 def _print(doc: dict[str, Any], url: str, *, every: bool) -> None:
@@ -188,7 +226,7 @@ def _print(doc: dict[str, Any], url: str, *, every: bool) -> None:
         out.print("[dim]every counter: paged-cache stats --all (or --json, --prometheus)[/]")
         return
     for name, section in doc.items():
-        if name == "paged_cache" or not isinstance(section, dict):
+        if name in ("paged_cache", HISTOGRAMS) or not isinstance(section, dict):
             continue
         flat = flatten(section)
         out.print(render.table(name, ["counter", "value"],

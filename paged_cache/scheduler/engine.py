@@ -18,6 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from paged_cache.caches import cache_layout, make_bounded_cache
 from paged_cache.distributed import WORLD, any_rank, resolve_group
 from paged_cache.chunks import next_chunk_end
+from paged_cache.metrics import histograms
 from paged_cache.scheduler.decode import BatchDecoder, SequentialDecoder, is_batchable
 from paged_cache.scheduler.request import GenerationResult, Request, Sampler, State
 from paged_cache.scheduler.snapshots import SnapshotStore, release
@@ -407,6 +408,8 @@ class Scheduler:
     def _on_token(self, req: Request, token: int) -> None:
         if req.first_token_at is None:
             req.first_token_at = time.perf_counter()
+            histograms.observe_first_token(req.cache_tier or "miss",
+                                           req.first_token_at - req.submitted_at)
         req.tokens.append(token)
         self._counts["generated_tokens"] += 1
         if (self._needs_snapshots and req.caching and req.covered % self.block_size == 0

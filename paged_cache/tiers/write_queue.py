@@ -12,9 +12,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from paged_cache.metrics import histograms
 from paged_cache.tiers import format as fmt
 
 
@@ -27,10 +28,13 @@ class Write:
     meta: dict[str, str]
     nbytes: int
     cancelled: bool = False
+    queued: float = field(default_factory=time.monotonic)  # for the queue-wait histogram
 
 
 class WriteBehind:
     """A byte-bounded queue of ``Write`` items and the writer thread draining it."""
+
+    name: str  # the tier's (Tier.name): the label of its queue-wait histogram
 
     def __init__(self, queue_max_bytes: int, thread_name: str) -> None:
         self.queue_max_bytes = queue_max_bytes
@@ -91,6 +95,7 @@ class WriteBehind:
             if batch is None:
                 self._idle()
                 continue
+            histograms.observe_queue_wait(self.name, (item.queued for item in batch))
             self._write_batch(batch)
             with self._cond:
                 self._settle(batch)

@@ -4,7 +4,6 @@ server's life, one conversation sharing a system prompt, the stats routes and th
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import socket
@@ -131,34 +130,8 @@ def paged_argv(model_dir: Path, *extra: str) -> list[str]:
             *extra]
 
 
-SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*) (\S+)$")
 REQUEST_LINE = re.compile(r"paged_cache\.integrations\.mlx_lm INFO request: (\d+)/(\d+) prompt tokens "
                           r"cached \((hot|ssd|mixed|miss)\), fetch [\d.]+ ms, (.*); hot tier ")
-
-
-def parse_prometheus(text: str) -> dict[str, tuple[str, float]]:
-    """Strict reading of the text exposition format 0.0.4 as `paged-cache serve` writes it (no
-    labels): every sample follows its own HELP and TYPE lines; counters are named *_total."""
-    metrics: dict[str, tuple[str, float]] = {}
-    help_of, type_of = set(), {}
-    assert text.endswith("\n")
-    for line in text.splitlines():
-        if line.startswith("# HELP "):
-            help_of.add(line.split(" ", 3)[2])
-        elif line.startswith("# TYPE "):
-            _, _, name, kind = line.split(" ")
-            assert kind in ("counter", "gauge") and name not in type_of, line
-            type_of[name] = kind
-        else:
-            m = SAMPLE.match(line)
-            assert m, f"not a sample line: {line!r}"
-            name, value = m.groups()
-            assert name in help_of and name in type_of and name not in metrics, line
-            assert type_of[name] == "gauge" or name.endswith("_total"), line
-            number = float(value)
-            assert not math.isnan(number), line
-            metrics[name] = (type_of[name], number)
-    return metrics
 
 
 def live_stats(url: str) -> dict:

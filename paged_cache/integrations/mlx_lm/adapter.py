@@ -34,6 +34,7 @@ from paged_cache.integrations.mlx_lm.deferred import (MAX_DEFERRED, Deferred, De
                                                       copy_of, stored_reach)
 from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache, as_tokens
+from paged_cache.metrics import histograms
 from paged_cache.stats import nested_gauges
 
 logger = logging.getLogger("paged_cache.integrations.mlx_lm")
@@ -456,7 +457,8 @@ class PagedPromptCache:
         if request.store_failed:
             stored = f"store failed after {request.store_seconds * 1e3:.1f} ms"
         elif request.stores:
-            stored = f"store {request.store_seconds * 1e3:.1f} ms ({request.stores} inserts)"
+            stored = (f"store {request.store_seconds * 1e3:.1f} ms ({request.stores} "
+                      f"insert{'s' * (request.stores != 1)})")
         else:
             stored = "not stored (ended without a cache insert)"
         logger.info("request: %d/%d prompt tokens cached (%s), fetch %.1f ms, %s; hot tier %s",
@@ -484,11 +486,19 @@ class PagedPromptCache:
                     c = self.counters
                     c["ttft_requests"] += 1
                     c["ttft_seconds"] += seconds
+                    histograms.observe_first_token(self._tier_of(prompt), seconds)
                     if prefilled >= PREFILL_SAMPLE_TOKENS:
                         c["prefill_tokens"] += prefilled
                         c["prefill_seconds"] += seconds - waited
                         self._sample_prefill(list(prompt), prefilled, seconds - waited)
             yield response
+
+    def _tier_of(self, prompt: Sequence[int]) -> str:
+        """Where the cached tokens of the open request ``prompt`` came from (``miss``: none;
+        ``unknown``: no open request holds it). Under the lock."""
+        found = next((r for r in reversed(self._open) if r.covers(list(prompt), final=True)),
+                     None)
+        return found.tier if found is not None else "unknown"
 
     def _sample_prefill(self, prompt: list[int], prefilled: int, seconds: float) -> None:
         """Give the loaded model's prefix caches a prefill-rate sample: ``prefilled`` tokens in

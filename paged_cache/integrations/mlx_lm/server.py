@@ -27,6 +27,7 @@ from paged_cache.integrations.shared.shutdown import close_logged
 from paged_cache.integrations.shared.tenants import (SaltError, attach_salt, error_body, request_salt,
                                                      salt_of_args)
 from paged_cache.manager import PagedSSDCacheManager
+from paged_cache.metrics import histograms
 
 logger = logging.getLogger("paged_cache.integrations.mlx_lm")
 
@@ -39,7 +40,8 @@ class ServeError(RuntimeError):
 
 
 def patch_server(manager: PagedSSDCacheManager | Callable[[Any], PagedSSDCacheManager], *,
-                 load_first: bool = False) -> None:
+                 load_first: bool = False,
+                 on_cache: Callable[[PagedPromptCache], None] | None = None) -> None:
     """THE patch point: replace two names in ``mlx_lm.server``, both looked up by
     ``mlx_lm.server.run`` when it starts, so this must run before ``mlx_lm.server.main()``.
 
@@ -49,7 +51,7 @@ def patch_server(manager: PagedSSDCacheManager | Callable[[Any], PagedSSDCacheMa
       ``paged_cache``). ``manager`` may be a callable opening it, called once with the model
       provider when the first generator is built. ``load_first``: load the default model on
       the calling thread before that, so a model that cannot be loaded raises ``ServeError``
-      and nothing is opened.
+      and nothing is opened. ``on_cache``: called with each generator's ``PagedPromptCache``.
     - ``_run_http_server``: the same function called with ``handler_class`` set to an
       ``APIHandler`` subclass that also answers ``GET /paged-cache/stats`` and ``GET /metrics``
       (``run`` passes none); a failure to listen stops the generation thread and raises
@@ -87,6 +89,8 @@ def patch_server(manager: PagedSSDCacheManager | Callable[[Any], PagedSSDCacheMa
                     opened[0], resolve, max_size=getattr(args, "prompt_cache_size", None),
                     max_bytes=getattr(args, "prompt_cache_bytes", None), defer_stores=True)
             cache = self.paged_cache
+            if on_cache is not None:
+                on_cache(cache)
             config = cache.manager.config
             # the ranks of a group poll their queue in lock step: none may hold a request back
             self.paged_sharing = SharedPrefills(
@@ -284,7 +288,8 @@ def _server_address(server_argv: Sequence[str]) -> tuple[str, int]:
     return known.host, known.port
 
 
-def serve_main(config: CacheConfig, server_argv: Sequence[str]) -> int:
+def serve_main(config: CacheConfig, server_argv: Sequence[str],
+               metrics_port: int | None = None) -> int:
     """Run ``mlx_lm.server`` with ``server_argv`` and the tiered cache; returns the exit status.
 
     Fails fast, before anything is created on disk: the address is bound once to check it, the
@@ -294,7 +299,8 @@ def serve_main(config: CacheConfig, server_argv: Sequence[str]) -> int:
     SIGTERM stops the server like Ctrl-C: the manager is flushed and closed on the way out, and
     the flush logged (INFO: blocks and bytes written per tier, see integrations.shutdown).
     mlx_lm.server's own argument errors exit (SystemExit 2) with its usage under the name
-    ``paged-cache serve``.
+    ``paged-cache serve``. ``metrics_port``: every rank also answers the stats routes on
+    ``--host`` at ``metrics_port + rank`` (ServeError at start when it cannot listen there).
     """
     from mlx_lm import server
 
@@ -305,14 +311,19 @@ def serve_main(config: CacheConfig, server_argv: Sequence[str]) -> int:
         raise KeyboardInterrupt
 
     group = resolve_group(WORLD)  # under mlx.launch: every rank runs this, rank 0 serves HTTP
+    histograms.set_process_labels(rank=group.rank() if group is not None else 0)
     if group is not None and group.rank() != 0:
         logging.getLogger("paged_cache").setLevel(logging.WARNING)  # rank 0 tells the story
     else:
         check_address(*_server_address(server_argv))
     previous = signal.signal(signal.SIGTERM, stop)
     argv = sys.argv
+    serving: list[PagedPromptCache] = []  # this process's, once its generator is built
     try:
         with ExitStack() as stack:
+            if metrics_port is not None:
+                _metrics_endpoint(stack, group, _server_address(server_argv)[0], metrics_port,
+                                  serving)
             def open_manager(provider: Any) -> PagedSSDCacheManager:
                 try:
                     fitted = config.beside_model(model_bytes(provider))
@@ -326,6 +337,7 @@ def serve_main(config: CacheConfig, server_argv: Sequence[str]) -> int:
                 stack.callback(lambda: close_logged(manager, stopped.get("by", "server stopped"),
                                                     logger))
                 logger.info("serving with paged-cache: %s", _describe(fitted))
+                histograms.set_process_labels(engine="mlx_lm", model=provider.cli_args.model)
                 if config.remote_url and not config.remote_secret and not config.remote_insecure:
                     # loopback (another host is refused without a secret); the opt-out warns
                     # at each manager start itself
@@ -334,7 +346,7 @@ def serve_main(config: CacheConfig, server_argv: Sequence[str]) -> int:
                                    "every host: docs/scaling.md)", config.remote_url.redacted())
                 return manager
 
-            patch_server(open_manager, load_first=True)
+            patch_server(open_manager, load_first=True, on_cache=serving.append)
             sys.argv = ["paged-cache serve", *server_argv]
             try:
                 server.main()
@@ -344,6 +356,27 @@ def serve_main(config: CacheConfig, server_argv: Sequence[str]) -> int:
         sys.argv = argv
         signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _metrics_endpoint(stack: ExitStack, group: Any, host: str, base: int,
+                      serving: list[PagedPromptCache]) -> None:
+    """This rank's own stats routes at ``base + rank`` on ``host`` (stopped with ``stack``),
+    its metrics labelled with its rank; rank 0 logs every rank's address."""
+    from paged_cache.integrations.shared import stats_http
+
+    rank, size = (group.rank(), group.size()) if group is not None else (0, 1)
+    try:
+        endpoint = stats_http.start_endpoint(
+            host, base + rank, lambda: serving[0].stats() if serving else {},
+            PagedPromptCache.STAT_GAUGES)
+    except ValueError as error:
+        raise ServeError(f"--metrics-port {base} (rank {rank}): {error}") from error
+    stack.callback(endpoint.server_close)
+    stack.callback(endpoint.shutdown)
+    stats_http.publish_endpoints(f"http://{host}:{base + r}/metrics" for r in range(size))
+    last = f"-{base + size - 1}" if size > 1 else ""
+    logger.info("metrics of %s at http://%s:%d%s/metrics (rank r at %d + r)",
+                f"ranks 0-{size - 1}" if size > 1 else "this process", host, base, last, base)
 
 
 def model_bytes(provider: Any) -> int:

@@ -1,7 +1,8 @@
 """The HTTP contract between a serving process and `paged-cache stats`.
 
 A server answers ``GET /paged-cache/stats`` with a JSON document (``stats_document``) and
-``GET /metrics`` with the Prometheus text of the same sections. ``stats_response`` builds both;
+``GET /metrics`` with the Prometheus text of the same sections, each followed by the process's
+histograms (``paged_cache.metrics.histograms``). ``stats_response`` builds both;
 ``answer`` sends one from an ``http.server`` request handler, so a server's ``do_GET`` is
 ``if not answer(self, source): <its own routes>``. Sources are called on one reader thread:
 they read counters only (no MLX, no payload I/O), and a thread-per-request server then opens
@@ -16,13 +17,15 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Iterable, Mapping
 
+from paged_cache.metrics import histograms
 from paged_cache.stats import render_prometheus
 
 STATS_PATH = "/paged-cache/stats"
 METRICS_PATH = "/metrics"
+HISTOGRAMS = "histograms"  # the JSON document's section of the histograms (histograms.summary)
 DOCUMENT_VERSION = 1
 JSON_TYPE = "application/json"
 PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -35,6 +38,7 @@ StatsSource = Callable[[], Mapping[str, Any]]
 
 _reader: ThreadPoolExecutor | None = None
 _reader_lock = threading.Lock()
+_endpoints: list[str] = []  # the metrics URL of each process of this server (publish_endpoints)
 
 
 def _read(source: StatsSource) -> Mapping[str, Any]:
@@ -46,11 +50,20 @@ def _read(source: StatsSource) -> Mapping[str, Any]:
     return _reader.submit(source).result(timeout=READ_TIMEOUT_SECONDS)
 
 
+def publish_endpoints(urls: Iterable[str]) -> None:
+    """The metrics URL of each process of this server, rank by rank: the document's head
+    lists them (``metrics_endpoints``), so `paged-cache stats` shows where to scrape each."""
+    _endpoints[:] = list(urls)
+
+
 def stats_document(sections: Mapping[str, Any]) -> dict[str, Any]:
-    """The JSON document: ``paged_cache`` (version, pid, times) then one entry per section."""
+    """The JSON document: ``paged_cache`` (version, pid, times, and the metrics URL of each
+    process when published) then one entry per section."""
     now = time.time()
     head = {"document_version": DOCUMENT_VERSION, "pid": os.getpid(), "time": now,
             "uptime_seconds": now - _STARTED}
+    if _endpoints:
+        head["metrics_endpoints"] = list(_endpoints)
     return {"paged_cache": head, **{str(k): v for k, v in sections.items()}}
 
 
@@ -63,8 +76,11 @@ def stats_response(path: str, source: StatsSource,
         return None
     sections = _read(source)
     if route == METRICS_PATH:
-        return 200, PROMETHEUS_TYPE, render_prometheus(sections, gauges=gauges).encode()
-    return 200, JSON_TYPE, json.dumps(stats_document(sections), default=str).encode()
+        text = render_prometheus(sections, gauges=gauges, labels=histograms.process_labels(),
+                                 extra=histograms.ALL)
+        return 200, PROMETHEUS_TYPE, text.encode()
+    document = stats_document({**sections, HISTOGRAMS: histograms.summary()})
+    return 200, JSON_TYPE, json.dumps(document, default=str).encode()
 
 
 def answer(handler: BaseHTTPRequestHandler, source: StatsSource,
@@ -85,3 +101,26 @@ def answer(handler: BaseHTTPRequestHandler, source: StatsSource,
     handler.end_headers()
     handler.wfile.write(body)
     return True
+
+
+def start_endpoint(host: str, port: int, source: StatsSource,
+                   gauges: Iterable[str] = ()) -> ThreadingHTTPServer:
+    """A server of its own answering the two stats paths on ``host:port`` from a daemon thread
+    (a process with no HTTP server of its own: a rank of a sharded model); ``shutdown`` stops
+    it. ValueError naming the address when it cannot be bound (taken, or no such host)."""
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if not answer(self, source, gauges):
+                self.send_error(404)
+
+        def log_message(self, *args: Any) -> None:  # a scrape a second would flood the log
+            pass
+
+    try:
+        server = ThreadingHTTPServer((host, port), Handler)
+    except OSError as error:
+        raise ValueError(f"cannot listen on {host}:{port} for the metrics: "
+                         f"{error.strerror or error}") from error
+    threading.Thread(target=server.serve_forever, name="paged-cache-metrics",
+                     daemon=True).start()
+    return server
