@@ -11,10 +11,10 @@ and queue_full_policy is write-on-caller (the caller writes the block itself, af
 manager's lock) and on flush / close. With ``hot_cache_only`` there is no SSD tier at all: no
 directory, no files, no thread, no queue.
 Two kinds of blocks wait in RAM for their write to the tier keeping evicted blocks whatever the
-policy: a ``put(deferred=True)`` block (a partial tail the next store usually supersedes) is
-written only by ``flush`` / ``close`` and dropped (or handed over by a take) unwritten otherwise;
-with ``ssd_admission="reused"`` a new block is written only once it is read again (a hit or a
-take) and dropped if evicted before.
+policy: a ``put(deferred=True)`` block (a partial tail) is written ``tail_write_delay_s`` after
+its put (a timer thread, ``tiers/deadlines.py``), when it leaves RAM or by flush / close, unless
+a store discarded it before (a take hands over a copy); with ``ssd_admission="reused"`` a new
+block is written once it is read again (a hit or a take) and dropped if evicted before.
 
 The manager's lock is the hot tier's lock and guards its counters too: no disk I/O, fsync or wait
 on a writer runs under it (a caller's own write under "write-on-caller", flush, discard and the
@@ -30,7 +30,7 @@ from typing import AbstractSet, Any, Callable, Iterable, Literal, Sequence
 
 import mlx.core as mx
 
-from paged_cache.block import Block, are_keys, check_key
+from paged_cache.block import Block, check_key, checked_keys
 from paged_cache.chain_index import ChainNode
 from paged_cache.config import CacheConfig
 from paged_cache.hashing import ROOT_PARENT
@@ -38,6 +38,7 @@ from paged_cache import rates_file
 from paged_cache.rates import Rates
 from paged_cache.rates_file import READ_TIERS
 from paged_cache.tiers.base import Tier
+from paged_cache.tiers.deadlines import Deadlines
 from paged_cache.tiers.ssd.direct import StoredBlock, read_stored
 from paged_cache.tiers.format import Expected, RawTensors, check_meta, raw_tensors
 from paged_cache.tiers.stack import HIT_LABELS, TIER_GAUGES, open_tiers
@@ -63,14 +64,15 @@ class PagedSSDCacheManager:
         self._discards = 0  # bumped by discard(): a read that raced one is not promoted
         self.counters = dict(puts=0, puts_existing=0, puts_dropped=0, gets=0, misses=0,
                              promotions=0, takes=0, discards=0, spills=0, evicted_dropped=0,
-                             evicted_dropped_bytes=0, deferred_dropped=0,
-                             deferred_dropped_bytes=0, admissions=0, probation_dropped=0,
+                             evicted_dropped_bytes=0, tails_written=0, tails_copied=0,
+                             admissions=0, probation_dropped=0,
                              probation_dropped_bytes=0, nodes_rejected=0, rates_loaded=0,
                              rates_rejected=0, rates_save_errors=0)
         self._hits = dict.fromkeys(HIT_LABELS, 0)
-        # hot blocks whose write to the keeping tier waits: key -> DEFERRED (flush / close write
-        # it) or PROBATION (written at its first reuse); dropped when they leave RAM otherwise
+        # hot blocks whose write to the keeping tier waits: key -> DEFERRED (due in _tails) or
+        # PROBATION (written at its first reuse; dropped when it leaves RAM before)
         self._waiting: dict[str, str] = {}
+        self._tails = Deadlines(self._write_due, "paged-cache-tails")
         self.config.log_inert_fields()
         # fastest first, RAM first; ssd_error: why the configured SSD tier could not be opened
         tiers, self.ssd_error = open_tiers(self.config, lock=self._lock, on_evict=self._on_evict)
@@ -91,12 +93,9 @@ class PagedSSDCacheManager:
         """Store `block`; True when it is now held as new, False when the key was already held
         (or, without a tier keeping evicted blocks, when it is larger than the whole hot budget).
 
-        ``deferred=True``: with an SSD tier, the block is written only by ``flush`` / ``close``
-        (or at once when the hot tier cannot hold it); evicted or demoted before that it is
-        dropped unwritten (counted), and ``get(take=True)`` hands it over unwritten. For blocks
-        a later put usually supersedes (the prefix cache's partial tails: the taker's own store
-        puts the block that extends it), whose loss costs a recompute of fewer than a block's
-        tokens."""
+        ``deferred=True`` (a partial tail the conversation's next store usually discards): with
+        an SSD tier, written there ``tail_write_delay_s`` after this put (0: now), or earlier
+        when it leaves RAM or by flush / close, whatever the policy; a take gets a copy."""
         raw = self._validated(block)
         try:
             return self._put(block, raw, deferred)
@@ -119,16 +118,20 @@ class PagedSSDCacheManager:
                         self.counters["promotions"] += 1
                     return False
             self.counters["puts"] += 1
+            delay = self.config.tail_write_delay_s
             waits = None if self._keeper is None else (
-                DEFERRED if deferred else PROBATION if self.config.ssd_admission == "reused"
-                else None)
+                (DEFERRED if delay > 0 else None) if deferred
+                else PROBATION if self.config.ssd_admission == "reused" else None)
             persisted = False
             for tier in reversed(self._lower):
-                if tier.writes_new and not (waits is not None and tier is self._keeper):
-                    written = tier.write(block, raw)
-                    persisted = persisted or (tier is self._keeper and written)
+                keeps = tier is self._keeper
+                if (tier.writes_new or (keeps and deferred)) and not (waits and keeps):
+                    written = tier.write(block, raw)  # a tail with no delay: at once, any policy
+                    persisted = persisted or (keeps and written)
             if waits is not None:
                 self._waiting[block.key] = waits
+                if waits == DEFERRED:
+                    self._tails.add(block.key, delay)
             if self._hot.write(block, persisted=persisted):
                 return True
             self._waiting.pop(block.key, None)  # not kept in RAM: written now if it can be
@@ -163,14 +166,13 @@ class PagedSSDCacheManager:
                 self._hot.released(sum(nbytes for _, nbytes in released))
 
     def _on_evict(self, block: Block, persisted: bool) -> None:
-        """Hot-tier eviction: spill an unpersisted block to the tier keeping evicted blocks, or
-        drop it (counted): always a block whose write waits (deferred, or never reused)."""
+        """Hot-tier eviction: spill an unpersisted block (a deferred one too) to the tier keeping
+        evicted blocks, or drop it (counted): a block on probation (never reused)."""
         if persisted:
             return
-        waits = self._waiting.pop(block.key, None)
-        if waits is not None:
-            self.counters[f"{waits}_dropped"] += 1
-            self.counters[f"{waits}_dropped_bytes"] += block.nbytes
+        if self._waiting.pop(block.key, None) == PROBATION:
+            self.counters["probation_dropped"] += 1
+            self.counters["probation_dropped_bytes"] += block.nbytes
             return
         if self._keeper is not None and self._keeper.write(block):
             self.counters["spills"] += 1
@@ -266,18 +268,33 @@ class PagedSSDCacheManager:
             if block is not None and self._waiting.get(key) == PROBATION:
                 self._admit(block)
             return block
+        if self._waiting.get(key) == DEFERRED:
+            # its only copy: a copy goes, the block stays with its timer (a store supersedes it)
+            kept = self._hot.get(key)
+            self.counters["tails_copied"] += 1
+            return Block(key, dict(kept.arrays), dict(kept.meta))
         taken = self._hot.take(key)
         if taken is None:
             return None
         block, persisted = taken
         self.counters["takes"] += 1
-        waits = self._waiting.pop(key, None)
-        if waits == PROBATION:
+        if self._waiting.pop(key, None) == PROBATION:
             self.counters["admissions"] += 1  # a take is a reuse: spilled below like any block
-        if waits != DEFERRED and not persisted and self._keeper is not None \
-                and self._keeper.write(block):
-            self.counters["spills"] += 1  # (a deferred block is handed over unwritten)
+        if not persisted and self._keeper is not None and self._keeper.write(block):
+            self.counters["spills"] += 1
         return block
+
+    def _write_due(self, keys: list[str]) -> None:
+        """The timer's thread: write the deferred blocks of ``keys`` still in RAM (no store
+        superseded them in time) to the tier keeping evicted blocks, as an eviction would."""
+        with self._lock:
+            for key in [] if self._closed else keys:
+                block = self._hot.peek(key) if self._waiting.get(key) == DEFERRED else None
+                if block is not None and self._keeper.write(block):
+                    del self._waiting[key]
+                    self._hot.mark_persisted(key)
+                    self.counters["tails_written"] += 1
+        self._after()
 
     def _admit(self, block: Block) -> None:
         """A block on probation is read again: from now on it is written like any other, at once
@@ -302,7 +319,7 @@ class PagedSSDCacheManager:
         """``tier_of`` of every key: the hot tier's under one lock acquisition, then the write
         queue and the block files for the rest (no lock held). The remote tier is not asked (a
         store deciding what to put; ``chain`` asks it)."""
-        return self._walk(_checked_keys(keys), chain=False, shared=False)
+        return self._walk(checked_keys(keys), chain=False, shared=False)
 
     def _walk(self, keys: list[str], *, chain: bool, shared: bool,
               listed: dict[Tier, AbstractSet[str]] | None = None) -> list[Label | None]:
@@ -388,6 +405,7 @@ class PagedSSDCacheManager:
             self._check_open()
             self._discards += 1
             self._waiting.pop(key, None)
+            self._tails.cancel(key)
             held = self._hot.discard(key)
         for tier in self._lower:  # may wait for a write in progress: no lock held
             held = tier.discard(key) or held
@@ -466,6 +484,7 @@ class PagedSSDCacheManager:
             if self._closed:
                 return
             self._closed = True  # no new work from here on
+        self._tails.close()  # its deferred blocks are written by the flush below
         if self._keeper is not None:
             self._flush()
         self._save_rates()
@@ -522,7 +541,7 @@ class PagedSSDCacheManager:
         ``nodes_rejected``, unless it is a root child that may start another namespace's chain
         (``ChainNode.another_namespaces``: every namespace's chains start at the same root). Each
         parent's children come in key order."""
-        keys = _checked_keys(keys)
+        keys = checked_keys(keys)
         parents = [ROOT_PARENT, *keys]
         with self._lock:
             self._check_open()
@@ -579,13 +598,3 @@ class PagedSSDCacheManager:
                 "listed node %s (%s) refused: %s%s", str(key)[:16], tier, reason,
                 "; further refusals are counted in nodes_rejected" if first else "")
 
-
-def _checked_keys(keys: Sequence[str]) -> list[str]:
-    """``keys`` as a list, each checked to be a block key (TypeError / ValueError naming it)."""
-    if isinstance(keys, str):
-        raise TypeError("keys: expected a sequence of keys, got a single str")
-    keys = list(keys)
-    if not are_keys(keys):
-        for key in keys:
-            check_key(key)  # raises with the standard message for the first bad one
-    return keys
