@@ -53,7 +53,7 @@ REMOTE_TIMEOUT_DEFAULT = 0.5        # seconds a remote read or write may wait on
 # Read by the remote tier at connect time, never stored in a CacheConfig (nor shown by `config`).
 REMOTE_PASSWORD_ENV = "PAGED_CACHE_REMOTE_PASSWORD"
 READ_THREADS_DEFAULT = 4      # block files read at once by a fetch (measured: docs/benchmarks.md)
-TAIL_WRITE_DELAY_DEFAULT = 1.0  # seconds a partial tail waits for its superseding store (docs)
+TAIL_WRITE_DELAY_DEFAULT = 10.0 # seconds a partial tail waits for its superseding store (docs)
 # shared_prefill: a request held back for another's prefill goes on without it after this long
 SHARED_PREFILL_MAX_WAIT_S = 60.0
 TRUE_WORDS = ("1", "true", "yes", "on")
