@@ -10,11 +10,10 @@ is already there, else it is dropped (counted). Writes wait on disk only when th
 and queue_full_policy is write-on-caller (the caller writes the block itself, after releasing the
 manager's lock) and on flush / close. With ``hot_cache_only`` there is no SSD tier at all: no
 directory, no files, no thread, no queue.
-Two kinds of blocks wait in RAM for their write to the tier keeping evicted blocks whatever the
-policy: a ``put(deferred=True)`` block (a partial tail) is written ``tail_write_delay_s`` after
-its put (a timer thread, ``tiers/deadlines.py``), when it leaves RAM or by flush / close, unless
-a store discarded it before (a take hands over a copy); with ``ssd_admission="reused"`` a new
-block is written once it is read again (a hit or a take) and dropped if evicted before.
+Blocks waiting in RAM whatever the policy: a partial tail (``put(deferred=True)``) is written
+``tail_write_delay_s`` after its put (``tiers/deadlines.py``), when it leaves RAM or by flush /
+close, unless discarded first (a take gets a copy); with ``ssd_admission="reused"`` a block,
+a tail too, is written only once read again (a hit or a take), dropped if evicted before.
 
 The manager's lock is the hot tier's lock and guards its counters too: no disk I/O, fsync or wait
 on a writer runs under it (a caller's own write under "write-on-caller", flush, discard and the
@@ -46,7 +45,8 @@ from paged_cache.tiers.stack import HIT_LABELS, TIER_GAUGES, open_tiers
 log = logging.getLogger("paged_cache.manager")
 
 Label = Literal["hot", "pending", "ssd", "remote"]
-DEFERRED, PROBATION = "deferred", "probation"  # why a block in RAM has no SSD write yet
+DEFERRED, PROBATION, NEW_TAIL = "deferred", "probation", "new tail"  # why no SSD write yet
+UNREUSED = (PROBATION, NEW_TAIL)  # dropped when they leave RAM, never written by a flush
 
 
 class PagedSSDCacheManager:
@@ -69,8 +69,7 @@ class PagedSSDCacheManager:
                              probation_dropped_bytes=0, nodes_rejected=0, rates_loaded=0,
                              rates_rejected=0, rates_save_errors=0)
         self._hits = dict.fromkeys(HIT_LABELS, 0)
-        # hot blocks whose write to the keeping tier waits: key -> DEFERRED (due in _tails) or
-        # PROBATION (written at its first reuse; dropped when it leaves RAM before)
+        # hot blocks whose write waits: DEFERRED (due in _tails), UNREUSED (till a reuse)
         self._waiting: dict[str, str] = {}
         self._tails = Deadlines(self._write_due, "paged-cache-tails")
         self.config.log_inert_fields()
@@ -84,7 +83,8 @@ class PagedSSDCacheManager:
         # the measured rates a fetch plan weighs (rates.py): each tier's reads, each model's
         # prefill; seeded by what the last process saved in the SSD directory (rates_file.py)
         self._rates_dir = getattr(self._named("ssd"), "directory", None)
-        self.rates = Rates(self.config.prefill_tokens_per_s or None, self._saved_rates())
+        self.rates = Rates(self.config.prefill_tokens_per_s or None,
+                           rates_file.load_counted(self._rates_dir, self.counters))
         log.debug("opened: %s", self.config)
 
     # ------------------------------------------------------------------------------ writes
@@ -93,9 +93,8 @@ class PagedSSDCacheManager:
         """Store `block`; True when it is now held as new, False when the key was already held
         (or, without a tier keeping evicted blocks, when it is larger than the whole hot budget).
 
-        ``deferred=True`` (a partial tail the conversation's next store usually discards): with
-        an SSD tier, written there ``tail_write_delay_s`` after this put (0: now), or earlier
-        when it leaves RAM or by flush / close, whatever the policy; a take gets a copy."""
+        ``deferred=True`` (a partial tail the conversation's next store usually discards): see
+        the module doc (0 ``tail_write_delay_s``: written now, whatever the policy)."""
         raw = self._validated(block)
         try:
             return self._put(block, raw, deferred)
@@ -119,9 +118,10 @@ class PagedSSDCacheManager:
                     return False
             self.counters["puts"] += 1
             delay = self.config.tail_write_delay_s
-            waits = None if self._keeper is None else (
-                (DEFERRED if delay > 0 else None) if deferred
-                else PROBATION if self.config.ssd_admission == "reused" else None)
+            reused, waits = self.config.ssd_admission == "reused", None
+            if self._keeper is not None:
+                waits = ((NEW_TAIL if reused else DEFERRED if delay > 0 else None) if deferred
+                         else PROBATION if reused else None)
             persisted = False
             for tier in reversed(self._lower):
                 keeps = tier is self._keeper
@@ -170,7 +170,7 @@ class PagedSSDCacheManager:
         evicted blocks, or drop it (counted): a block on probation (never reused)."""
         if persisted:
             return
-        if self._waiting.pop(block.key, None) == PROBATION:
+        if self._waiting.pop(block.key, None) in UNREUSED:
             self.counters["probation_dropped"] += 1
             self.counters["probation_dropped_bytes"] += block.nbytes
             return
@@ -265,9 +265,11 @@ class PagedSSDCacheManager:
         if not take:
             found = self._hot.read(key)
             block = None if found is None else found[0]
-            if block is not None and self._waiting.get(key) == PROBATION:
+            if block is not None and self._waiting.get(key) in UNREUSED:
                 self._admit(block)
             return block
+        if self._waiting.get(key) == NEW_TAIL:
+            self._admit(self._hot.peek(key))  # a reuse: deferred from now on
         if self._waiting.get(key) == DEFERRED:
             # its only copy: a copy goes, the block stays with its timer (a store supersedes it)
             kept = self._hot.get(key)
@@ -285,8 +287,8 @@ class PagedSSDCacheManager:
         return block
 
     def _write_due(self, keys: list[str]) -> None:
-        """The timer's thread: write the deferred blocks of ``keys`` still in RAM (no store
-        superseded them in time) to the tier keeping evicted blocks, as an eviction would."""
+        """The timer's thread: write the deferred blocks of ``keys`` still in RAM (superseded by
+        no store in time) to the tier keeping evicted blocks."""
         with self._lock:
             for key in [] if self._closed else keys:
                 block = self._hot.peek(key) if self._waiting.get(key) == DEFERRED else None
@@ -298,10 +300,14 @@ class PagedSSDCacheManager:
 
     def _admit(self, block: Block) -> None:
         """A block on probation is read again: from now on it is written like any other, at once
-        (write-through) or when it leaves RAM (write-back). Under the lock."""
-        del self._waiting[block.key]
+        (write-through) or when it leaves RAM (write-back), a tail when its delay runs out."""
+        waits = self._waiting.pop(block.key)
         self.counters["admissions"] += 1
-        if self._keeper.writes_new and self._keeper.write(block):
+        delay = self.config.tail_write_delay_s
+        if waits == NEW_TAIL and delay > 0:
+            self._waiting[block.key] = DEFERRED
+            self._tails.add(block.key, delay)
+        elif (self._keeper.writes_new or waits == NEW_TAIL) and self._keeper.write(block):
             self._hot.mark_persisted(block.key)
 
     def _miss(self) -> None:
@@ -420,34 +426,11 @@ class PagedSSDCacheManager:
 
     # ------------------------------------------------------------------------------ lifecycle
 
-    def _saved_rates(self) -> rates_file.SavedRates | None:
-        """The estimates saved in the SSD directory; a file that cannot be used is a counted
-        (``rates_rejected``), logged miss."""
-        if self._rates_dir is None:
-            return None
-        try:
-            saved = rates_file.load(self._rates_dir)
-        except rates_file.BadRatesFile as exc:
-            self.counters["rates_rejected"] += 1
-            log.warning("ignoring the saved rates %s: it %s",
-                        self._rates_dir / rates_file.FILE_NAME, exc)
-            return None
-        if saved is not None:
-            self.counters["rates_loaded"] += 1
-        return saved
-
     def _save_rates(self) -> None:
-        """Save the estimates in the SSD directory for the next process; an error is logged and
-        counted (``rates_save_errors``), never raised. Nothing measured: nothing written."""
-        measured = self.rates.measured()
-        if self._rates_dir is None or not any(measured.values()):
-            return
-        try:
-            rates_file.save(self._rates_dir, rates_file.SavedRates(**measured))
-        except OSError as exc:
+        """Save the estimates in the SSD directory (rates_file.py); a failure is counted."""
+        if not rates_file.save_measured(self._rates_dir, self.rates.measured()):
             with self._lock:
                 self.counters["rates_save_errors"] += 1
-            log.warning("could not save the measured rates in %s: %s", self._rates_dir, exc)
 
     def flush(self) -> None:
         """Wait until every tier's queue is written (slowest first), then write every hot block
@@ -467,7 +450,8 @@ class PagedSSDCacheManager:
         keeper = self._keeper
         keeper.flush()
         with self._lock:  # blocks on probation are not written: they were never reused
-            blocks = [b for b in self._hot.unpersisted() if self._waiting.get(b.key) != PROBATION]
+            blocks = [b for b in self._hot.unpersisted()
+                      if self._waiting.get(b.key) not in UNREUSED]
         while blocks:
             block = blocks.pop(0)
             if keeper.write(block, now=True):

@@ -94,18 +94,22 @@ def _prefill_then_fail(cache: list, rest: list[int]) -> None:
 
 @pytest.mark.parametrize("mode", ["write-through", "write-back", "reused"])
 def test_a_tail_reaches_the_ssd_after_its_delay(tmp_path: Path, mode: str) -> None:
-    """The tail alone under write-back and "reused" (their full blocks wait for eviction / reuse),
-    the whole conversation under write-through: a second manager opened on the directory while
-    the first still runs (as after a crash: nothing closed it) restores every stored token."""
+    """The tail alone under write-back (its full blocks wait for eviction), the whole conversation
+    under write-through and, once a fetch reused it, under "reused": a second manager opened on
+    the directory while the first still runs (as after a crash: nothing closed it) restores
+    every stored token."""
     manager = _manager(tmp_path, mode, delay=0.2)
     prefix = BlockAwarePrefixCache(manager, MODEL)
     history, query = _conversation(prefix)
+    if mode == "reused":
+        cache, _ = prefix.fetch(query)  # a reuse: the path blocks and the tail are admitted
+        del cache
     ssd = manager.tier("ssd")
     _wait_for(lambda: manager.stats()["tails_written"] == 1, "the tail's timer")
     ssd.flush()
-    assert ssd.stats()["writes"] == (4 if mode == "write-through" else 1)
+    assert ssd.stats()["writes"] == (1 if mode == "write-back" else 4)
     assert manager.tier_of(prefix.chain_keys(history)[-1]) == "hot"  # kept in RAM too
-    if mode == "write-through":
+    if mode != "write-back":
         with _manager(tmp_path, mode) as other:
             assert assert_exact(MODEL, BlockAwarePrefixCache(other, MODEL), query) == len(history)
     manager.close()
@@ -125,6 +129,21 @@ def test_a_tail_is_written_at_once_with_no_delay_and_removed_when_superseded(tmp
     ssd.flush()
     assert not block_files(tmp_path)  # write-back: the new blocks wait in RAM
     assert manager.stats()["discards"] == 1
+    manager.close()
+
+
+def test_under_admission_reused_a_tail_nobody_reads_again_is_never_written(tmp_path: Path):
+    """A one-shot prompt's tail is on probation like its blocks: past its delay, at a flush and
+    when it leaves RAM, nothing is written (its blocks are not on SSD either)."""
+    manager = _manager(tmp_path, "reused", delay=0.05)
+    prefix = BlockAwarePrefixCache(manager, MODEL)
+    history, _ = _conversation(prefix)
+    time.sleep(0.5)  # ten times the delay: a timer would have fired
+    manager.flush()
+    assert manager.demote(prefix.chain_keys(history)) == 4
+    manager.tier("ssd").flush()
+    stats = manager.stats()
+    assert (stats["tails_written"], stats["ssd"]["writes"], stats["probation_dropped"]) == (0, 0, 4)
     manager.close()
 
 
