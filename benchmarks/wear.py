@@ -65,9 +65,11 @@ def _play(ctx: Context, model: Any, setting: tuple[str, str, float | None], hot_
     ssd_dir = ctx.scratch / f"wear-{admission}-{policy}-{delay}"
     shutil.rmtree(ssd_dir, ignore_errors=True)
     tails = {} if delay is None else {"tail_write_delay_s": delay}
+    # always-restore: the reuse figures count what is stored, not what a plan weighing rates
+    # measured on a busy machine chose to read (it may prefill a stored prefix instead)
     config = CacheConfig(block_size=BLOCK, ssd_dir=ssd_dir, hot_cache_max_bytes=hot_bytes,
                          ssd_max_bytes="4GiB", write_policy=policy, ssd_admission=admission,
-                         **tails)
+                         fetch_policy="always-restore", **tails)
     (system, *restart), requests, gen = _stream(ctx)
     history: dict[int, list[int]] = {}
     reused = asked = once = 0
