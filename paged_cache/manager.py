@@ -299,8 +299,8 @@ class PagedSSDCacheManager:
         self._after()
 
     def _admit(self, block: Block) -> None:
-        """A block on probation is read again: from now on it is written like any other, at once
-        (write-through) or when it leaves RAM (write-back), a tail when its delay runs out."""
+        """A block on probation is read again (under the lock): from now on written like any
+        other, at once (write-through) or when it leaves RAM (write-back), a tail when due."""
         waits = self._waiting.pop(block.key)
         self.counters["admissions"] += 1
         delay = self.config.tail_write_delay_s
