@@ -311,8 +311,8 @@ _DEFAULTS: dict[str, Any] = {
 # Settings that only mean something with an SSD tier: hot_cache_only makes them inert, whatever
 # their source (they are kept, logged once and shown as inactive by `paged-cache config`).
 SSD_FIELDS = ("ssd_dir", "ssd_max_bytes", "compression", "write_policy", "ssd_admission",
-              "tail_write_delay_s", "write_queue_max_bytes", "queue_full_policy", "ssd_read_threads",
-              "test_ssd_read_bytes_per_s")
+              "tail_write_delay_s", "write_queue_max_bytes", "queue_full_policy",
+              "ssd_read_threads", "test_ssd_read_bytes_per_s")
 _logged_inert: set[tuple] = set()
 
 

@@ -260,7 +260,7 @@ def test_deferred_blocks_wait_in_ram_and_are_never_dropped(tmp_path, policy):
         assert copy is not blocks[0] and same_block(copy, blocks[0])
         assert manager.tier_of(blocks[0].key) == "hot"
         manager.put(blocks[2], deferred=True)
-        manager.put(blocks[3])                              # an ordinary block (when, the policy says)
+        manager.put(blocks[3])                              # an ordinary block: as policy says
         manager.flush()                                     # flush writes the deferred ones held
         stats = manager.stats()
         assert stats["ssd"]["writes"] == 4 and stats["spills"] == 1

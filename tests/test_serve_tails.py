@@ -23,8 +23,8 @@ SHORT = [{"role": "system", "content": "Be terse."}, {"role": "user", "content":
 
 
 def _argv(model_dir: Path, ssd: Path) -> list[str]:
-    return ["-m", "paged_cache.cli.main", "serve", "--model", str(model_dir), "--ssd-dir", str(ssd),
-            "--tail-write-delay-s", DELAY]
+    return ["-m", "paged_cache.cli.main", "serve", "--model", str(model_dir), "--ssd-dir",
+            str(ssd), "--tail-write-delay-s", DELAY]
 
 
 def _wait_until_written(url: str, tails: int, seconds: float = 60.0) -> None:
