@@ -179,3 +179,18 @@ def test_a_cancelled_scheduler_request_loses_nothing(tmp_path: Path, mode: str) 
     sched.run()
     assert again.cached_tokens >= first
     manager.close()
+
+
+def test_a_tail_reaches_the_remote_tier_at_its_store(tmp_path: Path, url: str) -> None:
+    """The remote tier takes every new block at its put, a tail too, whatever the SSD delay: a
+    second host without an SSD tier restores the whole conversation from the server."""
+    manager = new_manager(tmp_path, block_size=BLOCK, tail_write_delay_s=HOUR, remote_url=url,
+                          remote_timeout=5)
+    prefix = BlockAwarePrefixCache(manager, MODEL)
+    history, query = _conversation(prefix)
+    manager.tier("remote").flush()
+    manager.tier("ssd").flush()  # the queues only: no deferred tail
+    assert manager.stats()["ssd"]["writes"] == 3  # the SSD tier waits for the tail's delay
+    with new_manager(block_size=BLOCK, remote_url=url, remote_timeout=5) as other:
+        assert assert_exact(MODEL, BlockAwarePrefixCache(other, MODEL), query) == len(history)
+    manager.close()
