@@ -7,6 +7,11 @@ written once it is read again), with write-through and write-back, on one reques
 - then a restart (the manager closed and opened again on the same directory) and one more turn
   of each conversation.
 
+Partial tails (a turn's last tokens, fewer than a block) are written ``tail_write_delay_s``
+after their store unless the next turn's store supersedes them first: "all, write-through" runs
+again with a delay of 0 (every tail written) and with one longer than the run (no tail written
+before the close): what bounding a crash's loss of tails costs in writes.
+
 Figures per setting: SSD bytes written (block files + manifest, ``ssd.bytes_written``) per byte
 of one copy of every request's KV, and the prompt tokens reused while running and after the
 restart, each against "all" with write-through (the default) measured in the same run.
@@ -24,12 +29,17 @@ from paged_cache import CacheConfig, PagedSSDCacheManager
 from paged_cache.integrations.mlx_lm import PagedPromptCache
 
 FAMILY = "wear"
-SETTINGS = (("all", "write-through"), ("reused", "write-through"), ("all", "write-back"),
-            ("reused", "write-back"))
+NEVER = 24 * 3600.0  # a tail delay longer than the run: no timer fires
+# (ssd_admission, write_policy, tail_write_delay_s; None: the default)
+SETTINGS = (("all", "write-through", None), ("reused", "write-through", None),
+            ("all", "write-back", None), ("reused", "write-back", None),
+            ("all", "write-through", 0.0), ("all", "write-through", NEVER))
 
 
-def _label(admission: str, policy: str) -> str:
-    return f"{admission}, {policy}"
+def _label(admission: str, policy: str, delay: float | None) -> str:
+    tails = ("" if delay is None else ", tails at once" if delay == 0
+             else ", tails at close only")
+    return f"{admission}, {policy}{tails}"
 
 
 def _stream(ctx: Context) -> tuple[list[list[int]], list[tuple[str, int, list[int]]], int]:
@@ -49,12 +59,17 @@ def _stream(ctx: Context) -> tuple[list[list[int]], list[tuple[str, int, list[in
     return [system, *restart], requests, gen
 
 
-def _play(ctx: Context, model: Any, admission: str, policy: str, hot_bytes: int,
+def _play(ctx: Context, model: Any, setting: tuple[str, str, float | None], hot_bytes: int,
           per_token: int) -> dict:
-    ssd_dir = ctx.scratch / f"wear-{admission}-{policy}"
+    admission, policy, delay = setting
+    ssd_dir = ctx.scratch / f"wear-{admission}-{policy}-{delay}"
     shutil.rmtree(ssd_dir, ignore_errors=True)
+    tails = {} if delay is None else {"tail_write_delay_s": delay}
+    # always-restore: the reuse figures count what is stored, not what a plan weighing rates
+    # measured on a busy machine chose to read (it may prefill a stored prefix instead)
     config = CacheConfig(block_size=BLOCK, ssd_dir=ssd_dir, hot_cache_max_bytes=hot_bytes,
-                         ssd_max_bytes="4GiB", write_policy=policy, ssd_admission=admission)
+                         ssd_max_bytes="4GiB", write_policy=policy, ssd_admission=admission,
+                         fetch_policy="always-restore", **tails)
     (system, *restart), requests, gen = _stream(ctx)
     history: dict[int, list[int]] = {}
     reused = asked = once = 0
@@ -69,7 +84,8 @@ def _play(ctx: Context, model: Any, admission: str, policy: str, hot_bytes: int,
             else:
                 once += len(prompt) + gen
         cache.manager.flush()
-        written = cache.manager.stats()["ssd"]["bytes_written"]
+        stats = cache.manager.stats()
+        written, tails = stats["ssd"]["bytes_written"], stats["tails_written"]
     finally:
         cache.manager.close()
     written_at_close = _written_after_close(config)
@@ -85,6 +101,7 @@ def _play(ctx: Context, model: Any, admission: str, policy: str, hot_bytes: int,
         shutil.rmtree(ssd_dir, ignore_errors=True)
     settle()
     return dict(written=written, written_with_close=written_at_close, kv_bytes=kv,
+                tails_written_by_timer=tails,
                 reused=reused, asked=asked, reused_after_restart=sum(after),
                 asked_after_restart=sum(len(history[c]) + len(restart[c]) for c in range(len(after))))
 
@@ -102,14 +119,14 @@ def run(ctx: Context) -> dict:
     per_token = layers * kv_heads * head_dim * 2 * 4   # float32 keys + values
     hot_bytes = ctx.pick(8, 12) * BLOCK * per_token     # a few blocks: the stream does not fit
     results = {}
-    for admission, policy in SETTINGS:
-        r = _play(ctx, model, admission, policy, hot_bytes, per_token)
-        results[_label(admission, policy)] = r
-        print(f"   {_label(admission, policy)}: wrote {r['written_with_close'] / MIB:.1f} MiB "
+    for setting in SETTINGS:
+        r = _play(ctx, model, setting, hot_bytes, per_token)
+        results[_label(*setting)] = r
+        print(f"   {_label(*setting)}: wrote {r['written_with_close'] / MIB:.1f} MiB "
               f"({r['written_with_close'] / r['kv_bytes']:.2f}x the KV), reused {r['reused']}/"
               f"{r['asked']} tokens, after restart {r['reused_after_restart']}/"
               f"{r['asked_after_restart']}", flush=True)
-    base = results[_label("all", "write-through")]
+    base = results[_label("all", "write-through", None)]
     figures = []
     for label, r in results.items():
         figures.append(figure(FAMILY, f"bytes written, {label}", measured=r["written_with_close"],
@@ -145,13 +162,15 @@ def plots(data: dict, results) -> list[str]:
 
 
 def tables(data: dict) -> dict[str, str]:
-    """``settings``: per admission and write policy, the SSD bytes written per byte of the
-    stream's KV and the prompt tokens reused while running and after the restart."""
-    lines = ["| setting | SSD bytes written / one copy of the KV | prompt tokens reused while "
-             "running | after the restart |", "|---|---|---|---|"]
+    """``settings``: per admission, write policy and tail delay, the SSD bytes written per byte
+    of the stream's KV, the tails the delay's timer wrote, and the prompt tokens reused while
+    running and after the restart."""
+    lines = ["| setting | SSD bytes written / one copy of the KV | tails written by the timer | "
+             "prompt tokens reused while running | after the restart |", "|---|---|---|---|---|"]
     for label, r in data["results"].items():
         lines.append(f"| {label} | {r['written_with_close'] / r['kv_bytes']:.2f}x "
-                     f"({fmt_value(r['written_with_close'], 'B')}) | {r['reused']:,} of "
+                     f"({fmt_value(r['written_with_close'], 'B')}) | "
+                     f"{r['tails_written_by_timer']} | {r['reused']:,} of "
                      f"{r['asked']:,} | {r['reused_after_restart']:,} of "
                      f"{r['asked_after_restart']:,} |")
     return {"settings": "\n".join(lines) + "\n"}

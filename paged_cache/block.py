@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import mlx.core as mx
 
@@ -35,6 +36,17 @@ def check_key(key: str) -> str:
     if not is_key(key):
         raise ValueError(f"key: expected {KEY_HEX_LEN} lower-case hex characters, got {key!r:.80}")
     return key
+
+
+def checked_keys(keys: Sequence[str]) -> list[str]:
+    """``keys`` as a list, each checked to be a block key (TypeError / ValueError naming it)."""
+    if isinstance(keys, str):
+        raise TypeError("keys: expected a sequence of keys, got a single str")
+    keys = list(keys)
+    if not are_keys(keys):
+        for key in keys:
+            check_key(key)  # raises with the standard message for the first bad one
+    return keys
 
 
 @dataclass

@@ -53,6 +53,7 @@ REMOTE_TIMEOUT_DEFAULT = 0.5        # seconds a remote read or write may wait on
 # Read by the remote tier at connect time, never stored in a CacheConfig (nor shown by `config`).
 REMOTE_PASSWORD_ENV = "PAGED_CACHE_REMOTE_PASSWORD"
 READ_THREADS_DEFAULT = 4      # block files read at once by a fetch (measured: docs/benchmarks.md)
+TAIL_WRITE_DELAY_DEFAULT = 10.0 # seconds a partial tail waits for its superseding store (docs)
 # shared_prefill: a request held back for another's prefill goes on without it after this long
 SHARED_PREFILL_MAX_WAIT_S = 60.0
 TRUE_WORDS = ("1", "true", "yes", "on")
@@ -222,6 +223,10 @@ _FIELD_SPECS: dict[str, tuple[Any, str]] = {
     "ssd_admission": (lambda v, n: _choice(v, n, SSD_ADMISSIONS),
                       "which blocks reach the SSD: all (default) | reused (only blocks read again "
                       "after their put; the others live in RAM only)"),
+    "tail_write_delay_s": (_seconds, "seconds a partial tail (a conversation's last tokens, fewer "
+                                     "than a block) waits in RAM for the store that supersedes "
+                                     "it before it is written to SSD anyway (0 = at once; "
+                                     f"default {TAIL_WRITE_DELAY_DEFAULT:g})"),
     "write_queue_max_bytes": (parse_size, "byte bound of the SSD write queue (default 256 MiB)"),
     "queue_full_policy": (lambda v, n: _choice(v, n, QUEUE_FULL_POLICIES),
                           "when the write queue is full: skip (drop the write, count it; default) | "
@@ -281,6 +286,7 @@ _DEFAULTS: dict[str, Any] = {
     "compression": "none",
     "write_policy": "write-through",
     "ssd_admission": "all",
+    "tail_write_delay_s": TAIL_WRITE_DELAY_DEFAULT,
     "write_queue_max_bytes": QUEUE_DEFAULT,
     "queue_full_policy": "skip",
     "remote_url": None,
@@ -305,8 +311,8 @@ _DEFAULTS: dict[str, Any] = {
 # Settings that only mean something with an SSD tier: hot_cache_only makes them inert, whatever
 # their source (they are kept, logged once and shown as inactive by `paged-cache config`).
 SSD_FIELDS = ("ssd_dir", "ssd_max_bytes", "compression", "write_policy", "ssd_admission",
-              "write_queue_max_bytes", "queue_full_policy", "ssd_read_threads",
-              "test_ssd_read_bytes_per_s")
+              "tail_write_delay_s", "write_queue_max_bytes", "queue_full_policy",
+              "ssd_read_threads", "test_ssd_read_bytes_per_s")
 _logged_inert: set[tuple] = set()
 
 
@@ -327,6 +333,7 @@ class CacheConfig:
     compression: str = UNSET
     write_policy: str = UNSET
     ssd_admission: str = UNSET
+    tail_write_delay_s: float = UNSET
     write_queue_max_bytes: int = UNSET
     queue_full_policy: str = UNSET
     remote_url: RemoteURL | None = UNSET

@@ -533,14 +533,16 @@ def _measure(search: _Search, chosen: list[tuple[ChainNode, int]], blocks: list[
 
 
 def _handover(search: _Search, chosen: list[tuple[ChainNode, int]]) -> set[str]:
-    """Keys of the chosen nodes the request may take (the live cache becomes their only copy).
+    """Keys of the chosen nodes the request may take (they leave RAM; with an SSD tier their
+    copy there stays, in hot_cache_only mode they are lent, loans.py).
 
     Only this conversation's own blocks past the last block another conversation continues
     through: path blocks none of whose later path blocks has a child that is not this request's
     (a child holding tokens other than the request's), and, for full-history layouts, a whole
-    partial tail after them (the request's store supersedes it). Checkpoints and the partial
-    tails of other layouts stay, promoted when read from disk: the request's stores turn such
-    tails into checkpoints and need them where they are. In hot_cache_only mode only
+    partial tail after them (the request's store supersedes it; one not written yet comes as a
+    copy, the manager keeping it, so a request that never stores loses nothing). Checkpoints and
+    the partial tails of other layouts stay, promoted when read from disk: the request's stores
+    turn such tails into checkpoints and need them where they are. In hot_cache_only mode only
     full-history layouts hand over: the live cache cannot give back the state that windowed /
     recurrent layers held at earlier positions.
     """

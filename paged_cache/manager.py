@@ -10,11 +10,10 @@ is already there, else it is dropped (counted). Writes wait on disk only when th
 and queue_full_policy is write-on-caller (the caller writes the block itself, after releasing the
 manager's lock) and on flush / close. With ``hot_cache_only`` there is no SSD tier at all: no
 directory, no files, no thread, no queue.
-Two kinds of blocks wait in RAM for their write to the tier keeping evicted blocks whatever the
-policy: a ``put(deferred=True)`` block (a partial tail the next store usually supersedes) is
-written only by ``flush`` / ``close`` and dropped (or handed over by a take) unwritten otherwise;
-with ``ssd_admission="reused"`` a new block is written only once it is read again (a hit or a
-take) and dropped if evicted before.
+Blocks waiting in RAM whatever the policy: a partial tail (``put(deferred=True)``) is written
+``tail_write_delay_s`` after its put (``tiers/deadlines.py``), when it leaves RAM or by flush /
+close, unless discarded first (a take gets a copy); with ``ssd_admission="reused"`` a block,
+a tail too, is written only once read again (a hit or a take), dropped if evicted before.
 
 The manager's lock is the hot tier's lock and guards its counters too: no disk I/O, fsync or wait
 on a writer runs under it (a caller's own write under "write-on-caller", flush, discard and the
@@ -30,7 +29,7 @@ from typing import AbstractSet, Any, Callable, Iterable, Literal, Sequence
 
 import mlx.core as mx
 
-from paged_cache.block import Block, are_keys, check_key
+from paged_cache.block import Block, check_key, checked_keys
 from paged_cache.chain_index import ChainNode
 from paged_cache.config import CacheConfig
 from paged_cache.hashing import ROOT_PARENT
@@ -38,6 +37,7 @@ from paged_cache import rates_file
 from paged_cache.rates import Rates
 from paged_cache.rates_file import READ_TIERS
 from paged_cache.tiers.base import Tier
+from paged_cache.tiers.deadlines import Deadlines
 from paged_cache.tiers.ssd.direct import StoredBlock, read_stored
 from paged_cache.tiers.format import Expected, RawTensors, check_meta, raw_tensors
 from paged_cache.tiers.stack import HIT_LABELS, TIER_GAUGES, open_tiers
@@ -45,7 +45,8 @@ from paged_cache.tiers.stack import HIT_LABELS, TIER_GAUGES, open_tiers
 log = logging.getLogger("paged_cache.manager")
 
 Label = Literal["hot", "pending", "ssd", "remote"]
-DEFERRED, PROBATION = "deferred", "probation"  # why a block in RAM has no SSD write yet
+DEFERRED, PROBATION, NEW_TAIL = "deferred", "probation", "new tail"  # why no SSD write yet
+UNREUSED = (PROBATION, NEW_TAIL)  # dropped when they leave RAM, never written by a flush
 
 
 class PagedSSDCacheManager:
@@ -63,14 +64,14 @@ class PagedSSDCacheManager:
         self._discards = 0  # bumped by discard(): a read that raced one is not promoted
         self.counters = dict(puts=0, puts_existing=0, puts_dropped=0, gets=0, misses=0,
                              promotions=0, takes=0, discards=0, spills=0, evicted_dropped=0,
-                             evicted_dropped_bytes=0, deferred_dropped=0,
-                             deferred_dropped_bytes=0, admissions=0, probation_dropped=0,
+                             evicted_dropped_bytes=0, tails_written=0, tails_copied=0,
+                             admissions=0, probation_dropped=0,
                              probation_dropped_bytes=0, nodes_rejected=0, rates_loaded=0,
                              rates_rejected=0, rates_save_errors=0)
         self._hits = dict.fromkeys(HIT_LABELS, 0)
-        # hot blocks whose write to the keeping tier waits: key -> DEFERRED (flush / close write
-        # it) or PROBATION (written at its first reuse); dropped when they leave RAM otherwise
+        # hot blocks whose write waits: DEFERRED (due in _tails), UNREUSED (till a reuse)
         self._waiting: dict[str, str] = {}
+        self._tails = Deadlines(self._write_due, "paged-cache-tails")
         self.config.log_inert_fields()
         # fastest first, RAM first; ssd_error: why the configured SSD tier could not be opened
         tiers, self.ssd_error = open_tiers(self.config, lock=self._lock, on_evict=self._on_evict)
@@ -82,7 +83,8 @@ class PagedSSDCacheManager:
         # the measured rates a fetch plan weighs (rates.py): each tier's reads, each model's
         # prefill; seeded by what the last process saved in the SSD directory (rates_file.py)
         self._rates_dir = getattr(self._named("ssd"), "directory", None)
-        self.rates = Rates(self.config.prefill_tokens_per_s or None, self._saved_rates())
+        self.rates = Rates(self.config.prefill_tokens_per_s or None,
+                           rates_file.load_counted(self._rates_dir, self.counters))
         log.debug("opened: %s", self.config)
 
     # ------------------------------------------------------------------------------ writes
@@ -91,12 +93,8 @@ class PagedSSDCacheManager:
         """Store `block`; True when it is now held as new, False when the key was already held
         (or, without a tier keeping evicted blocks, when it is larger than the whole hot budget).
 
-        ``deferred=True``: with an SSD tier, the block is written only by ``flush`` / ``close``
-        (or at once when the hot tier cannot hold it); evicted or demoted before that it is
-        dropped unwritten (counted), and ``get(take=True)`` hands it over unwritten. For blocks
-        a later put usually supersedes (the prefix cache's partial tails: the taker's own store
-        puts the block that extends it), whose loss costs a recompute of fewer than a block's
-        tokens."""
+        ``deferred=True`` (a partial tail the conversation's next store usually discards): see
+        the module doc (0 ``tail_write_delay_s``: written now, whatever the policy)."""
         raw = self._validated(block)
         try:
             return self._put(block, raw, deferred)
@@ -119,16 +117,21 @@ class PagedSSDCacheManager:
                         self.counters["promotions"] += 1
                     return False
             self.counters["puts"] += 1
-            waits = None if self._keeper is None else (
-                DEFERRED if deferred else PROBATION if self.config.ssd_admission == "reused"
-                else None)
+            delay = self.config.tail_write_delay_s
+            reused, waits = self.config.ssd_admission == "reused", None
+            if self._keeper is not None:
+                waits = ((NEW_TAIL if reused else DEFERRED if delay > 0 else None) if deferred
+                         else PROBATION if reused else None)
             persisted = False
             for tier in reversed(self._lower):
-                if tier.writes_new and not (waits is not None and tier is self._keeper):
-                    written = tier.write(block, raw)
-                    persisted = persisted or (tier is self._keeper and written)
+                keeps = tier is self._keeper
+                if (tier.writes_new or (keeps and deferred)) and not (waits and keeps):
+                    written = tier.write(block, raw)  # a tail with no delay: at once, any policy
+                    persisted = persisted or (keeps and written)
             if waits is not None:
                 self._waiting[block.key] = waits
+                if waits == DEFERRED:
+                    self._tails.add(block.key, delay)
             if self._hot.write(block, persisted=persisted):
                 return True
             self._waiting.pop(block.key, None)  # not kept in RAM: written now if it can be
@@ -163,14 +166,13 @@ class PagedSSDCacheManager:
                 self._hot.released(sum(nbytes for _, nbytes in released))
 
     def _on_evict(self, block: Block, persisted: bool) -> None:
-        """Hot-tier eviction: spill an unpersisted block to the tier keeping evicted blocks, or
-        drop it (counted): always a block whose write waits (deferred, or never reused)."""
+        """Hot-tier eviction: spill an unpersisted block (a deferred one too) to the tier keeping
+        evicted blocks, or drop it (counted): a block on probation (never reused)."""
         if persisted:
             return
-        waits = self._waiting.pop(block.key, None)
-        if waits is not None:
-            self.counters[f"{waits}_dropped"] += 1
-            self.counters[f"{waits}_dropped_bytes"] += block.nbytes
+        if self._waiting.pop(block.key, None) in UNREUSED:
+            self.counters["probation_dropped"] += 1
+            self.counters["probation_dropped_bytes"] += block.nbytes
             return
         if self._keeper is not None and self._keeper.write(block):
             self.counters["spills"] += 1
@@ -263,28 +265,49 @@ class PagedSSDCacheManager:
         if not take:
             found = self._hot.read(key)
             block = None if found is None else found[0]
-            if block is not None and self._waiting.get(key) == PROBATION:
+            if block is not None and self._waiting.get(key) in UNREUSED:
                 self._admit(block)
             return block
+        if self._waiting.get(key) == NEW_TAIL:
+            self._admit(self._hot.peek(key))  # a reuse: deferred from now on
+        if self._waiting.get(key) == DEFERRED:
+            # its only copy: a copy goes, the block stays with its timer (a store supersedes it)
+            kept = self._hot.get(key)
+            self.counters["tails_copied"] += 1
+            return Block(key, dict(kept.arrays), dict(kept.meta))
         taken = self._hot.take(key)
         if taken is None:
             return None
         block, persisted = taken
         self.counters["takes"] += 1
-        waits = self._waiting.pop(key, None)
-        if waits == PROBATION:
+        if self._waiting.pop(key, None) == PROBATION:
             self.counters["admissions"] += 1  # a take is a reuse: spilled below like any block
-        if waits != DEFERRED and not persisted and self._keeper is not None \
-                and self._keeper.write(block):
-            self.counters["spills"] += 1  # (a deferred block is handed over unwritten)
+        if not persisted and self._keeper is not None and self._keeper.write(block):
+            self.counters["spills"] += 1
         return block
 
+    def _write_due(self, keys: list[str]) -> None:
+        """The timer's thread: write the deferred blocks of ``keys`` still in RAM (superseded by
+        no store in time) to the tier keeping evicted blocks."""
+        with self._lock:
+            for key in [] if self._closed else keys:
+                block = self._hot.peek(key) if self._waiting.get(key) == DEFERRED else None
+                if block is not None and self._keeper.write(block):
+                    del self._waiting[key]
+                    self._hot.mark_persisted(key)
+                    self.counters["tails_written"] += 1
+        self._after()
+
     def _admit(self, block: Block) -> None:
-        """A block on probation is read again: from now on it is written like any other, at once
-        (write-through) or when it leaves RAM (write-back). Under the lock."""
-        del self._waiting[block.key]
+        """A block on probation is read again (under the lock): from now on written like any
+        other, at once (write-through) or when it leaves RAM (write-back), a tail when due."""
+        waits = self._waiting.pop(block.key)
         self.counters["admissions"] += 1
-        if self._keeper.writes_new and self._keeper.write(block):
+        delay = self.config.tail_write_delay_s
+        if waits == NEW_TAIL and delay > 0:
+            self._waiting[block.key] = DEFERRED
+            self._tails.add(block.key, delay)
+        elif (self._keeper.writes_new or waits == NEW_TAIL) and self._keeper.write(block):
             self._hot.mark_persisted(block.key)
 
     def _miss(self) -> None:
@@ -302,7 +325,7 @@ class PagedSSDCacheManager:
         """``tier_of`` of every key: the hot tier's under one lock acquisition, then the write
         queue and the block files for the rest (no lock held). The remote tier is not asked (a
         store deciding what to put; ``chain`` asks it)."""
-        return self._walk(_checked_keys(keys), chain=False, shared=False)
+        return self._walk(checked_keys(keys), chain=False, shared=False)
 
     def _walk(self, keys: list[str], *, chain: bool, shared: bool,
               listed: dict[Tier, AbstractSet[str]] | None = None) -> list[Label | None]:
@@ -388,6 +411,7 @@ class PagedSSDCacheManager:
             self._check_open()
             self._discards += 1
             self._waiting.pop(key, None)
+            self._tails.cancel(key)
             held = self._hot.discard(key)
         for tier in self._lower:  # may wait for a write in progress: no lock held
             held = tier.discard(key) or held
@@ -402,34 +426,11 @@ class PagedSSDCacheManager:
 
     # ------------------------------------------------------------------------------ lifecycle
 
-    def _saved_rates(self) -> rates_file.SavedRates | None:
-        """The estimates saved in the SSD directory; a file that cannot be used is a counted
-        (``rates_rejected``), logged miss."""
-        if self._rates_dir is None:
-            return None
-        try:
-            saved = rates_file.load(self._rates_dir)
-        except rates_file.BadRatesFile as exc:
-            self.counters["rates_rejected"] += 1
-            log.warning("ignoring the saved rates %s: it %s",
-                        self._rates_dir / rates_file.FILE_NAME, exc)
-            return None
-        if saved is not None:
-            self.counters["rates_loaded"] += 1
-        return saved
-
     def _save_rates(self) -> None:
-        """Save the estimates in the SSD directory for the next process; an error is logged and
-        counted (``rates_save_errors``), never raised. Nothing measured: nothing written."""
-        measured = self.rates.measured()
-        if self._rates_dir is None or not any(measured.values()):
-            return
-        try:
-            rates_file.save(self._rates_dir, rates_file.SavedRates(**measured))
-        except OSError as exc:
+        """Save the estimates in the SSD directory (rates_file.py); a failure is counted."""
+        if not rates_file.save_measured(self._rates_dir, self.rates.measured()):
             with self._lock:
                 self.counters["rates_save_errors"] += 1
-            log.warning("could not save the measured rates in %s: %s", self._rates_dir, exc)
 
     def flush(self) -> None:
         """Wait until every tier's queue is written (slowest first), then write every hot block
@@ -449,7 +450,8 @@ class PagedSSDCacheManager:
         keeper = self._keeper
         keeper.flush()
         with self._lock:  # blocks on probation are not written: they were never reused
-            blocks = [b for b in self._hot.unpersisted() if self._waiting.get(b.key) != PROBATION]
+            blocks = [b for b in self._hot.unpersisted()
+                      if self._waiting.get(b.key) not in UNREUSED]
         while blocks:
             block = blocks.pop(0)
             if keeper.write(block, now=True):
@@ -466,6 +468,7 @@ class PagedSSDCacheManager:
             if self._closed:
                 return
             self._closed = True  # no new work from here on
+        self._tails.close()  # its deferred blocks are written by the flush below
         if self._keeper is not None:
             self._flush()
         self._save_rates()
@@ -522,7 +525,7 @@ class PagedSSDCacheManager:
         ``nodes_rejected``, unless it is a root child that may start another namespace's chain
         (``ChainNode.another_namespaces``: every namespace's chains start at the same root). Each
         parent's children come in key order."""
-        keys = _checked_keys(keys)
+        keys = checked_keys(keys)
         parents = [ROOT_PARENT, *keys]
         with self._lock:
             self._check_open()
@@ -579,13 +582,3 @@ class PagedSSDCacheManager:
                 "listed node %s (%s) refused: %s%s", str(key)[:16], tier, reason,
                 "; further refusals are counted in nodes_rejected" if first else "")
 
-
-def _checked_keys(keys: Sequence[str]) -> list[str]:
-    """``keys`` as a list, each checked to be a block key (TypeError / ValueError naming it)."""
-    if isinstance(keys, str):
-        raise TypeError("keys: expected a sequence of keys, got a single str")
-    keys = list(keys)
-    if not are_keys(keys):
-        for key in keys:
-            check_key(key)  # raises with the standard message for the first bad one
-    return keys

@@ -10,6 +10,7 @@ bounds, is ignored whole (the caller counts and logs it); nothing here raises on
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import secrets
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from paged_cache.tiers.ssd.files import READ_FLAGS, read_exact
+
+log = logging.getLogger("paged_cache.manager")
 
 FILE_NAME = "rates.json"
 READ_TIERS = ("hot", "ssd", "remote")  # tiers whose read rate is kept ("pending" reads are RAM)
@@ -147,3 +150,33 @@ def save(directory: os.PathLike | str, rates: SavedRates) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def load_counted(directory: Path | None, counters: dict[str, int]) -> SavedRates | None:
+    """The estimates saved in ``directory`` (None: no SSD directory) for a manager opening it;
+    one read counts ``rates_loaded``, a file that cannot be used is a logged miss counted in
+    ``rates_rejected`` (``counters``: the manager's)."""
+    if directory is None:
+        return None
+    try:
+        saved = load(directory)
+    except BadRatesFile as exc:
+        counters["rates_rejected"] += 1
+        log.warning("ignoring the saved rates %s: it %s", Path(directory) / FILE_NAME, exc)
+        return None
+    if saved is not None:
+        counters["rates_loaded"] += 1
+    return saved
+
+
+def save_measured(directory: Path | None, measured: dict) -> bool:
+    """Save ``measured`` (``Rates.measured()``) in ``directory`` for the next process; False
+    (logged, never raised) when it could not be written. Nothing measured: nothing written."""
+    if directory is None or not any(measured.values()):
+        return True
+    try:
+        save(directory, SavedRates(**measured))
+    except OSError as exc:
+        log.warning("could not save the measured rates in %s: %s", directory, exc)
+        return False
+    return True

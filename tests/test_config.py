@@ -218,7 +218,7 @@ def test_cli_flags_for_every_field(tmp_path):
     config = parse_cli(["--block-size", "128", "--hot-cache-max-bytes", "2GB", "--ssd-dir",
                         str(tmp_path), "--ssd-max-bytes", "3GiB", "--compression", "lz4",
                         "--write-policy", "write-back", "--ssd-admission", "reused",
-                        "--write-queue-max-bytes", "8MB",
+                        "--tail-write-delay-s", "0.5", "--write-queue-max-bytes", "8MB",
                         "--queue-full-policy", "write-on-caller", "--remote-url",
                         "rediss://u:pw@cache.lan:6380/2", "--remote-ttl", "3600",
                         "--remote-timeout", "0.2", "--remote-queue-max-bytes", "16MiB",
@@ -232,7 +232,8 @@ def test_cli_flags_for_every_field(tmp_path):
     assert config.to_dict() == dict(
         block_size=128, hot_cache_max_bytes=2 * 10**9, ssd_dir=str(tmp_path),
         ssd_max_bytes=3 * 2**30, hot_cache_only=False, compression="lz4",
-        write_policy="write-back", ssd_admission="reused", write_queue_max_bytes=8 * 10**6,
+        write_policy="write-back", ssd_admission="reused", tail_write_delay_s=0.5,
+        write_queue_max_bytes=8 * 10**6,
         queue_full_policy="write-on-caller", remote_url="rediss://u:***@cache.lan:6380/2",
         remote_cluster=False, remote_ttl=3600.0, remote_timeout=0.2,
         remote_queue_max_bytes=16 * 2**20, remote_secret=None, remote_insecure=True,

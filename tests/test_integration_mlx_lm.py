@@ -73,11 +73,11 @@ def test_fetch_is_exact_and_mutation_safe(tmp_path, model):
         got[0].trim(30)
         got[0].keys[:] = 0.0
         again, rest2 = cache.fetch_nearest_cache(KEY, prompt)
-        # The first fetch handed the 4-token partial tail over unwritten (a tail waits in RAM,
-        # and the request's own insert puts it back): with no insert in between, the full blocks.
-        assert len(prompt) - len(rest2) == 96
+        # The 4-token partial tail, not written yet, was copied, not taken: with no insert in
+        # between, the second fetch gets all 100 tokens again, none of the mutations above.
+        assert len(prompt) - len(rest2) == 100
         rest = rest2
-        want = last_logits(model, prefill(model, prompt[:96]), rest[0])
+        want = last_logits(model, prefill(model, prompt[:100]), rest[0])
         assert mx.abs(last_logits(model, again, rest[0]) - want).max().item() == 0.0
         assert again[0] is not got[0] and again[0].keys is not got[0].keys
 

@@ -260,6 +260,12 @@ class HotTier(Tier):
             self.counters["hits"] += 1
             return entry.block
 
+    def peek(self, key: str) -> Block | None:
+        """The block, or None; not a use (no hit counted, its place in the LRU order kept)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            return None if entry is None else entry.block
+
     def take(self, key: str) -> tuple[Block, bool] | None:
         """Remove and return ``(block, persisted)``: the caller takes the arrays over (a hit, and
         counted in ``takes``); None (not counted as a miss) when absent."""

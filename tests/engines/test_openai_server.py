@@ -161,3 +161,35 @@ def test_command_line_paged_cache_cannot_serve_fails_clearly(tmp_path):
     assert done.returncode == 1
     assert done.stderr.startswith("paged-cache openai-server: error: expected `paged-cache "
                                   "openai-server launch")
+
+
+LONG_TURN = "And what then, step by step? " * 150
+
+
+def _second_turn(model: Path, workdir: Path, drop: bool) -> int:
+    """Cached tokens (as the usage reports them) of a conversation's second turn, a long message,
+    on a fresh server; after (``drop``) the same turn sent as a stream the client drops after
+    its first chunk (mlx-openai-server cancels it while it generates, before its insert)."""
+    histories: dict[int, list[dict]] = {}
+    with paged(model, "llama", workdir, "--ssd-dir", str(workdir / "ssd"),
+               name=workdir.name) as ours:
+        chat(ours.url, str(model), conversations=1, turns=1, history=histories)
+        messages = histories[0] + [{"role": "user", "content": LONG_TURN}]
+        client = openai_client(ours.url)
+        if drop:
+            stream = client.chat.completions.create(model=str(model), messages=messages,
+                                                    max_tokens=4000, temperature=0.0, stream=True)
+            next(iter(stream))  # its prefill is done, its generation runs: no insert yet
+            stream.close()
+        reply = client.chat.completions.create(model=str(model), messages=messages, max_tokens=12,
+                                               temperature=0.0)
+        assert ours.stop() == 0, ours.tail()
+    return reply.usage.prompt_tokens_details.cached_tokens
+
+
+def test_a_dropped_turn_costs_the_same_turn_asked_again_nothing(models, tmp_path):
+    """A client that goes away while its turn is served (the request may never store): the
+    same turn asked again reuses at least what it reuses when nobody dropped it (the
+    conversation's partial tail was read by the dropped request's fetch, not taken)."""
+    plain = _second_turn(models["llama"], tmp_path / "plain", drop=False)
+    assert _second_turn(models["llama"], tmp_path / "dropped", drop=True) >= plain > 0

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -307,3 +308,44 @@ def test_command_lines_paged_cache_cannot_serve_fail_clearly(argv, message, tmp_
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 1
     assert done.stderr.startswith("paged-cache vllm-mlx: error: ") and message in done.stderr
+
+
+
+LONG_TURN = "And what then, step by step? " * 150
+
+
+def _fetches(server: EngineServer) -> int:
+    prefix = paged_stats(server)["prefix"]
+    return prefix["hits"] + prefix["misses"]
+
+
+def _second_turn(model: Path, workdir: Path, drop: bool) -> int:
+    """Cached tokens of a conversation's second turn (a long message: its prefill takes a while)
+    on a fresh server, after (``drop``) the same turn sent as a stream the client drops as soon
+    as the server answered its headers (vllm-mlx aborts it, before it could store)."""
+    histories: dict[int, list[dict]] = {}
+    with paged(model, workdir, "--ssd-dir", str(workdir / "ssd"), name=workdir.name) as server:
+        run(server, model, conversations=1, turns=1, history=histories)
+        messages = histories[0] + [{"role": "user", "content": LONG_TURN}]
+        if drop:
+            fetches = _fetches(server)
+            openai_client(server.url).chat.completions.create(
+                model=str(model), messages=messages, max_tokens=4000, temperature=0.0,
+                stream=True).close()
+            deadline = time.monotonic() + 30  # its fetch (unless aborted before it)
+            while _fetches(server) == fetches and time.monotonic() < deadline:
+                time.sleep(0.05)
+        before = paged_stats(server)["prefix"]["tokens_matched"]
+        openai_client(server.url).chat.completions.create(
+            model=str(model), messages=messages, max_tokens=12, temperature=0.0)
+        cached = paged_stats(server)["prefix"]["tokens_matched"] - before
+        assert server.stop() == 0, server.tail()
+    return cached
+
+
+def test_a_dropped_turn_costs_the_same_turn_asked_again_nothing(models, tmp_path):
+    """A client that goes away while its turn is served (the request may never store): the
+    same turn asked again reuses at least what it reuses when nobody dropped it (the
+    conversation's partial tail was read by the dropped request's fetch, not taken)."""
+    plain = _second_turn(models["llama"], tmp_path / "plain", drop=False)
+    assert _second_turn(models["llama"], tmp_path / "dropped", drop=True) >= plain > 0
