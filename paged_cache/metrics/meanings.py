@@ -15,8 +15,10 @@ MANAGER = {
     "spills": "Blocks evicted from RAM (or taken) queued for SSD as they had no copy there yet.",
     "evicted_dropped": "Blocks evicted from RAM and lost (no SSD tier, or its queue was full).",
     "evicted_dropped_bytes": "Bytes of the blocks evicted from RAM and lost.",
-    "deferred_dropped": "Deferred blocks evicted or demoted before any flush wrote them.",
-    "deferred_dropped_bytes": "Bytes of the deferred blocks dropped before any flush.",
+    "tails_written": "Partial tails written to SSD by their timer (no store superseded them in "
+                     "tail_write_delay_s).",
+    "tails_copied": "Partial tails not yet on SSD that a fetch copied instead of taking (the "
+                    "block stays in RAM with its timer).",
     "admissions": "Blocks on probation read again, so written to SSD from then on.",
     "probation_dropped": "Blocks on probation evicted before any reuse (never written).",
     "probation_dropped_bytes": "Bytes of the blocks on probation evicted before any reuse.",
