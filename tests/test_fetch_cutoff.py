@@ -22,8 +22,9 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from paged_cache.config import CacheConfig
-from paged_cache.fetch_plan import EVIDENCE_SECONDS, Watch
+from paged_cache.fetch_plan import EVIDENCE_SECONDS, PROBE_SHARE, Watch
 from paged_cache.manager import PagedSSDCacheManager
+from paged_cache.prefill_probe import PROBE_TOKENS, probe_tokens
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.rates import Rates
 from paged_cache.rates_file import load
@@ -71,13 +72,15 @@ def _warm(model: Any, prefix: BlockAwarePrefixCache, query: list[int],
 
 
 def _rounds(seeds: range, store: Callable[[Any, list[int]], None],
-            host: Callable[[float], PagedSSDCacheManager]) -> dict:
+            host: Callable[[float], PagedSSDCacheManager],
+            link_bytes: Callable[[], int] | None = None) -> dict:
     """Fresh hosts, each with a model of its own (``seeds``: so each first request times the
     model, as a fresh process's does): the model's prompt stored, a cold run, the host's first
     request (it stops after the first block), a steady request (it prefills), a cold run.
     ``host(rate)``: a fresh host whose link reads ``rate`` bytes/s, set from the first cold run
     so the prompt's KV reads SLOWER x its cold prefill. The floors of the cold runs and of the
-    fetches' seconds."""
+    fetches' seconds. ``link_bytes``: bytes the link has sent back (a remote tier, whose
+    lookups the steady request skips: nothing crosses the link)."""
     colds, firsts, steadies, rate = [], [], [], 0.0
     for seed in seeds:
         model, query = _model(seed), prompt(TOKENS + 1, seed=seed)
@@ -91,10 +94,14 @@ def _rounds(seeds: range, store: Callable[[Any, list[int]], None],
             n = _warm(model, prefix, query, cold)
             firsts.append(prefix.last_fetch.seconds)
             assert 0 < n < TOKENS and n % BLOCK == 0 and prefix.last_fetch.recompute_reason == "cut"
+            sent = link_bytes() if link_bytes else 0
             assert _warm(model, prefix, query, cold) == 0
             steadies.append(prefix.last_fetch.seconds)
-            assert prefix.last_fetch.recompute_reason == "cost"
             stats = prefix.stats()
+            if link_bytes is None:
+                assert prefix.last_fetch.recompute_reason == "cost"
+            else:  # the remote tier is not even asked
+                assert stats["lookups_skipped"] == 1 and link_bytes() == sent
             assert stats["cut_fetches"] == 1 and stats["prefill_probes"] == 1
             assert stats["prefill_probe_seconds"] > 0 and stats["prefill_tokens_per_s"] > 0
         colds.append(_cold(model, query)[0])
@@ -130,7 +137,7 @@ def test_a_slow_remote_link_is_paid_for_once(server: ValkeyServer, url: str) -> 
         def host(rate: float) -> PagedSSDCacheManager:
             proxy.rate = rate
             return PagedSSDCacheManager(CacheConfig(**config, remote_url=proxy.url))
-        _assert_bounds(_rounds(range(0, ROUNDS), store, host))
+        _assert_bounds(_rounds(range(0, ROUNDS), store, host, lambda: proxy.sent))
 
 
 @pytest.mark.timeout(600)
@@ -193,9 +200,10 @@ def test_a_fetch_stopped_by_the_cut_off_is_exact(tmp_path: Path, arch: str) -> N
 
 @pytest.mark.timeout(300)
 def test_a_recovered_link_is_measured_again_and_used(server: ValkeyServer, url: str) -> None:
-    """A link measured slow is not read while its estimate is fresh, even once it is fast again;
-    once the estimate is older than ``recheck_seconds`` the next fetch reads the link (timed),
-    finds it fast, restores the whole prefix, and its sample replaces the slow estimate."""
+    """A link measured slow is not read, nor asked for lookups, while its estimate is fresh,
+    even once it is fast again; once the estimate is older than ``recheck_seconds`` the next
+    fetch asks and reads the link (timed), finds it fast, restores the whole prefix, and its
+    sample replaces the slow estimate."""
     model = _model(20)
     query = prompt(TOKENS + 1, seed=20)
     with PagedSSDCacheManager(CacheConfig(block_size=BLOCK, hot_cache_only=True, remote_url=url,
@@ -213,9 +221,9 @@ def test_a_recovered_link_is_measured_again_and_used(server: ValkeyServer, url: 
         assert prefix.last_fetch.recompute_reason == "cut"
         slow = manager.stats()["read_bytes_per_s"]["remote"]
         proxy.rate = 0  # the link recovers
-        hits = manager.stats()["hits"]["remote"]
-        assert _warm(model, prefix, query, cold) == 0  # the estimate is fresh: not read
-        assert prefix.last_fetch.recompute_reason == "cost"
+        hits, sent = manager.stats()["hits"]["remote"], proxy.sent
+        assert _warm(model, prefix, query, cold) == 0  # the estimate is fresh: not asked
+        assert prefix.stats()["lookups_skipped"] == 1 and proxy.sent == sent
         assert manager.stats()["hits"]["remote"] == hits
         manager.rates.recheck_seconds = 0.2
         time.sleep(0.3)
@@ -225,6 +233,7 @@ def test_a_recovered_link_is_measured_again_and_used(server: ValkeyServer, url: 
         assert fast > 10 * slow  # the average restarted from the new sample
         manager.rates.recheck_seconds = 3600.0
         assert _warm(model, prefix, query, cold) == TOKENS  # the plan restores now
+        assert prefix.stats()["lookups_skipped"] == 1
 
 
 @pytest.mark.unit
@@ -274,18 +283,31 @@ def test_the_cut_off_weighs_the_rest_against_the_prefill_it_gives_up() -> None:
 # ---------------------------------------------------------------------- the prefill rate, timed
 
 
-def test_the_prefill_rate_is_timed_once_per_model_and_process(tmp_path: Path) -> None:
-    """No rate measured, saved or set: the first fetch that may read a slow tier times the model
-    (counted), adds the sample and saves it; another manager of the process reuses it; a fetch
-    from RAM only, or a policy that weighs nothing, times nothing."""
+def _model_costing(model: Any, prefix: BlockAwarePrefixCache, seconds: float) -> None:
+    """Say ``prefix``'s model took ``seconds`` for its 1-token dry run (the first bound on a
+    forward's cost the library sizes its timed forward with): a given figure, as a seeded rate
+    is, so which fetch times the model does not depend on this machine's speed."""
+    assert prefix.layout.ready()
+    prefix.layout.dry_run_seconds = seconds
+
+
+def test_the_prefill_rate_is_timed_within_its_budget_once_per_model_and_process(
+        tmp_path: Path) -> None:
+    """No rate measured, saved or set. A model far slower than the restore (its forward costs
+    more than PROBE_SHARE of it): the fetch restores whole and runs no forward. A fast one over
+    a slow SSD: the fetch times the model once (counted) after its first read, adds and saves
+    the sample; another manager of the process reuses it. A fetch from RAM only, or a policy
+    that weighs nothing, times nothing."""
     model = tiny_model("llama", seed=11)  # a model no other test timed in this process
     tokens = prompt(4 * 16)
     with new_manager(tmp_path, block_size=16, ssd_max_bytes="64MB") as manager:
         store_prompt(model, BlockAwarePrefixCache(manager, model), tokens)
+    block_bytes = min(f.stat().st_size for f in (tmp_path / "blocks").rglob("*.safetensors*"))
     hot = tiny_model("llama", seed=12)
     with new_manager(None, block_size=16, fetch_policy="cost") as manager:
         prefix = BlockAwarePrefixCache(manager, hot)
         store_prompt(hot, prefix, tokens)
+        _model_costing(hot, prefix, 0.0)
         assert assert_exact(hot, prefix, tokens + [1]) == len(tokens)
         stats = prefix.stats()
         assert stats["prefill_probes"] == 0 and "prefill_tokens_per_s" not in stats
@@ -293,10 +315,20 @@ def test_the_prefill_rate_is_timed_once_per_model_and_process(tmp_path: Path) ->
         prefix = BlockAwarePrefixCache(manager, model)
         assert assert_exact(model, prefix, tokens + [1]) == len(tokens)
         assert prefix.stats()["prefill_probes"] == 0
+    slow_ssd = dict(block_size=16, ssd_max_bytes="64MB", fetch_policy="cost",
+                    test_ssd_read_bytes_per_s=round(block_bytes / EVIDENCE_SECONDS))
+    with new_manager(tmp_path, **slow_ssd) as manager:  # a forward costs 1,000 s: none fits
+        prefix = BlockAwarePrefixCache(manager, model)
+        _model_costing(model, prefix, 1e3)
+        assert assert_exact(model, prefix, tokens + [1]) == len(tokens)
+        stats = prefix.stats()
+        assert stats["prefill_probes"] == 0 and "prefill_tokens_per_s" not in stats
+        assert manager.stats()["hits"]["ssd"] == 4  # the restore went on, every block read
+    (tmp_path / "rates.json").unlink()
     for first in (True, False):
-        with new_manager(tmp_path, block_size=16, ssd_max_bytes="64MB",
-                         fetch_policy="cost") as manager:
+        with new_manager(tmp_path, **slow_ssd) as manager:
             prefix = BlockAwarePrefixCache(manager, model)
+            _model_costing(model, prefix, 1e-9)  # a forward of PROBE_TOKENS fits any budget
             assert_exact(model, prefix, tokens + [1])
             stats = prefix.stats()
             assert stats["prefill_probes"] == int(first) and stats["prefill_samples"] == 1
@@ -307,3 +339,26 @@ def test_the_prefill_rate_is_timed_once_per_model_and_process(tmp_path: Path) ->
             (tmp_path / "rates.json").unlink()
     assert load(tmp_path).prefill_tokens_per_s[identity] == pytest.approx(
         stats["prefill_tokens_per_s"])
+
+
+@pytest.mark.unit
+def test_a_timed_forward_is_sized_to_a_share_of_the_restore() -> None:
+    """The budget is PROBE_SHARE of the restore the first reads project; the forward takes as
+    many tokens as fit at the cost per token of the longest forward timed so far."""
+    assert probe_tokens(0.2, 1, 0.13) == 1 and probe_tokens(0.1, 1, 0.13) == 0
+    assert probe_tokens(1.0, 4, 0.1) == 40 and probe_tokens(100.0, 1, 0.01) == PROBE_TOKENS
+    assert probe_tokens(0.0, 1, 0.01) == 0 and probe_tokens(1.0, 1, 0.0) == 0
+    budgets: list[float] = []
+
+    def nothing_fits(budget: float) -> None:
+        budgets.append(budget)
+
+    fast = Watch(None, [64, 48, 32, 16], learn=nothing_fits)
+    fast.add(16, 0.1)                                         # 0.4 s projected in all
+    assert fast.cut(covered=16, remaining=48, n=64) is None and fast.settled
+    assert budgets == [pytest.approx(PROBE_SHARE * 0.4)]
+    slow = Watch(None, [64, 48, 32, 16], learn=lambda budget: budgets.append(budget) or 100.0)
+    slow.add(16, 1.0)                                          # 16 tokens/s, then 100 learned
+    assert slow.cut(covered=16, remaining=48, n=64) == 16 and slow.prefill == 100.0
+    assert budgets[1:] == [pytest.approx(PROBE_SHARE * 4.0)]
+    assert slow.cut(covered=16, remaining=48, n=64) == 16 and len(budgets) == 2  # learned once
