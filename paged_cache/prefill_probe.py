@@ -1,17 +1,21 @@
-"""The model's prefill rate when nothing gave one: the library times a forward sized to its budget.
+"""The model's prefill rate when nothing gave one: the library times forwards within a budget.
 
 The fetch plan and its cut-off weigh a restore against the model's prefill rate. A caller that
 reports its prefills (the Scheduler's chunks, ``paged-cache serve``'s requests, the engine
 adapters) gives it; a saved estimate (rates.json) or the ``prefill_tokens_per_s`` setting seeds
 it. When none of these is there, a fetch restores under the cut-off and, once its first reads
-project the restore's time, may time one forward of the request's own tokens (repeated when it is
-shorter) into a fresh cache, sized to cost at most fetch_plan.PROBE_SHARE of that restore: as
-many tokens (at most ``PROBE_TOKENS``) as the budget allows at the per-token cost of the longest
-forward timed so far (at first the layout's 1-token dry run, whose first-call overheads make it
-an upper bound). No token fits: the restore is too short to be worth timing the model, and goes
-on. The forward is a sample of the model's prefill rate (saved beside the others) and is kept for
-the process: a later manager reuses it. Counted in ``prefill_probes`` / ``prefill_probe_seconds``.
-The forward touches no stored block and no cache the caller sees.
+project the restore's time, may time the model within a budget of fetch_plan.PROBE_SHARE of that
+restore: forwards of the request's own tokens (repeated when it is shorter) into a fresh cache,
+1 token, then each twice the tokens of the one before, up to ``PROBE_TOKENS``, while the next
+one's cost at the last one's cost per token fits what is left of the budget (the first one's: the
+layout's 1-token dry run, a first call, its overheads in it). A small model's short forwards are
+all call overhead, so the doubling finds in a few milliseconds what a linear guess from one token
+would call unaffordable; a large model stops where its forwards get dear. The longest forward of
+the process is kept: a later fetch (or manager) goes on doubling from it. One of
+``MIN_PROBE_TOKENS`` or more is a sample of the model's prefill rate (saved beside the others);
+fewer tell a call's overhead more than the rate: no sample, and the fetch restores. Counted in
+``prefill_probes`` (fetches that took a sample) and ``prefill_probe_seconds`` (every forward
+timed). The forwards touch no stored block and no cache the caller sees.
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ import numpy as np
 from paged_cache.layout import layer_arrays
 
 PROBE_TOKENS = 256  # tokens of the longest timed forward: a few hundred, a call's overhead small
+MIN_PROBE_TOKENS = 32  # fewer tell a call's overhead more than the model's rate: no sample
 
 _lock = threading.Lock()
-_probed: dict[str, tuple[int, float]] = {}  # model identity -> (tokens, seconds), this process
+_timed: dict[str, tuple[int, float]] = {}  # model identity -> (tokens, seconds) of the longest
+# forward timed in this process (a rate sample when it has MIN_PROBE_TOKENS or more)
 
 
 def known_rate(pc: Any) -> float | None:
@@ -39,38 +45,37 @@ def known_rate(pc: Any) -> float | None:
     if rate:
         return rate
     with _lock:
-        probed = _probed.get(identity)
-    if probed is None:
+        timed = _timed.get(identity)
+    if timed is None or timed[0] < MIN_PROBE_TOKENS:
         return None
-    pc.record_prefill(*probed)
+    pc.record_prefill(*timed)
     return rates.prefill(identity)
 
 
-def probe_tokens(budget: float, tokens: int, seconds: float) -> int:
-    """Tokens of a forward that fits ``budget`` seconds when ``tokens`` took ``seconds`` (a
-    forward of more tokens costs less per token), at most PROBE_TOKENS; 0 when none fits."""
-    if budget <= 0 or seconds <= 0:
-        return 0
-    return min(PROBE_TOKENS, int(budget * tokens / seconds))
-
-
 def sized_rate(pc: Any, ids: np.ndarray, budget: float) -> float | None:
-    """``pc``'s model's prefill rate after timing a forward of ``ids`` that fits ``budget``
-    seconds (module doc), or the rate already known when no longer forward fits; None when
-    nothing is known and no token fits."""
+    """``pc``'s model's prefill rate after timing forwards of ``ids`` within ``budget`` seconds
+    (module doc: each twice the tokens of the longest timed, while its cost at that one's cost
+    per token fits what is left), or the rate known before; None when nothing is known and no
+    forward worth a sample fit."""
     identity = pc.layout.identity
     with _lock:
-        probed = _probed.get(identity)
-    tokens, seconds = probed or (1, pc.layout.dry_run_seconds)
-    k = probe_tokens(budget, tokens, seconds)
-    if k > (probed[0] if probed else 0):
-        timed = time_forward(pc, ids, k)
-        pc.count("prefill_probes")
-        pc.count("prefill_probe_seconds", timed[1])
-        pc.record_prefill(*timed)
+        tokens, seconds = _timed.get(identity, (0, 0.0))
+    grown = False
+    while tokens < PROBE_TOKENS:
+        more = min(PROBE_TOKENS, 2 * tokens) if tokens else 1
+        cost = seconds * more / tokens if tokens else pc.layout.dry_run_seconds
+        if cost > budget:
+            break
+        tokens, seconds = time_forward(pc, ids, more)
+        budget -= seconds
+        pc.count("prefill_probe_seconds", seconds)
+        grown = True
         with _lock:
-            if timed[0] > _probed.get(identity, (0, 0.0))[0]:
-                _probed[identity] = timed
+            if tokens > _timed.get(identity, (0, 0.0))[0]:
+                _timed[identity] = (tokens, seconds)
+    if grown and tokens >= MIN_PROBE_TOKENS:
+        pc.count("prefill_probes")
+        pc.record_prefill(tokens, seconds)
         return pc.manager.rates.prefill(identity)
     return known_rate(pc)
 
