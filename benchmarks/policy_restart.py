@@ -25,7 +25,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
@@ -61,21 +61,33 @@ def prefill(model: Any, cache: list, tokens: list[int], start: int, block: int) 
         mx.eval([a for layer in cache for a in layer_arrays(layer)])
 
 
+def dry_run_and_fetch(prefix: BlockAwarePrefixCache, fetch: Callable[[], Any]
+                      ) -> tuple[float, float, Any]:
+    """The seconds of ``prefix``'s layout dry run (its first use) and of ``fetch()``, timed
+    apart, and what ``fetch`` returned."""
+    t0 = time.perf_counter()
+    if prefix.fingerprint is None:
+        raise AssertionError("restore: the model's layout is not supported")
+    dry = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out = fetch()
+    return dry, time.perf_counter() - t0, out
+
+
 def _restore(ssd_dir: str, tokens: list[int], block: int, hot_bytes: int) -> dict:
     model = io_model()
     config = CacheConfig(block_size=block, ssd_dir=ssd_dir, hot_cache_max_bytes=hot_bytes)
     with PagedSSDCacheManager(config) as manager:
         prefix = BlockAwarePrefixCache(manager, model)
-        t0 = time.perf_counter()
-        if prefix.fingerprint is None:
-            raise AssertionError("restore: the model's layout is not supported")
-        dry = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        cache, n = prefix.fetch(tokens)
-        mx.eval([a for layer in cache or [] for a in layer_arrays(layer)])
-        fetch = time.perf_counter() - t0
+
+        def fetch() -> int:
+            cache, n = prefix.fetch(tokens)
+            mx.eval([a for layer in cache or [] for a in layer_arrays(layer)])
+            return n
+
+        dry, seconds, n = dry_run_and_fetch(prefix, fetch)
         stats = prefix.stats()
-    return dict(dry=dry, fetch=fetch, restored=n, probes=stats["prefill_probes"],
+    return dict(dry=dry, fetch=seconds, restored=n, probes=stats["prefill_probes"],
                 probe_s=stats["prefill_probe_seconds"])
 
 

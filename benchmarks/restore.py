@@ -39,7 +39,7 @@ import numpy as np
 from benchmarks.common import (KIB, Context, Timing, block_files, bar_plot, drop_page_cache,
                                eval_cache, figure, figures_by_name, filled_cache, io_model,
                                read_files, repeat, return_pages, settle)
-from benchmarks.policy_restart import in_new_process
+from benchmarks.policy_restart import dry_run_and_fetch, in_new_process
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
 from paged_cache.config import READ_THREADS_DEFAULT
 from paged_cache.row_path import forced, row_path
@@ -211,13 +211,7 @@ def _restarted(config: CacheConfig, model, tokens, n, files, raw=None):
     return_pages()
     with PagedSSDCacheManager(config) as manager:
         prefix = BlockAwarePrefixCache(manager, model)
-        started = time.perf_counter()
-        if prefix.fingerprint is None:
-            raise AssertionError("restore: the model's layout is not supported")
-        dry = time.perf_counter() - started
-        started = time.perf_counter()
-        out = _fetch(prefix, tokens, n, "ssd")
-        seconds = time.perf_counter() - started
+        dry, seconds, out = dry_run_and_fetch(prefix, lambda: _fetch(prefix, tokens, n, "ssd"))
         del out
     settle()
     return seconds, dry, raw_seconds
