@@ -215,9 +215,11 @@ class Watch:
             return None
         rest = remaining * self.seconds / self.tokens
         if self.prefill is None:
-            # no rate known: time the model within PROBE_SHARE of the restore projected so far;
-            # a restore too short for any forward to fit is not worth it: it goes on, settled
-            self.prefill = self.learn(PROBE_SHARE * (self.seconds + rest)) if self.learn else None
+            # no rate known: time the model within PROBE_SHARE of the restore projected so far,
+            # once per fetch; a restore too short for a forward worth timing is not worth
+            # stopping: it goes on, settled
+            learn, self.learn = self.learn, None
+            self.prefill = learn(PROBE_SHARE * (self.seconds + rest)) if learn else None
             if self.prefill is None:
                 self.settled = True
                 return None

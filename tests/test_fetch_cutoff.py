@@ -363,6 +363,8 @@ def test_a_watch_without_a_prefill_rate_learns_one_within_a_share_of_the_restore
     fast.add(16, 0.1)                                         # 0.4 s projected in all
     assert fast.cut(covered=16, remaining=48, n=64) is None and fast.settled
     assert budgets == [pytest.approx(PROBE_SHARE * 0.4)]
+    fast.add(16, 0.1)
+    assert fast.cut(covered=32, remaining=32, n=64) is None and len(budgets) == 1  # once
     slow = Watch(None, [64, 48, 32, 16], learn=lambda budget: budgets.append(budget) or 100.0)
     slow.add(16, 1.0)                                          # 16 tokens/s, then 100 learned
     assert slow.cut(covered=16, remaining=48, n=64) == 16 and slow.prefill == 100.0
