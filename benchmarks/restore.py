@@ -220,14 +220,15 @@ def _restarted(config: CacheConfig, model, tokens, n, files, raw=None):
 def _first_fetch(ctx: Context, model, cache, tokens, n, payload, repeats) -> dict:
     """A restart's first fetch, each in a new process (policy_restart.py): with nothing saved
     (no rates.json: no prefill rate, no read rate) against one whose directory has the
-    estimates the run before saved, alternating, page cache dropped before each; the layout's
-    dry run included in both."""
+    estimates an earlier run saved, alternating (each ahead in turn), page cache dropped before
+    each; the layout's dry run included in both."""
     ssd_dir = ctx.scratch / "restore-first"
     config = CacheConfig(block_size=BLOCK, ssd_dir=ssd_dir, hot_cache_max_bytes=3 * payload)
     files = _store_files(ssd_dir, config, model, cache, tokens, n)
     runs: dict[str, list[dict]] = {"first": [], "second": []}
-    for _ in range(repeats):
-        for name in runs:
+    for i in range(repeats):
+        for name in sorted(runs, reverse=i % 2 == 1):  # each ahead in turn (a run's exit
+            # frees its 256 MiB while the next starts)
             if name == "first":
                 (ssd_dir / "rates.json").unlink(missing_ok=True)
             drop_page_cache(files)
@@ -356,7 +357,8 @@ def run(ctx: Context) -> dict:
         **{f"{name}_{k}": v for name, got in first.items() for k, v in got.items()
            if k != "total"},
         meaning="dry run + fetch of a new process on a directory without rates.json / the same "
-                "with the rates.json the run before saved (page cache dropped, default settings)"))
+                "with the rates.json an earlier run saved (page cache dropped, default settings, "
+                "each ahead in turn)"))
     # the SSD restore against the slower of its two floors: the read, and the move to the device
     upload = _to_device([_Rows(layer, n) for layer in cache], repeats)
     raw_none = ssd["none"]["raw"]
