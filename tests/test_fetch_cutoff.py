@@ -184,7 +184,10 @@ def test_a_recovered_link_is_measured_again_and_used(server: ValkeyServer, url: 
     """A link measured slow is not read, nor asked for lookups, while its estimate is fresh,
     even once it is fast again; once the estimate is older than ``recheck_seconds`` the next
     fetch asks and reads the link (timed), finds it fast, restores the whole prefix, and its
-    sample replaces the slow estimate."""
+    sample replaces the slow estimate. The prefill rate is given (2,000 tokens/s: a token's KV
+    read in 0.5 ms or less is worth reading) and the link set well below it (256 KiB/s, 4 ms
+    a token) and then unthrottled (loopback, tens of MiB/s): every decision holds with a wide
+    margin on a busy machine."""
     model = _model(20)
     query = prompt(TOKENS + 1, seed=20)
     with PagedSSDCacheManager(CacheConfig(block_size=BLOCK, hot_cache_only=True, remote_url=url,
@@ -192,10 +195,9 @@ def test_a_recovered_link_is_measured_again_and_used(server: ValkeyServer, url: 
         store_prompt(model, BlockAwarePrefixCache(manager, model), query[:TOKENS])
         manager.flush()
     cold = _cold(model, query)
-    rate = TOKENS * KV_PER_TOKEN / (4 * SLOWER * cold[0])  # clearly slow: 20x the prefill
-    with ThrottledProxy(server.port, rate) as proxy, PagedSSDCacheManager(CacheConfig(
-            block_size=BLOCK, hot_cache_only=True, remote_url=proxy.url,
-            remote_timeout=LOADED)) as manager:
+    with ThrottledProxy(server.port, 256 << 10) as proxy, PagedSSDCacheManager(CacheConfig(
+            block_size=BLOCK, hot_cache_only=True, remote_url=proxy.url, remote_timeout=LOADED,
+            prefill_tokens_per_s=2000.0)) as manager:
         prefix = BlockAwarePrefixCache(manager, model)
         manager.rates.recheck_seconds = 3600.0
         _warm(model, prefix, query, cold)
