@@ -32,6 +32,7 @@ import mlx.core as mx
 from benchmarks.common import (IO_SHAPE, MIB, Context, Timing, figure, figures_by_name, fmt_value,
                                kv_model, line_plot, ratio_met, settle)
 from benchmarks.policy_first import run_first
+from benchmarks.policy_restart import tiny_model
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
 from paged_cache.scheduler import Scheduler
 
@@ -79,7 +80,7 @@ class Shape:
 
 SHAPES = (
     Shape("tiny", "tiny llama, 1 KiB of KV per token",
-          lambda: kv_model(layers=2, kv_heads=2, head_dim=32), (1024, 2048), 256, 256,
+          tiny_model, (1024, 2048), 256, 256,
           ([1 * MIB, 16 * MIB, 0], [1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, 0]), (3, 5), ""),
     Shape("8b", "8B-shaped KV, 128 KiB per token",
           lambda: kv_model(layers=IO_SHAPE["num_hidden_layers"],
@@ -200,11 +201,15 @@ def run(ctx: Context) -> dict:
              "disk's own rate, page cache warm). plan_cached / both_cached: the tokens each timed "
              "request restored (0: it prefilled; both at once: not counting the head it "
              "prefilled, both_head_tokens in all). shape: tiny (1 KiB of KV per token) or 8b "
-             "(128 KiB). The first-request figures: a caller that never reports a prefill "
-             "(BlockAwarePrefixCache.fetch, then its own prefill of the rest), the SSD throttled "
-             "to read the prompt's KV 5x slower than its cold prefill; the first repeat's first "
-             "request includes the model's timed forward (probe_s, once per process); "
-             "first_restored: the tokens each first request restored before it stopped."]
+             "(128 KiB). The first-request and steady-state figures: each host a new process "
+             "(benchmarks/policy_restart.py), a caller of BlockAwarePrefixCache.fetch that "
+             "prefills the rest itself (reporting it with record_prefill only where the name "
+             "says so), an SSD throttled, or a Valkey server behind a throttled proxy, to read "
+             "the prompt's KV 5x slower than its cold prefill; restored: the tokens each "
+             "request of each host restored; probes / probe_s: the model timed by the library "
+             "(per host); lookups_skipped / remote_round_trips: chain lookups that did not ask "
+             "the remote tier, and the round trips it made (per host); the first request's "
+             "floor is a new process's first cold prefill (first_cold_s)."]
     return {"figures": figures, "notes": notes}
 
 

@@ -13,7 +13,8 @@ the caller's grid), so that forward writes in place, in the order its arrays lie
 those worth restoring against the model's prefill; each restore is timed per tier for the rates
 it weighs (rates.py). The reads of slow tiers are timed as they happen, in prefix order: when the
 rest is projected slower than prefilling what a stop gives up, the fetch stops there (the
-cut-off, fetch_plan.Watch). Without a prefill rate the model's is timed first (prefill_probe.py).
+cut-off, fetch_plan.Watch). Without a prefill rate the cut-off times the model within a share of
+the restore its first reads project (prefill_probe.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -30,13 +32,14 @@ import numpy as np
 from paged_cache.block import KEY_HEX_LEN, Block
 from paged_cache.chain_index import ChainNode
 from paged_cache.chunks import next_forward_end
-from paged_cache.fetch_plan import OVERLAP_TIERS, WATCHED_TIERS, Plan, Split, Watch, plan_fetch
+from paged_cache.fetch_plan import (OVERLAP_TIERS, WATCHED_TIERS, Plan, Split, Watch, plan_fetch,
+                                    unread_tiers)
 from paged_cache.handlers import Part, Span
 from paged_cache.handlers.base import clipped, rebuild_pipeline
 from paged_cache.hashing import ROOT_PARENT, shared_prefix
 from paged_cache.layout import layer_arrays
 from paged_cache.loans import Lent
-from paged_cache.prefill_probe import prefill_rate
+from paged_cache.prefill_probe import known_rate, sized_rate
 from paged_cache.rates import tier_label
 from paged_cache.row_path import evaluate
 from paged_cache.store import node_block
@@ -114,9 +117,15 @@ HEAD_KEY = "0" * KEY_HEX_LEN  # the prefilled head's block in a search (never st
 
 def chain_of(pc: Any, ids: np.ndarray) -> tuple[list[str], list, dict[str, list[ChainNode]], int]:
     """The chain lookup of ``ids``' full blocks: their keys, the tier holding each (None: not
-    held), the nodes listed under each held parent, and how many blocks from the start are held."""
+    held), the nodes listed under each held parent, and how many blocks from the start are held.
+    A tier the plan would not read is not asked (fetch_plan.unread_tiers; ``lookups_skipped``)."""
     keys = pc.chain_keys(ids[:len(ids) - len(ids) % pc.block_size])
-    tiers, kids = pc.manager.chain(keys, pc.layout.fingerprint, pc.namespace)
+    manager = pc.manager
+    skip = unread_tiers(manager.config.fetch_policy, manager.rates, pc.layout.identity,
+                        pc.layout.fingerprint)
+    if skip:
+        pc.count("lookups_skipped")
+    tiers, kids = manager.chain(keys, pc.layout.fingerprint, pc.namespace, skip)
     return keys, tiers, kids, tiers.index(None) if None in tiers else len(keys)
 
 
@@ -150,7 +159,7 @@ def find(pc: Any, ids: np.ndarray, limit: int | None = None, prefill: Prefill | 
     search = _Search(pc, ids, path, cands, kids, chunk=chunk)
     shared_max = max((c.end for c in cands), default=0)
     ends = _candidate_ends(layout, cands, min(limit, shared_max))
-    rate = _prefill_rate(search, ends)
+    rate = known_rate(pc) if pc.manager.config.fetch_policy == "cost" and ends else None
     plan = _plan(search, ends, grid if prefill is not None else 0)
     if plan.split is not None:
         found = _both(search, plan.split, prefill, grid)
@@ -158,9 +167,7 @@ def find(pc: Any, ids: np.ndarray, limit: int | None = None, prefill: Prefill | 
             found.shared, found.plan = shared_max, Plan([plan.split.end], detail=plan.split.detail,
                                                         predicted=plan.split.predicted)
             return found
-    if rate and plan.ends and pc.manager.config.fetch_policy == "cost":
-        # an in-place SSD read is timed ahead (warmed) only while the SSD's rate is not known
-        search.watch = Watch(rate, plan.ends, settled=pc.manager.rates.read("ssd") is not None)
+    search.watch = _watch(search, plan, rate)
     todo = list(plan.ends)
     while todo:
         n = todo.pop(0)
@@ -181,17 +188,17 @@ def find(pc: Any, ids: np.ndarray, limit: int | None = None, prefill: Prefill | 
     return Found(None, 0, "miss", 0, shared_max, plan=plan)
 
 
-def _prefill_rate(search: _Search, ends: list[int]) -> float | None:
-    """The model's prefill rate when the fetch plan weighs it (``fetch_policy`` cost): a fetch
-    that may read a slow tier (WATCHED_TIERS) in a process that knows none times the model first
-    (prefill_probe.py; not in a group, whose ranks would have to run it together)."""
+def _watch(search: _Search, plan: Plan, rate: float | None) -> Watch | None:
+    """The cut-off of a fetch planned under ``fetch_policy`` cost, or None. Without a prefill
+    rate it learns one once its first reads project the restore (prefill_probe.sized_rate: a
+    forward within its budget), but not in a group (its ranks would have to run it together).
+    An in-place SSD read is timed ahead (warmed) only while the SSD's rate is not known."""
     pc = search.pc
-    if pc.manager.config.fetch_policy != "cost" or not ends:
+    if not plan.ends or pc.manager.config.fetch_policy != "cost" or (
+            not rate and pc.group is not None):
         return None
-    slow = any(c.node.tier in WATCHED_TIERS and c.start < ends[0] for c in search.cands)
-    if slow and pc.group is None:
-        return prefill_rate(pc, search.ids)
-    return pc.manager.rates.prefill(pc.layout.identity)
+    return Watch(rate, plan.ends, settled=pc.manager.rates.read("ssd") is not None,
+                 learn=None if rate else partial(sized_rate, pc, search.ids))
 
 
 def _plan(search: _Search, ends: list[int], grid: int) -> Plan:

@@ -42,8 +42,11 @@ SETTLED = 0.5             # cut-off: a read projected under this part of the pre
 # first request at most that share of its prefill (or one node's read) before it stops
 EVIDENCE_SECONDS = 0.05
 EVIDENCE_SHARE = 0.25
+LOOKUP_TIERS = ("remote",)  # tiers whose chain lookups cross a link: not asked while not read
 OVERLAP_TIERS = ("ssd",)  # tiers whose reads are I/O a prefill can run beside (Tier.warm)
 SPLIT_MARGIN = 0.9        # both at once: taken when predicted at most this part of the plan's time
+PROBE_SHARE = 0.2         # no prefill rate known: the model is timed within this share of the
+                          # restore projected by the fetch's first reads (prefill_probe.py)
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,18 @@ def gain(n: int, reads: list[tuple[str, int]], prefill: float, per_token: float,
     return n / prefill - restore
 
 
+def unread_tiers(policy: str, rates: Rates, model: str, layout: str) -> frozenset[str]:
+    """The LOOKUP_TIERS the plan would read no node of, so a chain lookup need not ask them:
+    under ``cost``, each whose read rate (fresh: not due to be measured again) makes a token of
+    ``layout`` slower to read than ``model`` prefills it (each node read from it lowers a
+    rebuild's gain). Once its rate is due again it is asked again (and read under the cut-off)."""
+    prefill, per_token = rates.prefill(model), rates.bytes_per_token(layout)
+    if policy != "cost" or not prefill or not per_token:
+        return frozenset()
+    return frozenset(tier for tier in LOOKUP_TIERS
+                     if (read := rates.read(tier)) and per_token / read > 1 / prefill)
+
+
 def split(plan: Plan, n: int, nodes: list[Node], grid: int,
           reads_of: Callable[[int], list[tuple[str, int]]], rates: Rates, model: str,
           layout: str) -> Plan:
@@ -177,14 +192,16 @@ def _detail(longest: int, best: int, gains: dict[int, float], prefill: float) ->
 
 @dataclass
 class Watch:
-    """The cut-off of one fetch (module doc). ``prefill``: the model's rate (tokens/s);
-    ``ends``: where the fetch can rebuild, longest first; ``settled``: the tier was found fast
-    enough that an in-place SSD read need not be timed ahead. ``tokens`` / ``seconds``: the
-    slow-tier reads timed so far (the fetch's own rate)."""
+    """The cut-off of one fetch (module doc). ``prefill``: the model's rate (tokens/s; None:
+    not known yet); ``ends``: where the fetch can rebuild, longest first; ``settled``: the tier
+    was found fast enough that an in-place SSD read need not be timed ahead. ``learn``: the
+    prefill rate given a budget in seconds for timing the model (None: no forward fits);
+    ``tokens`` / ``seconds``: the slow-tier reads timed so far (the fetch's own rate)."""
 
-    prefill: float
+    prefill: float | None
     ends: list[int]
     settled: bool = False
+    learn: Callable[[float], float | None] | None = None
     tokens: int = 0
     seconds: float = 0.0
 
@@ -202,6 +219,15 @@ class Watch:
         if remaining <= 0 or self.tokens <= 0 or self.seconds <= 0:
             return None
         rest = remaining * self.seconds / self.tokens
+        if self.prefill is None:
+            # no rate known: time the model within PROBE_SHARE of the restore projected so far,
+            # once per fetch; a restore too short for a forward worth timing is not worth
+            # stopping: it goes on, settled
+            learn, self.learn = self.learn, None
+            self.prefill = learn(PROBE_SHARE * (self.seconds + rest)) if learn else None
+            if self.prefill is None:
+                self.settled = True
+                return None
         stop = next((e for e in self.ends if e <= covered), 0)
         given_up = (n - stop) / self.prefill
         if rest > given_up:

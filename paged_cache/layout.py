@@ -9,6 +9,7 @@ that layout before it is stored.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -33,6 +34,7 @@ class CacheLayout:
         self.make_cache = make_cache
         self.fingerprint: str | None = None
         self.unsupported: str | None = None
+        self.dry_run_seconds = 0.0  # the 1-token dry run: a first bound on a forward's cost
         self.handlers: list[LayerHandler] = []
         self.layouts: list[dict] = []
         self.forms: list[Any] = []  # per entry: what every stored node of it holds (stored_form)
@@ -59,8 +61,10 @@ class CacheLayout:
         self.signatures = [signature(layer) for layer in template]
         self.template = list(self.make_cache())  # fresh entries: handler dispatch by type
         # Dry run on a throwaway cache list: learn dtype / heads / head_dim of every layer.
+        t0 = time.perf_counter()
         self.model(mx.array([[0]]), cache=template)
         mx.eval([a for layer in template for a in layer_arrays(layer)])
+        self.dry_run_seconds = time.perf_counter() - t0
         self.handlers = handlers
         self.layouts = [h.layout(layer) for h, layer in zip(handlers, template)]
         self.forms = [h.stored_form(layer) for h, layer in zip(handlers, template)]

@@ -328,17 +328,19 @@ class PagedSSDCacheManager:
         return self._walk(checked_keys(keys), chain=False, shared=False)
 
     def _walk(self, keys: list[str], *, chain: bool, shared: bool,
-              listed: dict[Tier, AbstractSet[str]] | None = None) -> list[Label | None]:
+              listed: dict[Tier, AbstractSet[str]] | None = None,
+              skip: AbstractSet[str] = frozenset()) -> list[Label | None]:
         """Where each of checked ``keys`` is held, asking the tiers fastest first for the keys
         no faster tier holds (``shared`` tiers only if ``shared``). ``chain``: a chain walk: a
         local tier with no tier after it stops at its first miss, the answer is cut at the first
         key held nowhere, and each tier is told which keys of the chain it alone holds
-        (``Tier.plan``). ``listed``: per tier, keys its ``children`` just listed."""
+        (``Tier.plan``). ``listed``: per tier, keys its ``children`` just listed; ``skip``:
+        names of shared tiers not asked."""
         with self._lock:
             self._check_open()
             out: list[Label | None] = self._hot.holds(keys)
         by: list[Tier | None] = [None] * len(keys)
-        asked = [t for t in self._lower if shared or not t.shared]
+        asked = [t for t in self._lower if (shared and t.name not in skip) or not t.shared]
         for n, tier in enumerate(asked):
             rest = [i for i, label in enumerate(out) if label is None]
             if not rest:
@@ -512,7 +514,8 @@ class PagedSSDCacheManager:
 
     # ------------------------------------------------------------------------------ chain lookup
 
-    def chain(self, keys: Sequence[str], fingerprint: str, namespace: str = ""
+    def chain(self, keys: Sequence[str], fingerprint: str, namespace: str = "",
+              skip: AbstractSet[str] = frozenset()
               ) -> tuple[list[Label | None], dict[str, list[ChainNode]]]:
         """One batched chain lookup: where each of ``keys`` (a chain of block keys) is held, up
         to the first held nowhere (the rest None), and, for the root and every held key, its held
@@ -524,7 +527,8 @@ class PagedSSDCacheManager:
         parent and token ids); one that fails is never returned and counted in
         ``nodes_rejected``, unless it is a root child that may start another namespace's chain
         (``ChainNode.another_namespaces``: every namespace's chains start at the same root). Each
-        parent's children come in key order."""
+        parent's children come in key order. ``skip``: names of shared tiers not asked (the
+        fetch plan would read none of their nodes: fetch_plan.unread_tiers)."""
         keys = checked_keys(keys)
         parents = [ROOT_PARENT, *keys]
         with self._lock:
@@ -534,11 +538,11 @@ class PagedSSDCacheManager:
             if not tier.shared:
                 rows[tier] = tier.children(parents, fingerprint)
         listed = {tier: {row[0] for row in found} for tier, found in rows.items()}
-        tiers = self._walk(keys, chain=True, shared=True, listed=listed)
+        tiers = self._walk(keys, chain=True, shared=True, listed=listed, skip=skip)
         held = tiers.index(None) if None in tiers else len(keys)
         parents = parents[:held + 1]
         for tier in self._lower:
-            if tier.shared:
+            if tier.shared and tier.name not in skip:
                 rows[tier] = tier.children(parents, fingerprint)
         depth = {parent: d for d, parent in enumerate(parents)}
         bs = self.config.block_size

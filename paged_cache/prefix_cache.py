@@ -109,7 +109,7 @@ class BlockAwarePrefixCache:
              "recomputed_tokens", "recomputed_cost_tokens", "recomputed_policy_tokens",
              "recomputed_cut_tokens", "cut_fetches", "overlapped_fetches",
              "overlapped_head_tokens", "prefill_probes", "prefill_probe_seconds",
-             "refused_unsupported"), 0)
+             "lookups_skipped", "refused_unsupported"), 0)
         self.last_fetch = FetchInfo(0, 0, "miss", 0.0, 0)
         self._loans = self._new_loans()
         self._bounds: NodeBounds | None = None

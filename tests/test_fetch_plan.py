@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from paged_cache.config import CacheConfig
-from paged_cache.fetch_plan import COST_REASON, POLICY_REASON, gain, plan_fetch
+from paged_cache.fetch_plan import COST_REASON, POLICY_REASON, gain, plan_fetch, unread_tiers
 from paged_cache.hashing import chain_keys
 from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache
@@ -89,6 +89,23 @@ def test_plan_restores_without_an_estimate() -> None:
         plan = plan_fetch("cost", ENDS, _reads(3, 3), rates, "model", "layout")
         assert plan.ends == ENDS and plan.recomputed == 0
     assert gain(BLOCK, [("remote", BLOCK)], PREFILL, 512, _rates(ssd=slow)) == float("inf")
+
+
+@pytest.mark.unit
+def test_a_remote_tier_slower_than_the_prefill_is_not_asked_until_due_again() -> None:
+    """A remote token read slower than it prefills: no node of it would be read, so lookups skip
+    it; a faster one, a rate not known, a policy that does not weigh, or an estimate due to be
+    measured again: asked. The SSD (a local lookup) is always asked."""
+    slow, fast = BLOCK * 512 / 0.16, BLOCK * 512 / 0.01  # a block: 160 ms / 10 ms, prefill 32 ms
+    assert unread_tiers("cost", _rates(remote=slow, ssd=slow), "model", "layout") == {"remote"}
+    assert unread_tiers("cost", _rates(remote=fast), "model", "layout") == frozenset()
+    for rates in (_rates(prefill=None, remote=slow), _rates(), Rates(PREFILL)):
+        assert unread_tiers("cost", rates, "model", "layout") == frozenset()
+    for policy in ("always-restore", "always-prefill"):
+        assert unread_tiers(policy, _rates(remote=slow), "model", "layout") == frozenset()
+    due = _rates(remote=slow)
+    due.recheck_seconds = 1e-9
+    assert unread_tiers("cost", due, "model", "layout") == frozenset()
 
 
 @pytest.mark.unit
@@ -246,7 +263,8 @@ def test_scheduler_measures_prefill_and_prefills_past_a_slow_ssd(tmp_path: Path)
 
 def test_remote_reads_are_measured_and_weighed(url: str) -> None:
     """A fresh host reading a prefix from a real Valkey / Redis server measures the remote
-    tier's read rate; with a prefill seeded far faster than any read it then prefills, exactly."""
+    tier's read rate; with a prefill seeded far faster than any read it then prefills, exactly,
+    without asking the remote tier (no round trip: its lookups are skipped too)."""
     model = tiny_model("llama")
     tokens = prompt(4 * BLOCK)
     remote = dict(block_size=BLOCK, hot_cache_only=True, remote_url=url, remote_timeout=5.0)
@@ -261,8 +279,10 @@ def test_remote_reads_are_measured_and_weighed(url: str) -> None:
         assert prefix.last_fetch.tier == "remote"
         assert manager.stats()["read_bytes_per_s"]["remote"] > 0
         manager.trim_hot(0)  # the blocks it read were promoted into RAM: out again
+        round_trips = manager.stats()["remote"]["reads"]
         assert assert_exact(model, prefix, tokens + [1]) == 0
-        assert prefix.last_fetch.tokens_recomputed == 4 * BLOCK
+        assert prefix.stats()["lookups_skipped"] == 1
+        assert manager.stats()["remote"]["reads"] == round_trips
 
 
 # ---------------------------------------------------------------------- the saved estimates

@@ -1,4 +1,5 @@
-"""A TCP proxy on 127.0.0.1 that slows what a server sends back: a slow link to a real server.
+"""A TCP proxy on 127.0.0.1 that slows what a server sends back: a slow link to a real server
+(the tests and benchmarks of the fetch plan).
 
 ``ThrottledProxy(port, rate)`` listens on a free port and forwards every connection to
 ``127.0.0.1:port``; the bytes coming back are paced to ``rate`` bytes/s over all connections
