@@ -112,6 +112,8 @@ PREFIX = {
     "overlapped_head_tokens": "Tokens prefilled beside the reads in fetches done both at once.",
     "prefill_probes": "Timed prefills that measured the model's prefill rate.",
     "prefill_probe_seconds": "Seconds spent in prefill probes.",
+    "lookups_skipped": "Chain lookups that did not ask a tier the fetch plan would read none "
+                       "of (slower than the prefill; asked again once its estimate is stale).",
     "refused_unsupported": "Stores and fetches refused: a cache type no handler supports.",
     "loans": "Fetches that lent RAM-only blocks to a live cache.",
     "loans_returned": "Loans whose every block was given back.",
