@@ -4,9 +4,10 @@ exo's callers (``mlx_generate``, ``ExoBatchGenerator.submit``, the disaggregated
 use four members of their ``KVPrefixCache``:
 
 - ``get_kv_cache(model, prompt_tokens, media_regions=)`` -> ``(cache, remaining, matched_index,
-  is_exact)``: here ``BlockAwarePrefixCache.fetch`` of all but the prompt's last token, so at most
-  ``len - 2`` tokens come back cached: exo's 2-token cut (its prefill leaves the cache two tokens
-  short of the prompt, and decoding starts by feeding the last two).
+  is_exact)``: here ``BlockAwarePrefixCache.fetch`` of the prompt, which leaves at least its last
+  token to prefill, as exo's own cache does: a stored prompt's cache ends two tokens short of it
+  (exo's prefill stops there, and decoding starts by feeding the last two), so the same prompt
+  again restores ``len - 2`` and a prompt that a longer stored one covers ``len - 1``.
 - ``add_kv_cache`` / ``update_kv_cache``: both store the cache's tokens (the prompt less those two)
   as blocks, copied out of the live cache (exo decodes on) into the hot tier, which its budget
   bounds, spilling to SSD / the remote tier; ``matched_index`` only keys ``prefill_tps``.
@@ -133,7 +134,7 @@ class ExoPrefixCache:
         cache, n = None, 0
         if len(tokens) > CUT:
             try:
-                cache, n = prefix.fetch(tokens[:len(tokens) - 1])
+                cache, n = prefix.fetch(tokens)
             except Exception as exc:  # noqa: BLE001 - exo's generation loop must go on
                 st["cache_errors"] += 1
                 logger.error("paged-cache fetch failed; serving uncached: %r", exc, exc_info=exc)
@@ -142,7 +143,7 @@ class ExoPrefixCache:
                     prefix.last_fetch.tier if n else "miss")
         if not n:
             return self._make_cache(model), prompt_tokens, None, False
-        exact = n == len(tokens) - CUT
+        exact = n >= len(tokens) - CUT   # all of the prompt exo can be given
         st["cached_tokens"] += n
         st["exact_hits"] += exact
         return cache, prompt_tokens[n:], self.prefill_tps.slot(tokens[:n]), exact
