@@ -16,7 +16,9 @@ memory after it.
 from __future__ import annotations
 
 import gc
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -156,6 +158,35 @@ def cancelled(ask: Callable[..., Any], model: Any, tokenizer: Any, cache: Any, t
     except PrefillCancelled:
         return True
     return False
+
+
+# exo's mlx-lm fork's DeepSeek-V4 (mlx_lm.models.deepseek_v4) at test size: a compressed layer
+# (ratio 4) beside a plain one, a 16-token sliding window, 4 experts, 2 hyper-connections
+DEEPSEEK_V4 = dict(
+    model_type="deepseek_v4", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=1, q_lora_rank=32, o_lora_rank=32, o_groups=2, head_dim=32,
+    qk_rope_head_dim=16, sliding_window=16, compress_ratios=[0, 4], index_n_heads=2,
+    index_head_dim=16, index_topk=4, moe_intermediate_size=32, n_routed_experts=4,
+    n_shared_experts=1, num_experts_per_tok=2, num_hash_layers=0, hc_mult=2,
+    hc_sinkhorn_iters=2, num_nextn_predict_layers=0, max_position_embeddings=4096)
+
+
+def deepseek_v4_dir(path: Path) -> Path:
+    """A loadable model directory of ``DEEPSEEK_V4`` (random weights, the tiny models' byte
+    tokenizer) at ``path``; needs exo's mlx-lm fork."""
+    from mlx.utils import tree_flatten
+
+    from paged_cache.testing import TOKENIZER_VOCAB_SIZE, build_model, write_model_dir
+
+    out = write_model_dir(path, "llama")   # the tokenizer's files; config and weights replaced
+    config = dict(DEEPSEEK_V4, vocab_size=TOKENIZER_VOCAB_SIZE)
+    weights = dict(tree_flatten(build_model(config).parameters()))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    index = {"metadata": {}, "weight_map": {name: "model.safetensors" for name in weights}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    eos = json.loads((out / "config.json").read_text())["eos_token_id"]
+    (out / "config.json").write_text(json.dumps(dict(config, eos_token_id=eos)))
+    return out
 
 
 def builder_cache_class() -> str:

@@ -30,7 +30,8 @@ from paged_cache.integrations.exo.launcher import runner_environ  # noqa: E402
 from paged_cache.integrations.exo.prefix import FALLBACK_BASE  # noqa: E402
 from paged_cache.manager import PagedSSDCacheManager  # noqa: E402
 from paged_cache.testing import write_model_dir  # noqa: E402
-from paged_cache.testing.exo_runs import AGAIN, builder_cache_class, play  # noqa: E402
+from paged_cache.testing.exo_runs import (AGAIN, builder_cache_class, deepseek_v4_dir,  # noqa: E402
+                                          play)
 
 ARCHS = ("llama", "qwen3_next")   # a KV model and a hybrid (recurrent + attention)
 SIZES = dict(conversations=3, system_chars=600, user_chars=700, max_tokens=8)
@@ -114,6 +115,27 @@ def test_a_cancelled_prefill_loses_nothing(loaded, tmp_path, kind) -> None:
     for p, o in zip(got, own):
         assert p.cached_tokens >= o.cached_tokens, (p, o)
     assert cache.counters["store_errors"] == cache.counters["cache_errors"] == 0
+    cache.manager.close()
+
+
+def test_deepseek_v4_goes_to_exos_own_cache_and_is_never_wrong(tmp_path) -> None:
+    """exo's mlx-lm fork's DeepSeek-V4 builds DeepseekV4Cache, which paged-cache has no handler
+    for: every request goes to exo's own cache, counted. That cache cuts a longer stored cache
+    back to a shorter match with ``trim``, which DeepseekV4Cache ignores: such a restore is
+    refused (counted) and the request runs uncached, so every reply equals the cold run's and
+    a retry still reuses all but exo's cut."""
+    model, tokenizer = load(str(deepseek_v4_dir(tmp_path / "deepseek_v4")))
+    assert type(model.make_cache()[0]).__name__ == "DeepseekV4Cache"
+    sizes = dict(conversations=2, system_chars=200, user_chars=300, max_tokens=6, rounds=AGAIN)
+    cold = play(model, tokenizer, None, **sizes)
+    cache = paged(tmp_path)
+    got = play(model, tokenizer, cache, **sizes)
+    assert [r.reply for r in got] == [r.reply for r in cold]
+    assert all(r.cached_tokens == r.prompt_tokens - 2 for r in got if r.round == "retry"), got
+    st = cache.counters
+    assert st["fallbacks_layout"] == len(got) and st["requests"] == st["stores"] == 0
+    assert st["fallbacks_mismatched"] >= 1   # the second conversation's first turn
+    assert cache.manager.stats()["hot"]["bytes"] == 0
     cache.manager.close()
 
 

@@ -17,7 +17,9 @@ use four members of their ``KVPrefixCache``:
 A request this cannot serve goes to ``fallback`` (exo's own cache for that request; counted and
 logged): one with media regions (images: the cache must match their embeddings, which tokens do
 not say) and a model whose cache layout paged-cache has no handler for. Its indices are offset
-by ``FALLBACK_BASE``. Any other error is logged and counted and the request runs uncached; it never
+by ``FALLBACK_BASE``. A cache it restores that does not hold the tokens it reports as matched
+(exo cuts a longer stored cache back with ``trim``, which ``DeepseekV4Cache`` ignores) is not
+used: the request runs uncached, counted (``fallbacks_mismatched``). Any other error is logged and counted and the request runs uncached; it never
 reaches exo's generation loop.
 """
 
@@ -114,7 +116,7 @@ class ExoPrefixCache:
         self.counters = dict.fromkeys(
             ("requests", "prompt_tokens", "cached_tokens", "exact_hits", "stores",
              "stored_tokens", "cache_errors", "store_errors", "fallbacks_media",
-             "fallbacks_layout"), 0)
+             "fallbacks_layout", "fallbacks_mismatched"), 0)
 
     # ------------------------------------------------------------------ exo's members
 
@@ -224,6 +226,13 @@ class ExoPrefixCache:
         logger.info("request served by exo's own prefix cache: %s", why)
         cache, remaining, index, exact = self.fallback.get_kv_cache(
             model, prompt_tokens, media_regions=media_regions)
+        hit = len(prompt_tokens) - len(remaining)
+        held = int(self._cache_length(cache))
+        if held != hit:   # e.g. DeepseekV4Cache: exo trims it to a shorter match, it ignores trim
+            self.counters["fallbacks_mismatched"] += 1
+            logger.warning("exo's own prefix cache restored a cache of %d tokens for a match of "
+                           "%d; serving this request uncached", held, hit)
+            return self._make_cache(model), prompt_tokens, None, False
         return cache, remaining, None if index is None else FALLBACK_BASE + index, exact
 
     def _store(self, prompt_tokens: Any, cache: Any, prefill_tps: float) -> None:
