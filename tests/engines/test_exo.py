@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -137,6 +138,28 @@ def test_deepseek_v4_goes_to_exos_own_cache_and_is_never_wrong(tmp_path) -> None
     assert st["fallbacks_mismatched"] >= 1   # the second conversation's first turn
     assert cache.manager.stats()["hot"]["bytes"] == 0
     cache.manager.close()
+
+
+@pytest.mark.parametrize("refused, said", [
+    ("exo_rs", "exo's Rust bindings (exo_rs, built from rust/exo_rs in exo's checkout) are not "
+               "installed"),
+    ("mlx_lm.models.deepseek_v4", "exo needs its own mlx-lm, a fork that has "
+                                  "mlx_lm.models.deepseek_v4")])
+def test_the_launcher_names_what_exos_environment_lacks(refused, said) -> None:
+    """`paged-cache exo` where exo is installed from its repository but a part of its
+    environment is not: its Rust bindings (which exo's node imports; refused by the import
+    system so that no node starts where they are built) or its mlx-lm fork."""
+    script = (f"import sys; sys.modules[{refused!r}] = None\n"
+              "from paged_cache.cli.main import main\n"
+              "sys.exit(main(['exo', '--hot-cache-only']))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(EXO_SRC) / "src"),
+                                                        *sys.path]))
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert run.returncode == 1, run.stderr[-3000:]
+    line = run.stderr.strip().splitlines()[-1]
+    assert line.startswith("paged-cache exo: error: exo: cannot import ") and said in line, line
+    assert "uv sync" in line and "unrelated" not in line
 
 
 def test_image_requests_fall_back_to_exos_own_cache(loaded, tmp_path) -> None:
