@@ -160,8 +160,8 @@ def cancelled(ask: Callable[..., Any], model: Any, tokenizer: Any, cache: Any, t
     return False
 
 
-# exo's mlx-lm fork's DeepSeek-V4 (mlx_lm.models.deepseek_v4) at test size: a compressed layer
-# (ratio 4) beside a plain one, a 16-token sliding window, 4 experts, 2 hyper-connections
+# exo's mlx-lm fork's DeepSeek-V4 (mlx_lm.models.deepseek_v4) at test size: a layer with
+# the compressor and indexer (ratio 4) beside one without, a 16-token sliding window, 4 experts
 DEEPSEEK_V4 = dict(
     model_type="deepseek_v4", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=1, q_lora_rank=32, o_lora_rank=32, o_groups=2, head_dim=32,

@@ -31,8 +31,8 @@ from paged_cache.integrations.exo.launcher import runner_environ  # noqa: E402
 from paged_cache.integrations.exo.prefix import FALLBACK_BASE  # noqa: E402
 from paged_cache.manager import PagedSSDCacheManager  # noqa: E402
 from paged_cache.testing import write_model_dir  # noqa: E402
-from paged_cache.testing.exo_runs import (AGAIN, builder_cache_class, deepseek_v4_dir,  # noqa: E402
-                                          play)
+from paged_cache.testing.exo_runs import (  # noqa: E402
+    AGAIN, builder_cache_class, deepseek_v4_dir, play)
 
 ARCHS = ("llama", "qwen3_next")   # a KV model and a hybrid (recurrent + attention)
 SIZES = dict(conversations=3, system_chars=600, user_chars=700, max_tokens=8)

@@ -19,8 +19,8 @@ logged): one with media regions (images: the cache must match their embeddings, 
 not say) and a model whose cache layout paged-cache has no handler for. Its indices are offset
 by ``FALLBACK_BASE``. A cache it restores that does not hold the tokens it reports as matched
 (exo cuts a longer stored cache back with ``trim``, which ``DeepseekV4Cache`` ignores) is not
-used: the request runs uncached, counted (``fallbacks_mismatched``). Any other error is logged and counted and the request runs uncached; it never
-reaches exo's generation loop.
+used: the request runs uncached, counted (``fallbacks_mismatched``). Any other error is logged
+and counted and the request runs uncached; it never reaches exo's generation loop.
 """
 
 from __future__ import annotations
