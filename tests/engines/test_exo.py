@@ -98,17 +98,19 @@ def test_memory_within_the_hot_budget_while_exos_own_grows(loaded, tmp_path) -> 
     cache.manager.close()
 
 
-@pytest.mark.parametrize("kind", ["sequential", "batch"])
-def test_a_cancelled_prefill_loses_nothing(loaded, tmp_path, kind) -> None:
+@pytest.mark.parametrize("kind, hot_only", [("sequential", False), ("batch", False),
+                                             ("sequential", True)])
+def test_a_cancelled_prefill_loses_nothing(loaded, tmp_path, kind, hot_only) -> None:
     """exo's runner cancels a task by raising PrefillCancelled from the prefill's progress
     callback: after get_kv_cache, before any store. Every request is sent and cancelled once,
     then sent again: each reuses at least what exo's own cache reuses on the same sequence
-    (blocks of 256 tokens: the partial tail a fetch hands over is most of a short prompt)."""
+    (blocks of 256 tokens: the partial tail a fetch hands over is most of a short prompt), with
+    an SSD tier and with the RAM tier alone."""
     model, tokenizer = loaded["llama"]
     sizes = dict(SIZES, conversations=2, kind=kind, rounds=AGAIN)
     cold = play(model, tokenizer, None, **sizes)
     own = play(model, tokenizer, compat.KVPrefixCache(None), cancel=True, **sizes)
-    cache = paged(tmp_path, block_size=256)
+    cache = paged(tmp_path, block_size=256, hot_cache_only=hot_only)
     got = play(model, tokenizer, cache, cancel=True, **sizes)
     assert [r.reply for r in got] == [r.reply for r in own] == [r.reply for r in cold]
     assert [r.cancelled for r in got] == [r.cancelled for r in own]
