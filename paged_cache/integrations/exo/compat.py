@@ -4,9 +4,9 @@ against (read at exo commit b5375f8, version 0.3.70), or paged-cache refuses to 
 what changed (``IncompatibleVersion``), rather than serve exo's callers wrongly.
 
 exo is on no package index (the index's ``exo`` is another project): it is installed from its
-repository. Its runner builds its prefix cache in ``MlxBuilder.build`` as
-``KVPrefixCache(self.group)``, a name looked up in the builder module when ``build`` runs: the
-one patch point (``patch_builder``).
+repository, with its own mlx-lm; ``needs`` names what is missing when an import fails. Its
+runner builds its prefix cache in ``MlxBuilder.build`` as ``KVPrefixCache(self.group)``, a name
+looked up in the builder module when ``build`` runs: the one patch point (``patch_builder``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 from paged_cache.compat import IncompatibleVersion
+from paged_cache.integrations.exo.needs import missing
 
 CACHE_MODULE = "exo.worker.engines.mlx.cache"
 BUILDER_MODULE = "exo.worker.engines.mlx.builder"
@@ -67,9 +68,7 @@ def _import(name: str) -> ModuleType:
     try:
         return importlib.import_module(name)
     except ImportError as exc:
-        raise IncompatibleVersion(
-            f"exo: cannot import {name} ({exc}). paged-cache's exo adapter needs exo's MLX engine "
-            "(install exo from its repository, not the package index's unrelated `exo`)") from exc
+        raise IncompatibleVersion(missing(exc, name)) from exc
 
 
 def _attr(obj: Any, dotted: str) -> Any:

@@ -52,7 +52,7 @@ def serve_main(config: CacheConfig, argv: Sequence[str]) -> int:
         sys.argv = ["exo", *argv]
         try:
             main = compat.exo_main()
-        except IncompatibleVersion as error:   # exo's node (its Rust bindings) is missing
+        except IncompatibleVersion as error:   # exo's node: its Rust bindings, a dependency
             raise ServeError(str(error)) from None
         try:
             result = main()

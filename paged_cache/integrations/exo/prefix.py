@@ -4,9 +4,10 @@ exo's callers (``mlx_generate``, ``ExoBatchGenerator.submit``, the disaggregated
 use four members of their ``KVPrefixCache``:
 
 - ``get_kv_cache(model, prompt_tokens, media_regions=)`` -> ``(cache, remaining, matched_index,
-  is_exact)``: here ``BlockAwarePrefixCache.fetch`` of all but the prompt's last token, so at most
-  ``len - 2`` tokens come back cached: exo's 2-token cut (its prefill leaves the cache two tokens
-  short of the prompt, and decoding starts by feeding the last two).
+  is_exact)``: here ``BlockAwarePrefixCache.fetch`` of the prompt, which leaves at least its last
+  token to prefill, as exo's own cache does: a stored prompt's cache ends two tokens short of it
+  (exo's prefill stops there, and decoding starts by feeding the last two), so the same prompt
+  again restores ``len - 2`` and a prompt that a longer stored one covers ``len - 1``.
 - ``add_kv_cache`` / ``update_kv_cache``: both store the cache's tokens (the prompt less those two)
   as blocks, copied out of the live cache (exo decodes on) into the hot tier, which its budget
   bounds, spilling to SSD / the remote tier; ``matched_index`` only keys ``prefill_tps``.
@@ -16,8 +17,10 @@ use four members of their ``KVPrefixCache``:
 A request this cannot serve goes to ``fallback`` (exo's own cache for that request; counted and
 logged): one with media regions (images: the cache must match their embeddings, which tokens do
 not say) and a model whose cache layout paged-cache has no handler for. Its indices are offset
-by ``FALLBACK_BASE``. Any other error is logged and counted and the request runs uncached; it never
-reaches exo's generation loop.
+by ``FALLBACK_BASE``. A cache it restores that does not hold the tokens it reports as matched
+(exo cuts a longer stored cache back with ``trim``, which ``DeepseekV4Cache`` ignores) is not
+used: the request runs uncached, counted (``fallbacks_mismatched``). Any other error is logged
+and counted and the request runs uncached; it never reaches exo's generation loop.
 """
 
 from __future__ import annotations
@@ -113,7 +116,7 @@ class ExoPrefixCache:
         self.counters = dict.fromkeys(
             ("requests", "prompt_tokens", "cached_tokens", "exact_hits", "stores",
              "stored_tokens", "cache_errors", "store_errors", "fallbacks_media",
-             "fallbacks_layout"), 0)
+             "fallbacks_layout", "fallbacks_mismatched"), 0)
 
     # ------------------------------------------------------------------ exo's members
 
@@ -133,7 +136,7 @@ class ExoPrefixCache:
         cache, n = None, 0
         if len(tokens) > CUT:
             try:
-                cache, n = prefix.fetch(tokens[:len(tokens) - 1])
+                cache, n = prefix.fetch(tokens)
             except Exception as exc:  # noqa: BLE001 - exo's generation loop must go on
                 st["cache_errors"] += 1
                 logger.error("paged-cache fetch failed; serving uncached: %r", exc, exc_info=exc)
@@ -142,7 +145,7 @@ class ExoPrefixCache:
                     prefix.last_fetch.tier if n else "miss")
         if not n:
             return self._make_cache(model), prompt_tokens, None, False
-        exact = n == len(tokens) - CUT
+        exact = n >= len(tokens) - CUT   # all of the prompt exo can be given
         st["cached_tokens"] += n
         st["exact_hits"] += exact
         return cache, prompt_tokens[n:], self.prefill_tps.slot(tokens[:n]), exact
@@ -223,6 +226,13 @@ class ExoPrefixCache:
         logger.info("request served by exo's own prefix cache: %s", why)
         cache, remaining, index, exact = self.fallback.get_kv_cache(
             model, prompt_tokens, media_regions=media_regions)
+        hit = len(prompt_tokens) - len(remaining)
+        held = int(self._cache_length(cache))
+        if held != hit:   # e.g. DeepseekV4Cache: exo trims it to a shorter match, it ignores trim
+            self.counters["fallbacks_mismatched"] += 1
+            logger.warning("exo's own prefix cache restored a cache of %d tokens for a match of "
+                           "%d; serving this request uncached", held, hit)
+            return self._make_cache(model), prompt_tokens, None, False
         return cache, remaining, None if index is None else FALLBACK_BASE + index, exact
 
     def _store(self, prompt_tokens: Any, cache: Any, prefill_tps: float) -> None:
