@@ -7,9 +7,10 @@ in ``trace_cost``) is replayed through a host whose only store is the remote tie
 two blocks in front), on a real server started for each policy (``allkeys-lru``,
 ``allkeys-lfu``, ``volatile-ttl`` with the tier's ``remote_ttl``), its ``maxmemory`` at the
 capacity's blocks times the server's bytes per block (value, key and child listing entry, as
-measured on the same server with no limit). Each request is looked up (``manager.chain``), its
-leading held run taken (every block's bytes checked against what was stored) and its blocks put;
-the writes are flushed before the next request. The baseline is the same replay through a
+measured on the same server with no limit). Each request is served as the prefix cache drives
+the manager (``trace_cost.serve``: its leading held run taken, every block's bytes checked against
+what was stored, then what no local tier holds put); the writes are flushed before the next
+request. The baseline is the same replay through a
 local RAM tier of the same number of blocks (leaves first, least recently used first).
 Stranded: blocks on the server whose parent is not, at the end of the replay.
 """
@@ -23,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from benchmarks.common import Context, Figure, figure
-from benchmarks.trace_cost import BLOCK, Chains
+from benchmarks.trace_cost import BLOCK, Chains, serve
 from benchmarks.trace_stream import TraceRequest
 from paged_cache import CacheConfig, PagedSSDCacheManager
 from paged_cache.block import Block
@@ -73,22 +74,14 @@ def replay(config: CacheConfig, requests: Sequence[TraceRequest], chains: Chains
     with PagedSSDCacheManager(config) as manager:
         for request in requests:
             nodes = chains.of(request)
-            keys = [k for k, _ in nodes]
-            tiers, _ = manager.chain(keys, chains.fingerprint)
-            run = tiers.index(None) if None in tiers else len(keys)
-            served = 0
-            for key in keys[:run]:
-                got = manager.get(key, take=True)
-                if got is None:
-                    break  # listed, then gone (the server evicted it meanwhile)
-                if not np.array_equal(np.array(got.arrays["kv"]), np.array(payload(key))):
-                    raise AssertionError(f"trace remote: block {key[:12]} restored with other "
-                                         "bytes than were stored")
-                served += 1
-            out.served += served
-            out.requested += len(keys)
-            for key, meta in nodes:
-                manager.put(Block(key, {"kv": payload(key)}, meta))
+            metas = dict(nodes)
+            got = serve(manager, nodes, lambda key: Block(key, {"kv": payload(key)}, metas[key]))
+            for block in got:
+                if not np.array_equal(np.array(block.arrays["kv"]), np.array(payload(block.key))):
+                    raise AssertionError(f"trace remote: block {block.key[:12]} restored with "
+                                         "other bytes than were stored")
+            out.served += len(got)
+            out.requested += len(nodes)
             manager.flush()
     return out
 
