@@ -6,9 +6,10 @@ drives it (``serve``): the fetch's ``manager.chain`` lookup of the request's cha
 child listing, the SSD manifest's query), a ``get(take=True, in_place=True)`` of each block of
 the leading held run (a hot block handed over, an SSD block's header verified, its payload left
 on disk), then the store's lookup and a ``put`` of each block no tier holds in RAM (the taken
-ones back, the new ones stored: admission, write queue, evictions, manifest rows). The payloads are 64 bytes, so what is timed is the
-cache's bookkeeping, not the copy of KV bytes; keys, token ids and payload arrays are made
-before the clock starts. Every tier is sized to keep every block, so the blocks held grow with
+ones back, the new ones stored: admission, write queue, evictions, manifest rows). The payloads
+are 64 bytes, so what is timed is the cache's bookkeeping, not the copy of KV bytes; keys, token
+ids and payload arrays are made before the clock starts. The SSD directory is on tmpfs when the
+runner is given one (the block files' fsyncs are the KV bytes' cost, not the cache's). Every tier is sized to keep every block, so the blocks held grow with
 the stream, and each request's time is filed under the blocks held when it started.
 
 Configurations: ``hot`` (RAM only), ``ssd`` (an SSD tier behind a RAM tier of 64 blocks),

@@ -64,6 +64,23 @@ def listing_name(meta: dict[str, str]) -> str | None:
     return children_name(parent, fingerprint)
 
 
+def chain_ttl_ms(ttl: float, depth: int) -> int | None:
+    """The TTL (ms) a block ``depth`` blocks from its chain's start gets at a write or a lookup
+    that finds it (None: no ``remote_ttl``): one millisecond less per block of depth, so blocks
+    renewed together expire, and are evicted under ``volatile-ttl``, leaves first, and a parent,
+    renewed whenever a lookup passes it to a child, never before its children."""
+    return max(1, int(ttl * 1000) - depth) if ttl > 0 else None
+
+
+def depth_of(meta: dict[str, str]) -> int:
+    """A block's depth in its chain from its meta (start / tokens; 0 when they are missing)."""
+    try:
+        start, tokens = int(meta.get(fmt.META_START, "0")), int(meta.get(fmt.META_TOKENS, "1"))
+    except ValueError:
+        return 0
+    return max(0, start // max(1, tokens))
+
+
 def client_module() -> Any:
     try:
         import valkey
