@@ -28,7 +28,7 @@ from benchmarks.trace_cost import BLOCK, Chains, serve
 from benchmarks.trace_stream import TraceRequest
 from paged_cache import CacheConfig, PagedSSDCacheManager
 from paged_cache.block import Block
-from paged_cache.testing.server import ValkeyServer
+from paged_cache.testing.server import ValkeyServer, client
 from paged_cache.tiers.remote.client import block_name
 
 FAMILY = "trace"
@@ -60,11 +60,6 @@ class Served:
     @property
     def ratio(self) -> float:
         return self.served / max(1, self.requested)
-
-
-def client(url: str) -> Any:
-    import valkey
-    return valkey.Valkey.from_url(url)
 
 
 def replay(config: CacheConfig, requests: Sequence[TraceRequest], chains: Chains,
@@ -108,8 +103,10 @@ def server_bytes_per_block(chains: Chains, requests: Sequence[TraceRequest]) -> 
 
 
 def stranded(url: str, chains: Chains, out: Served) -> None:
-    """Count the blocks the server holds and those of them whose parent it does not hold."""
+    """Count the blocks the server holds and those of them whose parent it does not hold. The
+    server's limit is lifted first: one at its limit evicts before any command, reads too."""
     c = client(url)
+    c.config_set("maxmemory", 0)
     held = {}
     for name in c.scan_iter(match=block_name("0" * 64)[:-64] + "*", count=1000):
         held[name.decode()[-64:]] = c.memory_usage(name) or 0

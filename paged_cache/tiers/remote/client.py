@@ -22,6 +22,7 @@ from paged_cache.install import install_command
 from paged_cache.tiers import format as fmt
 
 KEY_PREFIX = f"paged-cache:{fmt.FORMAT_VERSION}"
+TTL_STEP_MS = 4                # a block's TTL is this much shorter than its parent's
 ROOT_NAME = "root"             # the child hash name part of a chain's first blocks
 
 
@@ -66,10 +67,14 @@ def listing_name(meta: dict[str, str]) -> str | None:
 
 def chain_ttl_ms(ttl: float, depth: int) -> int | None:
     """The TTL (ms) a block ``depth`` blocks from its chain's start gets at a write or a lookup
-    that finds it (None: no ``remote_ttl``): one millisecond less per block of depth, so blocks
-    renewed together expire, and are evicted under ``volatile-ttl``, leaves first, and a parent,
-    renewed whenever a lookup passes it to a child, never before its children."""
-    return max(1, int(ttl * 1000) - depth) if ttl > 0 else None
+    that finds it (None: no ``remote_ttl``): TTL_STEP_MS less per block of depth (at most a
+    quarter of the TTL less), so blocks renewed together expire, and are evicted under
+    ``volatile-ttl``, leaves first, and a parent, renewed whenever a lookup passes it to a
+    child, not before its children."""
+    if ttl <= 0:
+        return None
+    full = int(ttl * 1000)
+    return max(1, full - min(depth * TTL_STEP_MS, full // 4))
 
 
 def depth_of(meta: dict[str, str]) -> int:
