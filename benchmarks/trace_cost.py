@@ -9,8 +9,8 @@ on disk), then the store's lookup and a ``put`` of each block no tier holds in R
 ones back, the new ones stored: admission, write queue, evictions, manifest rows). The payloads
 are 64 bytes, so what is timed is the cache's bookkeeping, not the copy of KV bytes; keys, token
 ids and payload arrays are made before the clock starts. The SSD directory is on tmpfs when the
-runner is given one (the block files' fsyncs are the KV bytes' cost, not the cache's). Every tier is sized to keep every block, so the blocks held grow with
-the stream, and each request's time is filed under the blocks held when it started.
+runner is given one (the block files' fsyncs are the KV bytes' cost, not the cache's). Every
+tier is sized to keep every block, so the blocks held grow with the stream, and each request's time is filed under the blocks held when it started.
 
 Configurations: ``hot`` (RAM only), ``ssd`` (an SSD tier behind a RAM tier of 64 blocks),
 ``hot+ssd`` (2,000 blocks of RAM in front of the SSD tier). Figures, per configuration and
@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
+from benchmarks import startup
 from benchmarks.common import Context, Figure, figure
 from benchmarks.trace_stream import TraceRequest, block_tokens
 from paged_cache import CacheConfig, PagedSSDCacheManager
@@ -40,6 +41,7 @@ from paged_cache.block import Block
 from paged_cache.chain_index import ChainNode
 from paged_cache.hashing import ROOT_PARENT, block_key
 from paged_cache.store import OUT_OF_RAM
+from paged_cache.tiers.ssd.tier import SSDTier
 
 FAMILY = "trace"
 BLOCK = 256                    # cache block: two per trace block
@@ -216,14 +218,43 @@ def cost_figures(run: Replay, marks: Sequence[int], window: int) -> list[Figure]
     return out
 
 
+def open_figures(ctx: Context, blocks: int) -> list[Figure]:
+    """The SSD tier's open time over ``blocks`` blocks (built directly, as ``startup`` does)
+    against a listing of their files, and what the open tier holds in RAM per block (process
+    RSS growth while it is open) and its manifest on disk per block."""
+    root = ctx.scratch / "trace-cost-open"
+    shutil.rmtree(root, ignore_errors=True)
+    try:
+        startup.build(root, blocks)
+        seconds = statistics.median(startup.open_seconds(root)[0] for _ in range(3))
+        listing = statistics.median(startup.list_seconds(root)[0] for _ in range(3))
+        gc.collect()
+        before = rss()
+        tier = SSDTier(root, max_bytes=1 << 40)
+        held = rss() - before
+        tier.close()
+        manifest = sum(p.stat().st_size for p in root.glob("manifest*") if p.is_file())
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    details = dict(configuration="ssd", blocks_held=blocks,
+                   manifest_bytes_per_block=manifest / blocks)
+    return [figure(FAMILY, f"SSD tier open, {blocks:,} blocks", measured=seconds,
+                   baseline=listing, goal=1.0, goal_op="<=", goal_on="measured",
+                   meaning="open time / a listing of the block files", **details),
+            figure(FAMILY, f"SSD tier RAM per block, {blocks:,} blocks", measured=held / blocks,
+                   baseline=manifest / blocks, unit="B",
+                   meaning="RSS growth of the open tier per block / manifest bytes per block",
+                   **details)]
+
+
 def figures(ctx: Context, requests: Sequence[TraceRequest]) -> list[Figure]:
     """Every cost figure of the trace family (``requests``: the replayed stream)."""
+    out = open_figures(ctx, ctx.pick(30_000, HELD[-1]))
     requests = list(requests)[:ctx.pick(1_500, None)]
     marks = [m for m in HELD if m <= ctx.pick(30_000, HELD[-1])]
     window = ctx.pick(100, WINDOW)
     chains = Chains()
     total = len({k for r in requests for k, _ in chains.of(r)})
-    out: list[Figure] = []
     for name in CONFIGS:
         run = replay(name, requests, chains, ctx.scratch, total)
         out += cost_figures(run, marks, window)
