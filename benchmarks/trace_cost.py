@@ -10,7 +10,8 @@ ones back, the new ones stored: admission, write queue, evictions, manifest rows
 are 64 bytes, so what is timed is the cache's bookkeeping, not the copy of KV bytes; keys, token
 ids and payload arrays are made before the clock starts. The SSD directory is on tmpfs when the
 runner is given one (the block files' fsyncs are the KV bytes' cost, not the cache's). Every
-tier is sized to keep every block, so the blocks held grow with the stream, and each request's time is filed under the blocks held when it started.
+tier is sized to keep every block, so the blocks held grow with the stream, and each request's
+time is filed under the blocks held when it started.
 
 Configurations: ``hot`` (RAM only), ``ssd`` (an SSD tier behind a RAM tier of 64 blocks),
 ``hot+ssd`` (2,000 blocks of RAM in front of the SSD tier). Figures, per configuration and
