@@ -36,6 +36,7 @@ PAYLOAD = 4096                 # bytes of each block's array (the server's bytes
 # the value's header and the child listing entry)
 POLICIES = ("allkeys-lru", "allkeys-lfu", "volatile-ttl")
 TTL_S = 3600.0                 # remote_ttl under volatile-ttl
+TIMEOUT_S = 30.0               # remote_timeout: a loaded machine's server is no outage
 SAMPLE_BLOCKS = 400            # blocks written to measure the server's bytes per block
 
 
@@ -93,7 +94,7 @@ def server_bytes_per_block(chains: Chains, requests: Sequence[TraceRequest]) -> 
     with ValkeyServer() as srv:
         before = client(srv.url).info("memory")["used_memory"]
         config = CacheConfig(block_size=BLOCK, hot_cache_only=True, remote_url=srv.url,
-                             hot_cache_max_bytes=2 * PAYLOAD)
+                             hot_cache_max_bytes=2 * PAYLOAD, remote_timeout=TIMEOUT_S)
         with PagedSSDCacheManager(config) as manager:
             for key, meta in sample:
                 manager.put(Block(key, {"kv": payload(key)}, meta))
@@ -124,7 +125,8 @@ def remote_replay(policy: str, maxmemory: int, requests: Sequence[TraceRequest],
     with ValkeyServer(maxmemory=maxmemory, maxmemory_policy=policy) as srv:
         ttl = TTL_S if policy.startswith("volatile") else 0.0
         config = CacheConfig(block_size=BLOCK, hot_cache_only=True, remote_url=srv.url,
-                             hot_cache_max_bytes=2 * PAYLOAD, remote_ttl=ttl, **tier)
+                             hot_cache_max_bytes=2 * PAYLOAD, remote_ttl=ttl,
+                             remote_timeout=TIMEOUT_S, **tier)
         out = replay(config, requests, chains, policy)
         stranded(srv.url, chains, out)
     return out

@@ -30,6 +30,7 @@ def test_a_trace_replay_under_the_server_s_eviction_counts_stranded_blocks() -> 
     with ValkeyServer(maxmemory=maxmemory, maxmemory_policy="volatile-ttl") as srv:
         config = CacheConfig(block_size=trace_remote.BLOCK, hot_cache_only=True,
                              remote_url=srv.url, remote_ttl=TTL_S,
+                             remote_timeout=trace_remote.TIMEOUT_S,
                              hot_cache_max_bytes=2 * trace_remote.PAYLOAD)
         out = trace_remote.replay(config, requests, chains, "volatile-ttl")  # bytes checked
         assert 0 < out.served < out.requested
