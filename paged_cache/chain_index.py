@@ -136,8 +136,8 @@ class FitNodes:
     """The listed nodes a chain lookup has found to fit, so a node listed again with the same
     fields is not verified again: a lookup lists every held child of each parent on its path,
     and a parent many conversations continue (a shared system prompt) lists thousands of them
-    on every request, each verification a hash of its token ids. Bounded (oldest forgotten);
-    a node whose listed fields changed in any way is verified again."""
+    on every request, each verification a hash of its token ids. Bounded (the least recently
+    listed forgotten); a node whose listed fields changed in any way is verified again."""
 
     def __init__(self, limit: int = 1 << 16) -> None:
         self._fit: dict[str, int] = {}  # key -> hash of the fields it fit with
@@ -153,6 +153,7 @@ class FitNodes:
                        node.ids if isinstance(node.ids, str) else node.ids.tobytes(),
                        node.checkpoint, fingerprint, namespace, start, block_size))
         if self._fit.get(node.key) == fields:
+            self._fit[node.key] = self._fit.pop(node.key, fields)  # now the most recent
             return None
         self.verified += 1
         reason = node.unfit(fingerprint, namespace, start, block_size, path_key)

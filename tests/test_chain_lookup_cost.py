@@ -14,7 +14,7 @@ import pytest
 
 from paged_cache import CacheConfig, PagedSSDCacheManager
 from paged_cache.block import Block
-from paged_cache.chain_index import ChainNode
+from paged_cache.chain_index import ChainNode, FitNodes
 from paged_cache.hashing import ROOT_PARENT, block_key, encode_token_ids
 
 pytestmark = pytest.mark.unit
@@ -80,3 +80,14 @@ def test_manifest_rows_are_verified_once_and_again_when_altered(tmp_path: Path) 
         assert manager._fits.verified == verified + 1
         assert kids[1].key not in {n.key for n in listed}
         assert manager.stats()["nodes_rejected"] == 1
+
+
+def test_the_bound_forgets_the_least_recently_listed_node() -> None:
+    fits = FitNodes(limit=2)
+    a, b, c = (ChainNode(node_block(ROOT_PARENT, 0, np.full(BS, i, dtype=np.int64)).key,
+                         ROOT_PARENT, FP, 0, np.full(BS, i, dtype=np.int64)) for i in range(3))
+    check = lambda node: fits.unfit(node, FP, "", 0, BS, None)  # noqa: E731
+    assert [check(n) for n in (a, b, a, c)] == [None] * 4
+    assert fits.verified == 3  # a's second listing was remembered
+    assert check(a) is None and fits.verified == 3  # listed since b: kept
+    assert check(b) is None and fits.verified == 4  # forgotten for c: verified again
