@@ -130,3 +130,35 @@ class ChainNode:
         """The same node, held in ``tier``."""
         return ChainNode(self.key, self.parent, self.fingerprint, self.start, self.ids,
                          self.checkpoint, self.restorable, tier, self.ntokens, self.namespace)
+
+
+class FitNodes:
+    """The listed nodes a chain lookup has found to fit, so a node listed again with the same
+    fields is not verified again: a lookup lists every held child of each parent on its path,
+    and a parent many conversations continue (a shared system prompt) lists thousands of them
+    on every request, each verification a hash of its token ids. Bounded (the least recently
+    listed forgotten); a node whose listed fields changed in any way is verified again."""
+
+    def __init__(self, limit: int = 1 << 16) -> None:
+        self._fit: dict[str, int] = {}  # key -> hash of the fields it fit with
+        self._limit = limit
+        self.verified = 0  # nodes verified in full (their key hashed again)
+
+    def unfit(self, node: ChainNode, fingerprint: str, namespace: str, start: int,
+              block_size: int, path_key: str | None) -> str | None:
+        """``node.unfit(...)``, remembered for the nodes that fit."""
+        if node.key == path_key:  # known by its key: nothing hashed
+            return node.unfit(fingerprint, namespace, start, block_size, path_key)
+        fields = hash((node.key, node.parent, node.fingerprint, node.start, node.ntokens,
+                       node.ids if isinstance(node.ids, str) else node.ids.tobytes(),
+                       node.checkpoint, fingerprint, namespace, start, block_size))
+        if self._fit.get(node.key) == fields:
+            self._fit[node.key] = self._fit.pop(node.key, fields)  # now the most recent
+            return None
+        self.verified += 1
+        reason = node.unfit(fingerprint, namespace, start, block_size, path_key)
+        if reason is None:
+            if len(self._fit) >= self._limit:
+                self._fit.pop(next(iter(self._fit), ""), None)
+            self._fit[node.key] = fields
+        return reason

@@ -237,7 +237,8 @@ _FIELD_SPECS: dict[str, tuple[Any, str]] = {
     "remote_cluster": (parse_bool, "remote_url names a node of a Valkey / Redis Cluster: keys "
                                    "go to their shards by hash slot (default false)"),
     "remote_ttl": (_seconds, "seconds a block lives on the remote server after its last write "
-                             "(0 = no TTL: the server's maxmemory policy evicts; default 0)"),
+                             "or lookup (0 = no TTL: the server's maxmemory policy evicts; "
+                             "default 0)"),
     "remote_timeout": (_positive_seconds, "seconds one remote socket operation may wait before the "
                                           "tier counts an error and serves locally (default 0.5)"),
     "remote_queue_max_bytes": (parse_size, "byte bound of the remote write queue (default 64 MiB)"),

@@ -30,7 +30,7 @@ from typing import AbstractSet, Any, Callable, Iterable, Literal, Sequence
 import mlx.core as mx
 
 from paged_cache.block import Block, check_key, checked_keys
-from paged_cache.chain_index import ChainNode
+from paged_cache.chain_index import ChainNode, FitNodes
 from paged_cache.config import CacheConfig
 from paged_cache.hashing import ROOT_PARENT
 from paged_cache import rates_file
@@ -72,6 +72,7 @@ class PagedSSDCacheManager:
         # hot blocks whose write waits: DEFERRED (due in _tails), UNREUSED (till a reuse)
         self._waiting: dict[str, str] = {}
         self._tails = Deadlines(self._write_due, "paged-cache-tails")
+        self._fits = FitNodes()  # listed nodes already verified by a chain lookup
         self.config.log_inert_fields()
         # fastest first, RAM first; ssd_error: why the configured SSD tier could not be opened
         tiers, self.ssd_error = open_tiers(self.config, lock=self._lock, on_evict=self._on_evict)
@@ -555,8 +556,8 @@ class PagedSSDCacheManager:
                 node = ChainNode.from_row(row, tier.name)
                 if node is None:
                     continue  # not a node row (no chain fields)
-                reason = node.unfit(fingerprint, namespace, d * bs, bs,
-                                    keys[d] if d < len(keys) else None)
+                reason = self._fits.unfit(node, fingerprint, namespace, d * bs, bs,
+                                          keys[d] if d < len(keys) else None)
                 if reason is None:
                     nodes[node.key] = node
                 elif d or not node.another_namespaces(fingerprint, bs):

@@ -22,6 +22,7 @@ from paged_cache.install import install_command
 from paged_cache.tiers import format as fmt
 
 KEY_PREFIX = f"paged-cache:{fmt.FORMAT_VERSION}"
+TTL_STEP_MS = 4                # a block's TTL is this much shorter than its parent's
 ROOT_NAME = "root"             # the child hash name part of a chain's first blocks
 
 
@@ -62,6 +63,27 @@ def listing_name(meta: dict[str, str]) -> str | None:
     if parent is None or not is_key(fingerprint) or (parent and not is_key(parent)):
         return None
     return children_name(parent, fingerprint)
+
+
+def chain_ttl_ms(ttl: float, depth: int) -> int | None:
+    """The TTL (ms) a block ``depth`` blocks from its chain's start gets at a write or a lookup
+    that finds it (None: no ``remote_ttl``): TTL_STEP_MS less per block of depth (at most a
+    quarter of the TTL less), so blocks renewed together expire, and are evicted under
+    ``volatile-ttl``, leaves first, and a parent, renewed whenever a lookup passes it to a
+    child, not before its children."""
+    if ttl <= 0:
+        return None
+    full = int(ttl * 1000)
+    return max(1, full - min(depth * TTL_STEP_MS, full // 4))
+
+
+def depth_of(meta: dict[str, str]) -> int:
+    """A block's depth in its chain from its meta (start / tokens; 0 when they are missing)."""
+    try:
+        start, tokens = int(meta.get(fmt.META_START, "0")), int(meta.get(fmt.META_TOKENS, "1"))
+    except ValueError:
+        return 0
+    return max(0, start // max(1, tokens))
 
 
 def client_module() -> Any:

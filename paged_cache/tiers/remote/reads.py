@@ -16,7 +16,8 @@ from typing import Any, Sequence
 from paged_cache.block import Block, check_key, is_key
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.remote.mac import SEAL_BYTES, is_sealed
-from paged_cache.tiers.remote.client import block_name, children_name, parse_child_entry
+from paged_cache.tiers.remote.client import (block_name, chain_ttl_ms, children_name,
+                                              parse_child_entry)
 
 log = logging.getLogger("paged_cache.remote")
 
@@ -52,21 +53,32 @@ class RemoteReads:
         with self._lock:
             self._fetched, self._present, self._listings = {}, OrderedDict(), OrderedDict()
 
-    def held(self, keys: Sequence[str]) -> list[bool]:
+    def held(self, keys: Sequence[str], *, chain: bool = False) -> list[bool]:
         """Which ``keys`` the server holds now: one pipelined round trip of STRLEN (none for keys
         seen in the last PRESENT_SECONDS); their sizes size the read-ahead. All False while the
-        server is unreachable."""
+        server is unreachable. ``chain``: ``keys`` are a chain in order from its start, and with
+        ``remote_ttl`` those asked get their TTL renewed in the same round trip (``chain_ttl_ms``:
+        a parent's never shorter than its children's)."""
         now = time.monotonic()
         with self._lock:
             out = [now - self._present.get(k, (-PRESENT_SECONDS, 0))[0] < PRESENT_SECONDS
                    for k in keys]
-        ask = [k for k, seen in zip(keys, out) if not seen]
+        ask = [(i, k) for i, (k, seen) in enumerate(zip(keys, out)) if not seen]
         if not ask:
             return out
-        answers = self._pipelined(lambda p: [p.strlen(block_name(k)) for k in ask])
+        renew = chain and self.ttl > 0
+
+        def build(pipe: Any) -> list:
+            asked = [pipe.strlen(block_name(k)) for _, k in ask]
+            if renew:
+                for i, k in ask:
+                    pipe.pexpire(block_name(k), chain_ttl_ms(self.ttl, i))
+            return asked
+
+        answers = self._pipelined(build)
         if answers is None:
             return out
-        found = {k: n for k, n in zip(ask, answers) if isinstance(n, int) and n > 0}
+        found = {k: n for (_, k), n in zip(ask, answers) if isinstance(n, int) and n > 0}
         self._remember_present(found)
         return [seen or k in found for k, seen in zip(keys, out)]
 

@@ -94,8 +94,10 @@ class RemoteTier(RemoteReads, RemoteWriter, Tier):
     # ---- the tier interface (tiers/base.py) ------------------------------------------------
     def holds(self, keys: Sequence[str], *, listed: AbstractSet[str] = frozenset(),
               stop_at_miss: bool = False) -> list[str | None]:
-        """"remote" for the keys the server holds now (``held``), else None."""
-        return [self.name if h else None for h in self.held(keys)]
+        """"remote" for the keys the server holds now (``held``), else None. Only the manager's
+        chain walk asks a shared tier, with the held part of a chain in order: their TTLs are
+        renewed."""
+        return [self.name if h else None for h in self.held(keys, chain=True)]
 
     def children(self, parents: Sequence[str], fingerprint: str) -> list[fmt.NodeRow]:
         """Node rows of the children the server lists under ``parents`` (``listed_children``)."""

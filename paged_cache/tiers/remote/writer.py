@@ -13,7 +13,8 @@ import logging
 import time
 
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.remote.client import block_name, child_entry, listing_name, shown
+from paged_cache.tiers.remote.client import (block_name, chain_ttl_ms, child_entry, depth_of,
+                                              listing_name, shown)
 from paged_cache.tiers.write_queue import Write, WriteBehind
 
 log = logging.getLogger("paged_cache.remote")
@@ -90,10 +91,10 @@ class RemoteWriter(WriteBehind):
                     pipe.delete(block_name(w.key))
             sizes = pipe.execute()[:len(puts)]
         self._count("discards", len(discarded))
-        px = int(self.ttl * 1000) or None
         sent = listed = new = 0
         with self._connected().pipeline(transaction=False) as pipe:
             for j, w in enumerate(puts):
+                px = chain_ttl_ms(self.ttl, depth_of(w.meta))
                 if sizes[j]:
                     self._count("writes_existing")
                     if px:

@@ -1,0 +1,284 @@
+"""The cache's own cost per request as the blocks it holds grow, on the trace (``trace_stream``).
+
+Each trace block stands for two 256-token cache blocks (the trace's ~180k distinct 512-token
+blocks are ~365k cache blocks). A request is replayed through the manager as the prefix cache
+drives it (``serve``): the fetch's ``manager.chain`` lookup of the request's chain (every tier's
+child listing, the SSD manifest's query), a ``get(take=True, in_place=True)`` of each block of
+the leading held run (a hot block handed over, an SSD block's header verified, its payload left
+on disk), then the store's lookup and a ``put`` of each block no tier holds in RAM (the taken
+ones back, the new ones stored: admission, write queue, evictions, manifest rows). The payloads
+are 64 bytes, so what is timed is the cache's bookkeeping, not the copy of KV bytes; keys, token
+ids and payload arrays are made before the clock starts. The SSD directory is on tmpfs when the
+runner is given one (the block files' fsyncs are the KV bytes' cost, not the cache's). Every
+tier is sized to keep every block, so the blocks held grow with the stream, and each request's
+time is filed under the blocks held when it started. The time is the calling thread's CPU time
+(``time.thread_time``: on a machine shared with other jobs a request's wall-clock time is mostly
+its waits for a core); the wall-clock figures are in each figure's details.
+
+Configurations: ``hot`` (RAM only), ``ssd`` (an SSD tier behind a RAM tier of 64 blocks),
+``hot+ssd`` (2,000 blocks of RAM in front of the SSD tier). Figures, per configuration and
+blocks held: the median per request against the median at 10k blocks held (goal <= 2x) and
+the p99 (goal <= 10 ms); the SSD tier's open time on everything the replay left (goal <= 1 s)
+and the memory each block held costs the index (process RSS growth per block minus the
+payload; the manifest's file bytes per row).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import mlx.core as mx
+
+from benchmarks import startup
+from benchmarks.common import Context, Figure, figure
+from benchmarks.trace_stream import TraceRequest, block_tokens
+from paged_cache import CacheConfig, PagedSSDCacheManager
+from paged_cache.block import Block
+from paged_cache.chain_index import ChainNode
+from paged_cache.hashing import ROOT_PARENT, block_key
+from paged_cache.store import OUT_OF_RAM
+from paged_cache.tiers.ssd.tier import SSDTier
+
+FAMILY = "trace"
+BLOCK = 256                    # cache block: two per trace block
+PAYLOAD = 64                   # bytes of each block's single array
+FINGERPRINT = "7" * 64         # a model fingerprint (the remote tier wants 64 hex characters)
+VOCAB = 32_000
+HELD = (10_000, 30_000, 100_000, 300_000)  # blocks held at which the cost is read
+WINDOW = 200                   # requests read after the blocks held reach a mark
+CONFIGS = ("hot", "ssd", "hot+ssd")
+RAM_BLOCKS = {"hot": None, "ssd": 64, "hot+ssd": 2_000}
+
+
+class Chains:
+    """Each request's cache keys and their node meta, made once per distinct trace block."""
+
+    def __init__(self) -> None:
+        self.fingerprint = FINGERPRINT
+        self.parents: dict[str, str] = {}  # key -> its parent key
+        self._nodes: dict[tuple[str, int, int], tuple[str, dict[str, str]]] = {}
+
+    def of(self, request: TraceRequest) -> list[tuple[str, dict[str, str]]]:
+        """The (key, meta) of each full cache block of ``request``'s prompt, root first."""
+        out, parent = [], ROOT_PARENT
+        for i in range(request.input_length // BLOCK):
+            h, half = request.hash_ids[i // 2], i % 2
+            node = self._nodes.get((parent, h, half))
+            if node is None:
+                ids = block_tokens(h, VOCAB)[half * BLOCK:(half + 1) * BLOCK].astype("int64")
+                key = block_key(self.fingerprint, "", parent, ids)
+                meta = ChainNode(key, parent, self.fingerprint, i * BLOCK, ids).to_meta()
+                node = self._nodes[(parent, h, half)] = (key, meta)
+                self.parents[key] = parent
+            out.append(node)
+            parent = node[0]
+        return out
+
+
+@dataclass
+class Replay:
+    """One configuration's replay: each request's seconds and the blocks held when it began."""
+
+    config: str
+    seconds: list[float] = field(default_factory=list)  # the calling thread's CPU time
+    wall: list[float] = field(default_factory=list)
+    held: list[int] = field(default_factory=list)
+    hits: int = 0
+    requested: int = 0
+    rss_per_block: float = 0.0
+    open_s: float | None = None
+    open_empty_s: float | None = None
+    manifest_per_block: float | None = None
+    counters: dict[str, Any] = field(default_factory=dict)
+
+    def window(self, mark: int, size: int, wall: bool = False) -> list[float] | None:
+        """The CPU seconds (``wall``: wall-clock) of the ``size`` requests from the first one
+        that began with ``mark`` blocks held (None when the replay never got there with
+        ``size`` requests to go)."""
+        start = next((i for i, h in enumerate(self.held) if h >= mark), None)
+        if start is None or start + size > len(self.held):
+            return None
+        return (self.wall if wall else self.seconds)[start:start + size]
+
+
+def config_for(name: str, scratch: Path, total_blocks: int) -> CacheConfig:
+    """The configuration ``name``, every tier sized to keep ``total_blocks`` blocks."""
+    ram = RAM_BLOCKS[name]
+    every = max(1 << 20, 4 * total_blocks * PAYLOAD)
+    if ram is None:
+        return CacheConfig(block_size=BLOCK, hot_cache_only=True, hot_cache_max_bytes=every)
+    return CacheConfig(block_size=BLOCK, hot_cache_max_bytes=ram * PAYLOAD, ssd_dir=scratch,
+                       ssd_max_bytes=64 * total_blocks * 4096, queue_full_policy="write-on-caller")
+
+
+def rss() -> int:
+    """The process's resident bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def replay(name: str, requests: Sequence[TraceRequest], chains: Chains, scratch: Path,
+           total_blocks: int) -> Replay:
+    """Replay ``requests`` through a manager configured as ``name`` (see the module doc)."""
+    out = Replay(name)
+    ssd_dir = scratch / f"trace-cost-{name.replace('+', '-')}"
+    shutil.rmtree(ssd_dir, ignore_errors=True)
+    config = config_for(name, ssd_dir, total_blocks)
+    held: set[str] = set()
+    gc.collect()
+    rss_before = rss()
+    with PagedSSDCacheManager(config) as manager:
+        for request in requests:
+            nodes = chains.of(request)
+            keys = [k for k, _ in nodes]
+            blocks = [Block(k, {"kv": mx.zeros((PAYLOAD,), dtype=mx.uint8)}, meta)
+                      for k, meta in nodes]
+            mx.eval(*[b.arrays["kv"] for b in blocks])
+            out.held.append(len(held))
+            started, cpu = time.perf_counter(), time.thread_time()
+            got = serve(manager, nodes, {b.key: b for b in blocks}.__getitem__)
+            out.seconds.append(time.thread_time() - cpu)
+            out.wall.append(time.perf_counter() - started)
+            out.hits += len(got)
+            out.requested += len(keys)
+            held.update(keys)
+        manager.flush()
+        gc.collect()
+        out.rss_per_block = (rss() - rss_before) / max(1, len(held)) - PAYLOAD
+        out.counters = {k: v for k, v in manager.stats().items()
+                        if isinstance(v, (int, float))}
+    if RAM_BLOCKS[name] is not None:  # an SSD tier
+        manifest = sum(p.stat().st_size for p in ssd_dir.glob("manifest*") if p.is_file())
+        out.manifest_per_block = manifest / max(1, len(held))
+        out.open_s = _open_time(config)
+        empty = scratch / "trace-cost-empty"
+        out.open_empty_s = _open_time(config_for(name, empty, total_blocks))
+        shutil.rmtree(empty, ignore_errors=True)
+        shutil.rmtree(ssd_dir, ignore_errors=True)
+    return out
+
+
+def serve(manager: PagedSSDCacheManager, nodes: list[tuple[str, dict[str, str]]],
+          block: Callable[[str], Block]) -> list[Any]:
+    """One request as the prefix cache drives the manager: the fetch's chain lookup and takes of
+    the leading held run (returned, until the first that is gone), then the store's lookup and
+    a put of each block (``block(key)``) no tier holds in RAM."""
+    keys = [k for k, _ in nodes]
+    tiers, _ = manager.chain(keys, FINGERPRINT)
+    got = []
+    for key in keys[:tiers.index(None) if None in tiers else len(keys)]:
+        taken = manager.get(key, take=True, in_place=True)
+        if taken is None:
+            break  # listed, then gone (a shared server evicted it meanwhile)
+        got.append(taken)
+    tiers, _ = manager.chain(keys, FINGERPRINT)
+    for key, tier in zip(keys, tiers):
+        if tier is None or tier in OUT_OF_RAM:
+            manager.put(block(key))
+    return got
+
+
+def _open_time(config: CacheConfig) -> float:
+    """Seconds to open a manager on ``config``'s SSD directory (then closed, untimed)."""
+    started = time.perf_counter()
+    manager = PagedSSDCacheManager(config)
+    seconds = time.perf_counter() - started
+    manager.close()
+    return seconds
+
+
+def p99(values: Sequence[float]) -> float:
+    """The 99th percentile (nearest rank)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def cost_figures(run: Replay, marks: Sequence[int], window: int) -> list[Figure]:
+    """The median and p99 figures of one replay at each mark of blocks held it reached."""
+    base = run.window(marks[0], window)
+    if base is None:
+        return []
+    base_median = statistics.median(base)
+    out = []
+    for mark in marks:
+        got = run.window(mark, window)
+        if got is None:
+            continue
+        median = statistics.median(got)
+        wall = run.window(mark, window, wall=True)
+        details = dict(config=run.config, blocks_held=mark, block_size=BLOCK, requests=window,
+                       p99_s=p99(got), median_under_5ms=median < 0.005, clock="thread CPU",
+                       wall_median_s=statistics.median(wall), wall_p99_s=p99(wall))
+        out.append(figure(FAMILY, f"cost per request median, {run.config}, {mark:,} blocks held",
+                          measured=median, baseline=base_median, goal=2.0, goal_op="<=",
+                          meaning=f"median / median at {marks[0]:,} blocks held", **details))
+        out.append(figure(FAMILY, f"cost per request p99, {run.config}, {mark:,} blocks held",
+                          measured=p99(got), baseline=median, goal=0.010, goal_op="<=",
+                          goal_on="measured", meaning="p99 / median (goal on the p99: 10 ms)",
+                          **details))
+    return out
+
+
+def open_figures(ctx: Context, blocks: int) -> list[Figure]:
+    """The SSD tier's open time over ``blocks`` blocks (built directly, as ``startup`` does)
+    against a listing of their files, and what the open tier holds in RAM per block (process
+    RSS growth while it is open) and its manifest on disk per block."""
+    root = ctx.scratch / "trace-cost-open"
+    shutil.rmtree(root, ignore_errors=True)
+    try:
+        startup.build(root, blocks)
+        seconds = statistics.median(startup.open_seconds(root)[0] for _ in range(3))
+        cpu = time.process_time()
+        startup.open_seconds(root)
+        cpu = time.process_time() - cpu  # what the open costs the machine, whatever its load
+        listing = statistics.median(startup.list_seconds(root)[0] for _ in range(3))
+        gc.collect()
+        before = rss()
+        tier = SSDTier(root, max_bytes=1 << 40)
+        held = rss() - before
+        tier.close()
+        manifest = sum(p.stat().st_size for p in root.glob("manifest*") if p.is_file())
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    details = dict(configuration="ssd", blocks_held=blocks, open_cpu_s=cpu,
+                   manifest_bytes_per_block=manifest / blocks)
+    return [figure(FAMILY, f"SSD tier open, {blocks:,} blocks", measured=seconds,
+                   baseline=listing, goal=1.0, goal_op="<=", goal_on="measured",
+                   meaning="open time / a listing of the block files", **details),
+            figure(FAMILY, f"SSD tier RAM per block, {blocks:,} blocks", measured=held / blocks,
+                   baseline=manifest / blocks, unit="B",
+                   meaning="RSS growth of the open tier per block / manifest bytes per block",
+                   **details)]
+
+
+def figures(ctx: Context, requests: Sequence[TraceRequest]) -> list[Figure]:
+    """Every cost figure of the trace family (``requests``: the replayed stream)."""
+    out = open_figures(ctx, ctx.pick(30_000, HELD[-1]))
+    requests = list(requests)[:ctx.pick(1_500, None)]
+    marks = [m for m in HELD if m <= ctx.pick(30_000, HELD[-1])]
+    window = ctx.pick(100, WINDOW)
+    chains = Chains()
+    total = len({k for r in requests for k, _ in chains.of(r)})
+    for name in CONFIGS:
+        run = replay(name, requests, chains, ctx.scratch, total)
+        out += cost_figures(run, marks, window)
+        held = len(set(run.held)) and max(run.held)
+        common = dict(config=name, blocks_held=held, block_size=BLOCK,
+                      hit_ratio=run.hits / max(1, run.requested), counters=run.counters)
+        out.append(figure(FAMILY, f"index memory per block, {name}", measured=run.rss_per_block,
+                          baseline=PAYLOAD, unit="B",
+                          meaning="process RSS growth per block held, less the payload / payload",
+                          manifest_bytes_per_block=run.manifest_per_block, **common))
+        if run.open_s is not None:
+            out.append(figure(FAMILY, f"SSD tier open, {name}, {held:,} blocks",
+                              measured=run.open_s, baseline=run.open_empty_s or 0.0, goal=1.0,
+                              goal_op="<=", goal_on="measured",
+                              meaning="open time / open time of an empty directory", **common))
+    return out
