@@ -25,7 +25,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Context, bar_plot, figure, line_plot
+from benchmarks.common import Context, bar_plot, figure, fmt_value, line_plot
 from benchmarks.trace_replay import (TOKEN_BYTES, Replay, config_for, ssd_file_bytes)
 from benchmarks.trace_sim import Blocks, belady, documented, infinite, through_hot_tier
 from benchmarks.trace_stream import TRACE_BLOCK, load, trace_path
@@ -117,7 +117,7 @@ def _bounds(limit: int) -> dict[str, Any]:
 def run(ctx: Context) -> dict:
     everything = len(load())
     whole = ctx.pick(600, everything)
-    tiered = ctx.pick(150, int(os.environ.get("PAGED_CACHE_TRACE_TIERED", 800)))
+    tiered = ctx.pick(150, int(os.environ.get("PAGED_CACHE_TRACE_TIERED", 3000)))
     scratch = str(ctx.scratch / "trace")
     jobs: dict[tuple, Any] = {}
     with ProcessPoolExecutor(WORKERS, mp_context=get_context("spawn")) as pool:
@@ -191,6 +191,9 @@ def _wear_figures(results: dict) -> list:
             ssd_tokens=WEAR_SSD, hit_ratio=r["blocks_served"] / r["blocks_requested"],
             ram_hit_ratio=hot / r["blocks_requested"], ssd_hit_ratio=ssd / r["blocks_requested"],
             bytes_written=r["ssd"]["bytes_written"], blocks_served=r["blocks_served"],
+            block_files_written=r["ssd"]["writes"], file_bytes_written=r["ssd"]["write_bytes"],
+            manifest_bytes_written=r["ssd"]["manifest_write_bytes"],
+            files_per_block_served=r["ssd"]["writes"] / max(r["blocks_served"], 1),
             requests=r["requests"]))
     return out
 
@@ -222,11 +225,53 @@ def plots(data: dict, results: Path) -> list[str]:
     series.update({name: (xs, hits) for name, hits in data["orders"].items()})
     line_plot(results / "trace_orders.png", "Eviction orders through the hot tier vs MIN",
               series, "capacity (M tokens)", "blocks served / requested")
-    wear = [f for f in data["figures"] if f["name"].startswith("SSD bytes per block served")]
-    labels = [f"{f['details']['ssd_admission']}, {f['details']['write_policy']}" for f in wear]
-    bar_plot(results / "trace_ssd_writes.png", "RAM 0.25M + SSD 3M tokens: writes and hits",
-             labels, {"KiB written / block served": [f["measured"] / 1024 for f in wear],
-                      "RAM hits (%)": [100 * f["details"]["ram_hit_ratio"] for f in wear],
-                      "SSD hits (%)": [100 * f["details"]["ssd_hit_ratio"] for f in wear]},
-             "value")
+    wear = _wear(data)
+    bar_plot(results / "trace_ssd_writes.png", "SSD bytes written per block served (RAM 0.25M + "
+             "SSD 3M tokens)", [f"{f['details']['ssd_admission']}, {f['details']['write_policy']}"
+                               for f in wear],
+             {"KiB written / block served": [f["measured"] / 1024 for f in wear]}, "KiB")
     return out + ["trace_orders.png", "trace_ssd_writes.png"]
+
+
+def _wear(data: dict) -> list[dict]:
+    return [f for f in data["figures"] if f["name"].startswith("SSD bytes per block served")]
+
+
+def tables(data: dict) -> dict[str, str]:
+    """``hits``: per capacity, the bounds and the documented order's simulation beside the RAM
+    replay of the whole trace; ``tiers``: the same for the tiered replays' requests; ``orders``:
+    each order's hit ratio and its share of MIN; ``wear``: SSD writes and hits by setting."""
+    figs = {f["name"]: f for f in data["figures"]}
+    caps = data["capacities"]
+
+    def hit_table(kinds: tuple[str, ...]) -> str:
+        head = ["capacity", "infinite", "Belady's MIN", "documented order (simulated)",
+                *[f"measured, {k}" for k in kinds], "measured / MIN"]
+        lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+        for c in caps:
+            row = [figs[f"hit ratio, {k}, {tokens_label(c)}"] for k in kinds]
+            d = row[0]["details"]
+            lines.append("| " + " | ".join(
+                [f"{tokens_label(c)} ({c // TRACE_BLOCK:,} blocks)", f"{d['infinite']:.3f}",
+                 f"{d['min']:.3f}", f"{d['order_sim']:.3f}",
+                 *[f"{f['measured']:.3f}" for f in row],
+                 f"{row[0]['measured'] / d['min']:.2f}"]) + " |")
+        return "\n".join(lines) + "\n"
+
+    orders = ["| order | " + " | ".join(tokens_label(c) for c in caps) + " |",
+              "|---" * (1 + len(caps)) + "|"]
+    mins = data["bounds"][str(data["requests_ram"])]["min"]
+    orders.append("| Belady's MIN | " + " | ".join(f"{m:.3f}" for m in mins) + " |")
+    for name, hits in data["orders"].items():
+        orders.append(f"| {name} | " + " | ".join(
+            f"{h:.3f} ({h / hits_base:.2f}x LRU, {h / m:.2f} of MIN)"
+            for h, hits_base, m in zip(hits, data["orders"]["leaves-first LRU"], mins)) + " |")
+    wear = ["| ssd_admission, write_policy | SSD bytes written / block served | hit ratio | "
+            "from RAM | from SSD |", "|---|---|---|---|---|"]
+    for f in _wear(data):
+        d = f["details"]
+        wear.append(f"| {d['ssd_admission']}, {d['write_policy']} | "
+                    f"{fmt_value(f['measured'], 'B')} | {d['hit_ratio']:.3f} | "
+                    f"{d['ram_hit_ratio']:.3f} | {d['ssd_hit_ratio']:.3f} |")
+    return {"hits": hit_table(("ram",)), "tiers": hit_table(("ram+ssd", "remote")),
+            "orders": "\n".join(orders) + "\n", "wear": "\n".join(wear) + "\n"}

@@ -91,6 +91,8 @@ class Replay:
         self.layout_model = self.layout_model or model()
         self.manager = PagedSSDCacheManager(self.config)
         self.cache = BlockAwarePrefixCache(self.manager, self.layout_model, model_id="trace")
+        self.lower = [name for name, on in (("ssd", not self.config.hot_cache_only),
+                                            ("remote", self.config.remote_url)) if on]
         if not self.cache.layout.ready():   # the 1-token dry run that learns the layout
             raise RuntimeError(f"the trace model's layout is not cached: {self.cache.unsupported}")
 
@@ -109,8 +111,8 @@ class Replay:
             layer.update_and_fetch(mx.array(keys), mx.array(values))
         mx.eval([a for layer in cache for a in (layer.keys, layer.values)])
         self.cache.store(tokens, cache, consume=True)
-        if self.config.remote_url:   # every write sent before the next request: deterministic
-            self.manager.flush()
+        for tier in self.lower:   # every queued write lands before the next request
+            self.manager.tier(tier).flush()
         served = served_blocks(r, n)
         c = self.counts
         c.requests += 1
@@ -153,8 +155,9 @@ def config_for(kind: str, capacity_tokens: int, scratch: Path, *, ram_tokens: in
     in RAM in front of the server at ``remote_url``, whose own memory bound holds the capacity).
     ``fields``: any other CacheConfig field (ssd_admission, write_policy...). The fetch plan
     always restores: this measures what the cache holds, not what a model's prefill would beat.
-    SSD writes land on the calling thread (no write queue), so no block is served from the queue
-    and the replay is deterministic; the remote tier's queue is drained after each request."""
+    Each request's writes are queued as an engine's are, and the queues drained before the next
+    request (``Replay.request``): no block is served from a queue, so the replay is
+    deterministic."""
     base = dict(block_size=TRACE_BLOCK, fetch_policy="always-restore", **fields)
     if kind == "ram":
         return CacheConfig(hot_cache_only=True, hot_cache_max_bytes=capacity_tokens * TOKEN_BYTES,
@@ -163,8 +166,7 @@ def config_for(kind: str, capacity_tokens: int, scratch: Path, *, ram_tokens: in
     if kind == "ram+ssd":
         ssd = scratch / f"trace-ssd-{capacity_tokens}"
         shutil.rmtree(ssd, ignore_errors=True)
-        return CacheConfig(hot_cache_max_bytes=ram, ssd_dir=ssd, ssd_max_bytes=ssd_bytes,
-                           write_queue_max_bytes=0, queue_full_policy="write-on-caller", **base)
+        return CacheConfig(hot_cache_max_bytes=ram, ssd_dir=ssd, ssd_max_bytes=ssd_bytes, **base)
     if kind == "remote":
         return CacheConfig(hot_cache_only=True, hot_cache_max_bytes=ram, remote_url=remote_url,
                            **base)
