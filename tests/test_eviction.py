@@ -7,7 +7,7 @@ import random
 import pytest
 
 from paged_cache.tiers.eviction import (ORDERS, Frequency, LeavesFirst, NewestFirst, ReusedLast,
-                                        Turns, eviction_order)
+                                        ReusedLater, Turns, eviction_order)
 
 pytestmark = pytest.mark.unit
 
@@ -106,6 +106,16 @@ def test_ghosts_count_a_block_stored_again_after_its_eviction_as_reused():
     order.add("back", None, 3.0)             # ... and stored again: reused
     assert drain(order) == ["fresh", "back"]
     assert drain(ReusedLast()) == []
+
+
+def test_reused_later_keeps_a_reused_leaf_for_a_while_then_lets_it_go():
+    order = ReusedLater(credit=1.0)
+    order.add("once", None, 1.0)
+    order.add("reused", None, 2.0)
+    order.add("newer", None, 3.0)
+    order.touch("reused", 4.0)               # ranks as used at 4 + 1 x 3 entries = 7
+    order.add("latest", None, 8.0)
+    assert drain(order) == ["once", "newer", "reused", "latest"]
 
 
 def test_frequency_turns_and_newest_first_keep_the_leaves_first_rule():
