@@ -11,9 +11,10 @@ the bounds and simulations of the same stream beside it (trace_sim.py).
 - SSD writes per block served and the hits split RAM / SSD, RAM 0.25M and SSD 3M tokens, under
   each ``ssd_admission`` and write policy.
 
-The replays are independent, so they run in parallel processes. The tiered configurations
-write every block file and manifest row; on this machine they replay a leading part of the
-trace (``TIERED_REQUESTS``), the figure naming how many requests, its bounds computed on them.
+The replays are independent, so they run in parallel processes (``PAGED_CACHE_TRACE_WORKERS``,
+3 by default). The tiered configurations write every block file and manifest row; they replay
+the trace's first ``PAGED_CACHE_TRACE_TIERED`` requests (3,000 by default), each figure naming
+how many, its bounds computed on those same requests.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ RAM_TOKENS = 62_500        # the small RAM tier in front of the SSD / remote tie
 WEAR_RAM, WEAR_SSD = 250_000, 3_000_000
 WEAR_SETTINGS = (("all", "write-through"), ("reused", "write-through"), ("all", "write-back"),
                  ("reused", "write-back"))
-WORKERS = 3
+WORKERS = int(os.environ.get("PAGED_CACHE_TRACE_WORKERS", 3))   # replays at once
 
 
 def tokens_label(tokens: int) -> str:
@@ -68,7 +69,8 @@ def _replay(kind: str, capacity: int, limit: int, scratch: str, fields: dict) ->
                     blocks_requested=counts.blocks_requested, blocks_served=counts.blocks_served,
                     tokens_checked=counts.tokens_checked, by_tier=counts.by_tier,
                     seconds=counts.seconds, ram_tokens=ram if kind != "ram" else capacity,
-                    bytes_per_stored_block=per_block if kind != "ram" else TRACE_BLOCK * TOKEN_BYTES,
+                    bytes_per_stored_block=(per_block if kind != "ram"
+                                            else TRACE_BLOCK * TOKEN_BYTES),
                     ssd=stats.get("ssd"), remote=stats.get("remote"), fields=fields)
     finally:
         if server is not None:
@@ -121,6 +123,7 @@ def run(ctx: Context) -> dict:
     scratch = str(ctx.scratch / "trace")
     jobs: dict[tuple, Any] = {}
     with ProcessPoolExecutor(WORKERS, mp_context=get_context("spawn")) as pool:
+        orders = pool.submit(_orders, whole)
         bounds = {n: pool.submit(_bounds, n) for n in {whole, tiered}}
         for kind, limit in (("ram", whole), ("ram+ssd", tiered), ("remote", tiered)):
             for c in CAPACITIES:
@@ -129,7 +132,6 @@ def run(ctx: Context) -> dict:
             jobs[("wear", admission, policy)] = pool.submit(
                 _replay, "ram+ssd", WEAR_SSD, tiered, scratch,
                 dict(ssd_admission=admission, write_policy=policy, ram_tokens=WEAR_RAM))
-        orders = pool.submit(_orders, whole)
         bounds = {n: f.result() for n, f in bounds.items()}
         results = {k: f.result() for k, f in jobs.items()}
         orders = orders.result()
@@ -266,12 +268,14 @@ def tables(data: dict) -> dict[str, str]:
         orders.append(f"| {name} | " + " | ".join(
             f"{h:.3f} ({h / hits_base:.2f}x LRU, {h / m:.2f} of MIN)"
             for h, hits_base, m in zip(hits, data["orders"]["leaves-first LRU"], mins)) + " |")
-    wear = ["| ssd_admission, write_policy | SSD bytes written / block served | hit ratio | "
-            "from RAM | from SSD |", "|---|---|---|---|---|"]
+    wear = ["| ssd_admission, write_policy | SSD bytes written / block served | block files "
+            "written / block served | hit ratio | from RAM | from SSD |",
+            "|---|---|---|---|---|---|"]
     for f in _wear(data):
         d = f["details"]
         wear.append(f"| {d['ssd_admission']}, {d['write_policy']} | "
-                    f"{fmt_value(f['measured'], 'B')} | {d['hit_ratio']:.3f} | "
+                    f"{fmt_value(f['measured'], 'B')} | {d['files_per_block_served']:.2f} | "
+                    f"{d['hit_ratio']:.3f} | "
                     f"{d['ram_hit_ratio']:.3f} | {d['ssd_hit_ratio']:.3f} |")
     return {"hits": hit_table(("ram",)), "tiers": hit_table(("ram+ssd", "remote")),
             "orders": "\n".join(orders) + "\n", "wear": "\n".join(wear) + "\n"}
