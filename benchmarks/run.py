@@ -25,7 +25,7 @@ from benchmarks import doc_tables
 from benchmarks.common import RESULTS_DIR, Context, as_json, machine, markdown_table, write_json
 
 FAMILIES = ("restore", "ttft", "remote", "lookup", "startup", "peers", "memory", "engines",
-            "sharded", "wear", "scale", "load", "policy", "real", "exo")
+            "sharded", "wear", "scale", "load", "policy", "real", "exo", "trace")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from paged_cache.tiers.eviction import LeavesFirst, eviction_order
+from paged_cache.tiers.eviction import (ORDERS, Frequency, LeavesFirst, NewestFirst, ReusedLast,
+                                        ReusedLater, Turns, eviction_order)
 
 pytestmark = pytest.mark.unit
 
@@ -79,3 +80,78 @@ def test_no_block_goes_before_a_block_continuing_it(seed: int):
     position = {key: n for n, key in enumerate(order_of(rows))}
     assert len(position) == len(rows)
     assert all(position[key] < position[parent] for key, parent, _ in rows if parent)
+
+
+def drain(order: LeavesFirst) -> list[str]:
+    got = []
+    while (key := order.victim()) is not None:
+        got.append(key)
+        order.remove(key)
+    return got
+
+
+def test_reused_last_takes_leaves_used_once_first():
+    order = ReusedLast()
+    for i, key in enumerate(("old", "once", "new")):
+        order.add(key, None, float(i))
+    order.touch("old", 5.0)                  # used again: it outlives leaves used once
+    assert drain(order) == ["once", "new", "old"]
+
+
+def test_ghosts_count_a_block_stored_again_after_its_eviction_as_reused():
+    order = ReusedLast(ghosts=4)
+    order.add("back", None, 1.0)
+    order.remove("back")                     # evicted ...
+    order.add("fresh", None, 2.0)
+    order.add("back", None, 3.0)             # ... and stored again: reused
+    assert drain(order) == ["fresh", "back"]
+    assert drain(ReusedLast()) == []
+
+
+def test_reused_later_keeps_a_reused_leaf_for_a_while_then_lets_it_go():
+    order = ReusedLater(credit=1.0)
+    order.add("once", None, 1.0)
+    order.add("reused", None, 2.0)
+    order.add("newer", None, 3.0)
+    order.touch("reused", 4.0)               # ranks as used at 4 + 1 x 3 entries = 7
+    order.add("latest", None, 8.0)
+    assert drain(order) == ["once", "newer", "reused", "latest"]
+
+
+def test_frequency_turns_and_newest_first_keep_the_leaves_first_rule():
+    freq = Frequency()
+    freq.add("a", None, 1.0)
+    freq.add("b", None, 2.0)
+    freq.touch("a", 3.0)
+    freq.touch("a", 4.0)
+    assert drain(freq) == ["b", "a"]
+    turns = Turns()
+    turns.add("chat", None, 1.0)
+    for t in (2.0, 3.0, 4.0):
+        turns.touch("chat", t)               # three more turns through the chat's prefix
+    turns.add("chat-tip", "chat", 5.0)
+    turns.add("one-shot", None, 6.0)         # a newer prompt nobody continued
+    assert drain(turns) == ["one-shot", "chat-tip", "chat"]
+    newest = NewestFirst()
+    newest.add("root", None, 1.0)
+    newest.add("tip", "root", 2.0)
+    newest.add("other", None, 3.0)
+    assert drain(newest) == ["other", "tip", "root"]
+
+
+@pytest.mark.parametrize("name", list(ORDERS))
+def test_every_order_evicts_a_child_before_its_parent(name: str):
+    rng = random.Random(7)
+    order = ORDERS[name]()
+    parents: dict[str, str | None] = {}
+    for i in range(150):
+        parent = f"n{rng.randrange(i)}" if i and rng.random() < 0.8 else None
+        parents[f"n{i}"] = parent
+        order.add(f"n{i}", parent, float(i))
+        if rng.random() < 0.3:
+            order.touch(f"n{rng.randrange(i + 1)}", 1000.0 + i)
+    gone: set[str] = set()
+    for key in drain(order):
+        assert not any(p == key and k not in gone for k, p in parents.items())
+        gone.add(key)
+    assert len(gone) == 150

@@ -57,19 +57,20 @@ def _check_max_bytes(max_bytes: Any) -> None:
 class HotTier(Tier):
     """LRU of Blocks bounded by ``max_bytes``; thread-safe (under ``lock``, or its own).
     ``mx.clear_cache()`` runs whenever ``clear_cache_bytes`` (default: a quarter of the budget,
-    1-64 MiB) have been evicted."""
+    1-64 MiB) have been evicted. ``order``: makes the eviction order (tiers/eviction.py)."""
 
     name = "hot"
 
     def __init__(self, max_bytes: int, on_evict: EvictCallback | None = None, *,
-                 clear_cache_bytes: int | None = None, lock: Any = None) -> None:
+                 clear_cache_bytes: int | None = None, lock: Any = None,
+                 order: Callable[[], LeavesFirst] = LeavesFirst) -> None:
         _check_max_bytes(max_bytes)
         self.max_bytes = max_bytes
         self._on_evict = on_evict
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._bytes = 0
         self._tick = 0                     # uses so far: the last use of each block
-        self._order = LeavesFirst()        # leaves first, least recently used first
+        self._order = order()              # leaves first, least recently used first (by default)
         self._ghosts: OrderedDict[str, str] = OrderedDict()   # left key -> its (held) ancestor
         self._by_parent: dict[str, set[str]] = {}   # meta parent -> held keys (children lookups)
         self._lock = lock if lock is not None else threading.RLock()
