@@ -9,7 +9,9 @@ the bounds and simulations of the same stream beside it (trace_sim.py).
   order simulated on the same requests, with the infinite cache and Belady's MIN beside it;
 - the eviction orders of tiers/eviction.py through the real hot tier, against leaves-first LRU;
 - SSD writes per block served and the hits split RAM / SSD, RAM 0.25M and SSD 3M tokens, under
-  each ``ssd_admission`` and write policy.
+  each ``ssd_admission`` and write policy;
+- the cache's own work per request as the blocks held grow (trace_cost.py) and the shared tier
+  under the server's own eviction policies (trace_remote.py).
 
 The replays are independent, so they run in parallel processes (``PAGED_CACHE_TRACE_WORKERS``,
 3 by default). The tiered configurations write every block file and manifest row; they replay
@@ -26,6 +28,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+from benchmarks import trace_cost, trace_remote
 from benchmarks.common import Context, bar_plot, figure, fmt_value, line_plot
 from benchmarks.trace_replay import (TOKEN_BYTES, Replay, config_for, ssd_file_bytes)
 from benchmarks.trace_sim import Blocks, belady, documented, infinite, through_hot_tier
@@ -138,6 +141,8 @@ def run(ctx: Context) -> dict:
     figures = _hit_figures(results, bounds, whole, tiered)
     figures += _order_figures(orders, bounds[whole])
     figures += _wear_figures(results)
+    stream = load(limit=tiered)
+    figures += trace_cost.figures(ctx, stream) + trace_remote.figures(ctx, stream)
     for f in figures:
         print(f"   {f.name}: {f.measured:.4f} ({f.ratio:.3g}x)", flush=True)
     return dict(figures=figures, trace=str(trace_path().name), requests_in_trace=everything,
