@@ -365,7 +365,9 @@ def test_stats_of_a_running_server(tmp_path):
             assert lines[0].startswith(f"{url}: server pid {os.getpid()}, up ")
             assert "2: 1 hit, 1 miss; hit rate 50.0%" in lines[1]
             assert "50 of 55 prompt tokens came from the cache (90.9%)" in lines[2]
-            assert "SSD tier" in summary and "written" in summary and len(lines) <= 8
+            # at most 9 lines: a TTFT percentile row too when an earlier test in this process
+            # observed a first token (the histograms are the process's)
+            assert "SSD tier" in summary and "written" in summary and len(lines) <= 9
             status, every, _ = run_cli("stats", "--url", url, "--all")
             assert status == 0 and every.splitlines()[1:len(lines) - 1] == lines[1:-1]
             assert "tokens_matched" in every and "hot_max_bytes" in every

@@ -481,17 +481,24 @@ class PagedPromptCache:
             if not timed:
                 timed = True
                 seconds = time.perf_counter() - submitted
-                prefilled = len(prompt) - max(0, cached())
-                with self._lock:
-                    c = self.counters
-                    c["ttft_requests"] += 1
-                    c["ttft_seconds"] += seconds
-                    histograms.observe_first_token(self._tier_of(prompt), seconds)
-                    if prefilled >= PREFILL_SAMPLE_TOKENS:
-                        c["prefill_tokens"] += prefilled
-                        c["prefill_seconds"] += seconds - waited
-                        self._sample_prefill(list(prompt), prefilled, seconds - waited)
+                try:
+                    self._first_token(prompt, seconds, len(prompt) - max(0, cached()), waited)
+                except Exception as error:  # noqa: BLE001 - never into the server's request
+                    self._cache_error("time to first token", error)
             yield response
+
+    def _first_token(self, prompt: Sequence[int], seconds: float, prefilled: int,
+                     waited: float) -> None:
+        """Count a request's first token (``timed``): its time, and its prefill as a sample."""
+        with self._lock:
+            c = self.counters
+            c["ttft_requests"] += 1
+            c["ttft_seconds"] += seconds
+            histograms.observe_first_token(self._tier_of(prompt), seconds)
+            if prefilled >= PREFILL_SAMPLE_TOKENS:
+                c["prefill_tokens"] += prefilled
+                c["prefill_seconds"] += seconds - waited
+                self._sample_prefill(list(prompt), prefilled, seconds - waited)
 
     def _tier_of(self, prompt: Sequence[int]) -> str:
         """Where the cached tokens of the open request ``prompt`` came from (``miss``: none;
