@@ -484,21 +484,29 @@ class PagedPromptCache:
                 prefilled = len(prompt) - max(0, cached())
                 with self._lock:
                     c = self.counters
-                    c["ttft_requests"] += 1
-                    c["ttft_seconds"] += seconds
-                    histograms.observe_first_token(self._tier_of(prompt), seconds)
+                    self.record_first_token(self.tier_of(prompt), seconds)
                     if prefilled >= PREFILL_SAMPLE_TOKENS:
                         c["prefill_tokens"] += prefilled
                         c["prefill_seconds"] += seconds - waited
                         self._sample_prefill(list(prompt), prefilled, seconds - waited)
             yield response
 
-    def _tier_of(self, prompt: Sequence[int]) -> str:
+    def tier_of(self, prompt: Sequence[int]) -> str:
         """Where the cached tokens of the open request ``prompt`` came from (``miss``: none;
-        ``unknown``: no open request holds it). Under the lock."""
-        found = next((r for r in reversed(self._open) if r.covers(list(prompt), final=True)),
-                     None)
+        ``unknown``: no open request holds it)."""
+        with self._lock:
+            found = next((r for r in reversed(self._open) if r.covers(list(prompt), final=True)),
+                         None)
         return found.tier if found is not None else "unknown"
+
+    def record_first_token(self, tier: str, seconds: float) -> None:
+        """A request whose cached tokens came from ``tier`` (``miss``: none) had its first token
+        ``seconds`` after it arrived: ``ttft_requests`` / ``ttft_seconds`` and the histogram of
+        the time to first token by outcome."""
+        with self._lock:
+            self.counters["ttft_requests"] += 1
+            self.counters["ttft_seconds"] += seconds
+            histograms.observe_first_token(tier, seconds)
 
     def _sample_prefill(self, prompt: list[int], prefilled: int, seconds: float) -> None:
         """Give the loaded model's prefix caches a prefill-rate sample: ``prefilled`` tokens in
