@@ -113,7 +113,7 @@ def check_first_tokens(stats: dict, requests: int) -> None:
     assert {k: s["count"] for k, s in series.items()} == {k: n for k, n in expected.items() if n}
     assert counted["ttft_requests"] == counted["requests"] == requests
     assert series[("hit", "hot")]["count"] > 0 and series[("miss", "none")]["count"] > 0
-    assert all(s["sum"] > 0 for s in series.values())
+    assert all(s["sum"] > 0 and s["labels"]["engine"] == "vllm_mlx" for s in series.values())
     assert sum(s["sum"] for s in series.values()) == pytest.approx(counted["ttft_seconds"])
 
 

@@ -25,7 +25,7 @@ from paged_cache.manager import PagedSSDCacheManager
 logger = logging.getLogger("paged_cache.integrations.exo")
 
 ENV = "PAGED_CACHE_EXO"   # set: paged-cache is exo's prefix cache in this process and its children
-METRICS_ENV = "PAGED_CACHE_EXO_METRICS"  # HOST:PORT: a runner of rank r answers /metrics at PORT + r
+METRICS_ENV = "PAGED_CACHE_EXO_METRICS"  # HOST:PORT: a runner of rank r answers at PORT + r
 
 _lock = threading.Lock()
 _manager: PagedSSDCacheManager | None = None

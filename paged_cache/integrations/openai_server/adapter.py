@@ -238,6 +238,7 @@ def handler_worker(config: CacheConfig, *args: Any) -> None:
         logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
     status = 1
     try:
+        histograms.set_process_labels(engine="openai_server")
         with PagedSSDCacheManager(config) as manager:
             compat.set_handler_class(paged_handler_class(compat.ORIGINAL_HANDLER, manager))
             compat.paged_batches(prefill_samples.meter_for(OpenAIServerPromptCache), _gate,

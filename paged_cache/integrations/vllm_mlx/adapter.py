@@ -61,6 +61,7 @@ def install(manager: PagedSSDCacheManager, *, max_kv_size: int | None = None) ->
                                     or max_kv_size < 0):
         raise ValueError(f"max_kv_size: expected an int >= 0 or None, got {max_kv_size!r}")
     _installed.update(manager=manager, max_kv_size=max_kv_size or None)
+    histograms.set_process_labels(engine="vllm_mlx")
     compat.install(PagedPrefixCache, REFRESH_TOKENS)
     compat.on_batch_generator(_on_generator)
     compat.hold_back(_held)

@@ -326,7 +326,8 @@ def _drop_middleware() -> None:
 
 def uninstall() -> None:
     """Put vllm-mlx's own cache class, snapshot interval, Request class, admission, rounds of
-    admission, response processing and BatchGenerator back, and its application without the salt middleware."""
+    admission, response processing and BatchGenerator back, and its application without the
+    salt middleware."""
     install(ORIGINAL_CACHE, ORIGINAL_REFRESH)
     setattr(_scheduler.Scheduler, CREATE_NAME, ORIGINAL_CREATE)
     setattr(_engine_core, REQUEST_NAME, ORIGINAL_REQUEST)
