@@ -37,6 +37,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             description=f"{help_text}. Everything that is not an option below is the "
                         f"engine's own command line, as in `{usage}` (--log-level here is "
                         "paged-cache's: the level of its loggers).")
+        if name == "exo":
+            parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                                help="each runner (one per model and rank) answers /metrics "
+                                     "and /paged-cache/stats on 127.0.0.1 at PORT + its rank")
         add_config_arguments(parser)
         parser.set_defaults(func=_runner(name), accepts_extra_args=True, log_level="INFO")
 
@@ -51,7 +55,13 @@ def _runner(name: str) -> Callable[[argparse.Namespace], int]:
             config = config_from_args(args)
         except ValueError as error:
             return fail(name, str(error))
+        from paged_cache.cli.serve import check_metrics_port
         from paged_cache.compat import IncompatibleVersion
+
+        ports = {}
+        if "metrics_port" in args:
+            check_metrics_port(args)
+            ports["metrics_port"] = args.metrics_port
 
         try:
             module = importlib.import_module(ENGINES[name][1])
@@ -59,7 +69,7 @@ def _runner(name: str) -> Callable[[argparse.Namespace], int]:
             return fail(name, str(error), 1)
         previous = signal.signal(signal.SIGTERM, _interrupt)   # stop like Ctrl-C
         try:
-            status = module.serve_main(config, args.extra_args)
+            status = module.serve_main(config, args.extra_args, **ports)
         except KeyboardInterrupt:
             status = 0
         except module.ServeError as error:

@@ -68,6 +68,13 @@ def _model_error(model: str) -> str | None:
     return None
 
 
+def check_metrics_port(args: argparse.Namespace) -> None:
+    """``--metrics-port`` is a TCP port (or absent), else the command's usage error."""
+    if args.metrics_port is not None and not 1 <= args.metrics_port <= MAX_PORT:
+        args.command_parser.error(f"--metrics-port: expected a TCP port in 1-{MAX_PORT}, got "
+                                  f"{args.metrics_port}")
+
+
 def run(args: argparse.Namespace, config: CacheConfig) -> int:
     """Run the server with the cache ``config`` until stopped."""
     if (problem := _model_error(args.model)) is not None:
@@ -75,9 +82,7 @@ def run(args: argparse.Namespace, config: CacheConfig) -> int:
     model = os.path.expanduser(args.model) if args.model.startswith("~") else args.model
     server_argv = ["--model", model, "--log-level", args.log_level, *args.extra_args]
     check_server_options(args.command_parser, server_argv)
-    if args.metrics_port is not None and not 1 <= args.metrics_port <= MAX_PORT:
-        args.command_parser.error(f"--metrics-port: expected a TCP port in 1-{MAX_PORT}, got "
-                                  f"{args.metrics_port}")
+    check_metrics_port(args)
     # mlx_lm.server's logging.basicConfig is a no-op once ours ran: apply its level here (the
     # paged_cache loggers have it already, cli.main).
     logging.getLogger().setLevel(args.log_level)

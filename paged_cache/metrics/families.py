@@ -23,7 +23,9 @@ from paged_cache.metrics import meanings
 PREFIX = "paged_cache"
 TIERS = ("hot", "ssd", "remote")
 REQUEST_TIERS = ("hot", "ssd", "remote", "mixed")
-SUMS = {("manager", "hits", "total"), ("requests", "requests")}  # sums of labelled series
+# sums of labelled series -> a key of those series: left out when it stands beside them (exo's
+# runners count requests with no tier, so theirs stays)
+SUMS = {("manager", "hits", "total"): "hot", ("requests", "requests"): "requests_miss"}
 Sample = tuple[str, str, str, dict[str, str], float]  # (name, kind, help, labels, value)
 
 
@@ -78,7 +80,7 @@ def samples(sections: Mapping[str, Any], gauges: Iterable[str] = (),
                 yield from walk(value, here)
                 continue
             number = _number(value)
-            if number is None or here in SUMS:
+            if number is None or SUMS.get(here) in node:
                 continue
             name, labels, help_text = _named(here)
             counter = "_".join(here) not in gauges

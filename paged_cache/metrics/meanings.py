@@ -159,5 +159,15 @@ REQUESTS = {
     "requests_open": "Requests fetched and not yet finished.",
     "sequences": "Sequences inserted that hold blocks in RAM.",
     "deferred": "Inserts kept whole now, not yet cut into blocks.",
+    # exo's runners (integrations/exo/prefix.py)
+    "requests": "Requests whose prefix cache was asked for (exo counts them with no tier).",
+    "exact_hits": "Requests whose whole prompt was cached (exo's exact hit).",
+    "stores": "Caches exo handed over to be stored.",
+    "stored_tokens": "Tokens of the caches exo handed over to be stored.",
+    "fallbacks_media": "Requests with media, served by exo's own prefix cache.",
+    "fallbacks_layout": "Requests of a model whose cache layout paged-cache cannot store, served "
+                        "by exo's own prefix cache.",
+    "fallbacks_mismatched": "Requests exo's own prefix cache restored for fewer tokens than it "
+                            "matched (served uncached).",
 }
 SECTIONS = {"manager": MANAGER, "prefix": PREFIX, "requests": REQUESTS}

@@ -1,7 +1,8 @@
 """One rank of a model split over two ranks by exo's own functions (``tensor_auto_parallel`` or
 ``pipeline_auto_parallel``), serving the chat workload through exo's ``mlx_generate`` on exo's
 group with no cache and with ``PagedKVPrefixCache(group)`` (run by tests/engines/test_exo.py
-under ``mlx.launch --backend ring -n 2``). Prints one JSON line per rank.
+under ``mlx.launch --backend ring -n 2``, with ``paged-cache exo --metrics-port``'s environment:
+each rank scrapes its own endpoint at the port + its rank). Prints one JSON line per rank.
 
 usage: exo_rank.py tensor|pipeline MODEL_DIR SSD_ROOT
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(os.environ["EXO_SRC"]) / "src"))
@@ -22,6 +24,7 @@ from mlx_lm.utils import load  # noqa: E402
 
 from paged_cache.config import CacheConfig  # noqa: E402
 from paged_cache.integrations.exo.adapter import PagedKVPrefixCache  # noqa: E402
+from paged_cache.integrations.exo.settings import METRICS_ENV  # noqa: E402
 from paged_cache.manager import PagedSSDCacheManager  # noqa: E402
 from paged_cache.testing.exo_runs import play  # noqa: E402
 
@@ -65,10 +68,16 @@ def main() -> None:
     cache = PagedKVPrefixCache(group, manager=manager)
     got = play(model, tokenizer, cache, group=group, **WORK)
     stats = cache.prefix.stats() if cache.prefix is not None else {}
+    host, _, base = os.environ[METRICS_ENV].rpartition(":")
+    with urllib.request.urlopen(f"http://{host}:{int(base) + group.rank()}/metrics",
+                                timeout=30) as response:
+        scraped = [line for line in response.read().decode().splitlines()
+                   if line.startswith("paged_cache_requests_requests_total{")]
     print(json.dumps({"rank": group.rank(), "cold": [r.reply for r in cold],
                       "paged": [r.reply for r in got], "cached": [r.cached_tokens for r in got],
                       "prompt": [r.prompt_tokens for r in got],
                       "agreements": stats.get("agreements", 0), "shard": stats.get("shard"),
+                      "scraped": scraped,
                       "errors": cache.counters["cache_errors"] + cache.counters["store_errors"]}),
           flush=True)
     manager.close()

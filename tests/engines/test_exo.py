@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -27,7 +29,8 @@ from mlx_lm.utils import load  # noqa: E402
 from paged_cache.config import CacheConfig  # noqa: E402
 from paged_cache.integrations.exo import compat  # noqa: E402
 from paged_cache.integrations.exo.adapter import PagedKVPrefixCache  # noqa: E402
-from paged_cache.integrations.exo.launcher import runner_environ  # noqa: E402
+from paged_cache.integrations.exo.launcher import ServeError, runner_environ  # noqa: E402
+from paged_cache.integrations.exo.settings import METRICS_ENV  # noqa: E402
 from paged_cache.integrations.exo.prefix import FALLBACK_BASE  # noqa: E402
 from paged_cache.manager import PagedSSDCacheManager  # noqa: E402
 from paged_cache.testing import write_model_dir  # noqa: E402
@@ -198,19 +201,47 @@ def test_startup_hook_reaches_the_spawned_runner(tmp_path) -> None:
     assert builder_cache_class() == "exo.worker.engines.mlx.cache.KVPrefixCache"
 
 
+def test_the_spawned_runner_answers_its_metrics_at_the_port_plus_rank(tmp_path) -> None:
+    """Under ``paged-cache exo --metrics-port``: the runner exo's builder makes its cache in
+    answers /metrics on 127.0.0.1 at the port + rank 0, labelled engine="exo"; a port taken when
+    the launcher starts is refused there, naming it."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        probe.listen()
+        port = probe.getsockname()[1]
+        with pytest.raises(ServeError, match=f"--metrics-port {port}: cannot listen on"):
+            runner_environ(CacheConfig(), tmp_path, metrics_port=port)
+    env = runner_environ(CacheConfig(hot_cache_only=True), tmp_path, metrics_port=port)
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            got = pool.apply_async(builder_cache_class).get(timeout=240)
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+                text = r.read().decode()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert got.startswith("paged_cache.integrations.exo.adapter.PagedKVPrefixCache"), got
+    assert 'paged_cache_requests_requests_total{engine="exo",model="",rank="0"} 0.0' in text
+
+
 @pytest.mark.parametrize("mode", ["tensor", "pipeline"])
 def test_sharded_by_exos_split_every_rank_exact_and_in_step(tmp_path, mode) -> None:
     """Two ranks (mlx.launch --backend ring on 127.0.0.1) split a llama by exo's own
     tensor_auto_parallel / pipeline_auto_parallel and serve through exo's mlx_generate on exo's
     group: each rank's replies equal the sharded cold run's, the ranks restore the same prefix
-    (one agreement per request), nothing hangs (the launch's timeout fails the test)."""
+    (one agreement per request), nothing hangs (the launch's timeout fails the test). Each
+    rank answers its metrics at the --metrics-port + its rank, labelled with that rank."""
     import json
 
-    from paged_cache.testing.ranks import launch
+    from paged_cache.testing.ranks import free_ports, launch
 
     model_dir = write_model_dir(tmp_path / "llama", "llama", printable_replies=True)
+    port = free_ports(2)
     done = launch([str(Path(__file__).parent / "exo_rank.py"), mode, str(model_dir),
-                   str(tmp_path / "ssd")], ranks=2, timeout=400, env={"EXO_SRC": EXO_SRC})
+                   str(tmp_path / "ssd")], ranks=2, timeout=400,
+                  env={"EXO_SRC": EXO_SRC, METRICS_ENV: f"127.0.0.1:{port}"})
     ranks = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert sorted(r["rank"] for r in ranks) == [0, 1], done.stdout[-3000:]
     for r in ranks:
@@ -220,3 +251,7 @@ def test_sharded_by_exos_split_every_rank_exact_and_in_step(tmp_path, mode) -> N
         assert len(later) >= len(r["cached"]) // 2, r["cached"]
     assert ranks[0]["cached"] == ranks[1]["cached"] and ranks[0]["cold"] == ranks[1]["cold"]
     assert ranks[0]["shard"] != ranks[1]["shard"]
+    for r in ranks:
+        assert r["scraped"] == [f'paged_cache_requests_requests_total{{engine="exo",model="",'
+                                f'rank="{r["rank"]}"}} {float(len(r["cached"]))}'], r["scraped"]
+

@@ -56,7 +56,8 @@ def test_reuse_at_least_own_cache_and_replies_equal_cold(arch, models, reference
     run's and every request reuses at least what mlx-openai-server's own cache reuses (as its
     usage reports cached tokens); blocks reach the SSD tier. The handler's prefills (the batch
     scheduler's, or the single-request path's) are samples of the model's prefill rate, saved in
-    the SSD directory when it stops."""
+    the SSD directory when it stops. Each request's time to first token is observed under the
+    outcome its fetch had (the handler logs them by outcome as it stops)."""
     cold, own = reference(arch)
     with paged(models[arch], arch, tmp_path, "--ssd-dir", str(tmp_path / "ssd")) as ours:
         turns = chat(ours.url, str(models[arch]))
@@ -68,6 +69,22 @@ def test_reuse_at_least_own_cache_and_replies_equal_cold(arch, models, reference
     assert total > 0
     assert list((tmp_path / "ssd").rglob("*.safetensors")), "no block reached the SSD tier"
     assert "prompt cache is paged-cache" in ours.tail(200_000)
+    timed = first_tokens_logged(ours.tail(200_000))
+    assert sum(timed.values()) == len(turns), timed
+    assert timed.get(("miss", "none"), 0) == sum(t.cached_tokens == 0 for t in turns) > 0
+    assert sum(n for (outcome, _), n in timed.items() if outcome == "hit") > 0
+
+
+def first_tokens_logged(log: str) -> dict[tuple[str, str], int]:
+    """The handler's last line of times to first token: requests by (outcome, tier), each with
+    a mean above zero."""
+    line = [row for row in log.splitlines() if "time to first token: " in row][-1]
+    timed = {}
+    for part in line.split("time to first token: ", 1)[1].split("; "):
+        outcome, tier, count, _, _, mean, _ = part.split()
+        assert float(mean) > 0, line
+        timed[(outcome, tier)] = int(count)
+    return timed
 
 
 def test_batching_cancel_and_restart_from_ssd(models, reference, tmp_path):

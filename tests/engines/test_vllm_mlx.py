@@ -19,6 +19,8 @@ import pytest
 from openai import APITimeoutError, OpenAI
 
 from paged_cache import rates_file
+from paged_cache.integrations.shared.stats_http import HISTOGRAMS
+from paged_cache.metrics import histograms
 from paged_cache.testing.engines import (ENGINES, SYSTEM, EngineServer, Turn, chat, openai_client,
                                          start_all)
 from paged_cache.testing.load import LOAD_SYSTEM, concurrent_chats
@@ -78,7 +80,8 @@ def test_reuse_at_least_own_cache_and_replies_equal_cold(arch, models, reference
     run's; every request reuses at least what vllm-mlx's own cache reuses; on the hybrid and the
     sliding-window model strictly more in total (a snapshot on every turn, not every 4096
     tokens). The Scheduler's prefills are samples of the model's prefill rate (in stats, and
-    saved in the SSD directory at shutdown for the next start)."""
+    saved in the SSD directory at shutdown for the next start); each request's time to first
+    token is in the histogram by outcome and tier."""
     cold, own = reference(arch)
     with paged(models[arch], tmp_path, "--ssd-dir", str(tmp_path / "ssd")) as ours:
         turns = run(ours, models[arch])
@@ -96,6 +99,22 @@ def test_reuse_at_least_own_cache_and_replies_equal_cold(arch, models, reference
     assert stats["requests"]["cache_errors"] == stats["requests"]["store_errors"] == 0
     assert stats["requests"]["cached_tokens"] == sum(t.cached_tokens for t in turns)
     assert list((tmp_path / "ssd").rglob("*.safetensors")), "no block reached the SSD tier"
+    check_first_tokens(stats, len(turns))
+
+
+def check_first_tokens(stats: dict, requests: int) -> None:
+    """Each of the ``requests`` served has its time to first token in the histogram (and the
+    counters `paged-cache stats` averages), under the outcome and tier its fetch counted."""
+    counted = stats["requests"]
+    series = {(s["labels"]["outcome"], s["labels"]["tier"]): s
+              for s in stats[HISTOGRAMS]["time_to_first_token_seconds"]}
+    expected = {("miss", "none"): counted["requests_miss"],
+                **{("hit", t): counted[f"requests_{t}"] for t in histograms.HIT_TIERS}}
+    assert {k: s["count"] for k, s in series.items()} == {k: n for k, n in expected.items() if n}
+    assert counted["ttft_requests"] == counted["requests"] == requests
+    assert series[("hit", "hot")]["count"] > 0 and series[("miss", "none")]["count"] > 0
+    assert all(s["sum"] > 0 and s["labels"]["engine"] == "vllm_mlx" for s in series.values())
+    assert sum(s["sum"] for s in series.values()) == pytest.approx(counted["ttft_seconds"])
 
 
 def test_batching_cancel_and_restart_from_ssd(models, reference, tmp_path):

@@ -32,7 +32,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import xxhash
 
+from paged_cache.integrations.exo.settings import serve_metrics
+from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache
+from paged_cache.stats import nested_gauges
 
 logger = logging.getLogger("paged_cache.integrations.exo")
 
@@ -117,6 +120,7 @@ class ExoPrefixCache:
             ("requests", "prompt_tokens", "cached_tokens", "exact_hits", "stores",
              "stored_tokens", "cache_errors", "store_errors", "fallbacks_media",
              "fallbacks_layout", "fallbacks_mismatched"), 0)
+        serve_metrics(self.stats, self.STAT_GAUGES, group)   # with paged-cache exo --metrics-port
 
     # ------------------------------------------------------------------ exo's members
 
@@ -191,6 +195,10 @@ class ExoPrefixCache:
         """The prefix cache of the model served now (None before its first request, or when
         its layout has no handler)."""
         return self._prefix
+
+    # stats(): the levels (gauges) of its sections; every other number counts
+    STAT_GAUGES = (nested_gauges("manager", PagedSSDCacheManager.STAT_GAUGES)
+                   | nested_gauges("prefix", BlockAwarePrefixCache.STAT_GAUGES))
 
     def stats(self) -> dict:
         """``{"requests": counters, "prefix": BlockAwarePrefixCache.stats(), "manager": ...}``."""

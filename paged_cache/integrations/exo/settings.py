@@ -4,7 +4,9 @@ variable, and the one manager a process opens from it (closed when the process e
 exo starts its runner with multiprocessing's spawn: a fresh interpreter that inherits the
 environment and nothing else. The launcher puts the configuration it resolved (flags, TOML,
 ``PAGED_CACHE_*``) into ``ENV`` as JSON with each value's source; the runner rebuilds the same
-``CacheConfig`` from it. No exo import here.
+``CacheConfig`` from it. With ``paged-cache exo --metrics-port``, ``METRICS_ENV`` holds the
+address each runner's stats routes are based at: rank r of a model answers at its port + r
+(``serve_metrics``). No exo import here.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 from paged_cache.config import CacheConfig
 from paged_cache.manager import PagedSSDCacheManager
@@ -23,9 +25,12 @@ from paged_cache.manager import PagedSSDCacheManager
 logger = logging.getLogger("paged_cache.integrations.exo")
 
 ENV = "PAGED_CACHE_EXO"   # set: paged-cache is exo's prefix cache in this process and its children
+METRICS_ENV = "PAGED_CACHE_EXO_METRICS"  # HOST:PORT: a runner of rank r answers at PORT + r
 
 _lock = threading.Lock()
 _manager: PagedSSDCacheManager | None = None
+_metrics: list[Any] = []   # this process's stats endpoint, once started
+_serving: list[Callable[[], Mapping[str, Any]]] = []   # the latest prefix cache's stats
 
 
 def config_to_environ(config: CacheConfig) -> str:
@@ -68,6 +73,40 @@ def process_manager() -> PagedSSDCacheManager:
                         os.getpid(), config.hot_cache_max_bytes,
                         "no SSD tier" if config.hot_cache_only else f"SSD tier {config.ssd_dir}")
         return _manager
+
+
+def serve_metrics(source: Callable[[], Mapping[str, Any]], gauges: frozenset[str],
+                  group: Any, environ: Mapping[str, str] | None = None) -> bool:
+    """Answer this runner's stats routes (``source``'s sections, the process's histograms) at
+    ``METRICS_ENV``'s port + its rank in ``group`` (exo's group; None: rank 0 of 1), its
+    metrics labelled ``engine="exo"`` and that rank; started once per process, from then on
+    serving the latest cache's ``source``. False when not asked for, already started, or the
+    port cannot be bound (logged: the runner goes on unscraped)."""
+    from paged_cache.integrations.shared import stats_http
+    from paged_cache.metrics import histograms
+
+    address = (os.environ if environ is None else environ).get(METRICS_ENV)
+    if not address:
+        return False
+    rank, size = (group.rank(), group.size()) if group is not None else (0, 1)
+    host, _, port = address.rpartition(":")
+    with _lock:
+        if _metrics:
+            _serving[:] = [source]
+            return False
+        try:
+            endpoint = stats_http.start_rank_endpoint(host, int(port), rank, size,
+                                                      lambda: _serving[0](), gauges)
+        except ValueError as error:
+            logger.error("%s=%s: the metrics of this runner (pid %d, rank %d) are not served: "
+                         "%s", METRICS_ENV, address, os.getpid(), rank, error)
+            return False
+        _serving[:] = [source]
+        _metrics.append(endpoint)
+        histograms.set_process_labels(engine="exo", rank=rank)
+    logger.info("metrics of this runner (pid %d, rank %d) at http://%s:%d%s", os.getpid(), rank,
+                host, int(port) + rank, stats_http.METRICS_PATH)
+    return True
 
 
 def _close() -> None:

@@ -481,31 +481,32 @@ class PagedPromptCache:
             if not timed:
                 timed = True
                 seconds = time.perf_counter() - submitted
-                try:
-                    self._first_token(prompt, seconds, len(prompt) - max(0, cached()), waited)
-                except Exception as error:  # noqa: BLE001 - never into the server's request
+                try:  # counted like a fetch: an error here never reaches the request
+                    self.record_first_token(self.tier_of(prompt), seconds)
+                    prefilled = len(prompt) - max(0, cached())
+                    if prefilled >= PREFILL_SAMPLE_TOKENS:
+                        with self._lock:
+                            self.counters["prefill_tokens"] += prefilled
+                            self.counters["prefill_seconds"] += seconds - waited
+                            self._sample_prefill(list(prompt), prefilled, seconds - waited)
+                except Exception as error:  # noqa: BLE001
                     self._cache_error("time to first token", error)
             yield response
 
-    def _first_token(self, prompt: Sequence[int], seconds: float, prefilled: int,
-                     waited: float) -> None:
-        """Count a request's first token (``timed``): its time, and its prefill as a sample."""
-        with self._lock:
-            c = self.counters
-            c["ttft_requests"] += 1
-            c["ttft_seconds"] += seconds
-            histograms.observe_first_token(self._tier_of(prompt), seconds)
-            if prefilled >= PREFILL_SAMPLE_TOKENS:
-                c["prefill_tokens"] += prefilled
-                c["prefill_seconds"] += seconds - waited
-                self._sample_prefill(list(prompt), prefilled, seconds - waited)
-
-    def _tier_of(self, prompt: Sequence[int]) -> str:
+    def tier_of(self, prompt: Sequence[int]) -> str:
         """Where the cached tokens of the open request ``prompt`` came from (``miss``: none;
-        ``unknown``: no open request holds it). Under the lock."""
-        found = next((r for r in reversed(self._open) if r.covers(list(prompt), final=True)),
-                     None)
+        ``unknown``: no open request holds it)."""
+        with self._lock:
+            found = next((r for r in reversed(self._open) if r.covers(list(prompt), True)), None)
         return found.tier if found is not None else "unknown"
+
+    def record_first_token(self, tier: str, seconds: float) -> None:
+        """A request whose cached tokens came from ``tier`` (``miss``: none) had its first token
+        ``seconds`` after it arrived: ``ttft_requests`` / ``ttft_seconds``, the histogram."""
+        with self._lock:
+            self.counters["ttft_requests"] += 1
+            self.counters["ttft_seconds"] += seconds
+            histograms.observe_first_token(tier, seconds)
 
     def _sample_prefill(self, prompt: list[int], prefilled: int, seconds: float) -> None:
         """Give the loaded model's prefix caches a prefill-rate sample: ``prefilled`` tokens in

@@ -366,17 +366,13 @@ def _metrics_endpoint(stack: ExitStack, group: Any, host: str, base: int,
 
     rank, size = (group.rank(), group.size()) if group is not None else (0, 1)
     try:
-        endpoint = stats_http.start_endpoint(
-            host, base + rank, lambda: serving[0].stats() if serving else {},
+        endpoint = stats_http.start_rank_endpoint(
+            host, base, rank, size, lambda: serving[0].stats() if serving else {},
             PagedPromptCache.STAT_GAUGES)
     except ValueError as error:
         raise ServeError(f"--metrics-port {base} (rank {rank}): {error}") from error
     stack.callback(endpoint.server_close)
     stack.callback(endpoint.shutdown)
-    stats_http.publish_endpoints(f"http://{host}:{base + r}/metrics" for r in range(size))
-    last = f"-{base + size - 1}" if size > 1 else ""
-    logger.info("metrics of %s at http://%s:%d%s/metrics (rank r at %d + r)",
-                f"ranks 0-{size - 1}" if size > 1 else "this process", host, base, last, base)
 
 
 def model_bytes(provider: Any) -> int:

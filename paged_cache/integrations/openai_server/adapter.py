@@ -13,7 +13,9 @@ their prefixes apart, as in ``paged-cache serve``: the server process reads each
 request's task and its batch scheduler carries it to the fetch (``compat``). Both
 generation paths give the model's prefill rate samples (``prefill_samples``: each prefill step of
 the batch scheduler's BatchGenerator, each single request's reported prompt rate), so the fetch
-plan weighs a restore against the prefill it saves.
+plan weighs a restore against the prefill it saves. Each streamed request's time to first token
+(from its arrival in the handler process) goes to the histogram by the tier its fetch came from,
+and the handler logs their counts and means when it stops.
 
 Requests the batch scheduler admits together with a prefix nobody has cached yet (chats opening
 at once over one system prompt) share one prefill (``SharedPrefills``, as in ``paged-cache
@@ -30,6 +32,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 from typing import Any, Callable, Iterator, Sequence
 
 from paged_cache.config import CacheConfig, format_size
@@ -40,11 +44,13 @@ from paged_cache.integrations.shared.prefills import SharedPrefills
 from paged_cache.integrations.shared.tenants import CURRENT_SALT, salt_of_args
 from paged_cache.integrations.shared.tenants_asgi import SaltMiddleware
 from paged_cache.manager import PagedSSDCacheManager
+from paged_cache.metrics import histograms
 
 logger = logging.getLogger("paged_cache.integrations.openai_server")
 
 MODEL_KEY = "model"           # one cache per handler, i.e. per model
 UNBOUNDED = 1 << 62           # mlx-openai-server's default --max-bytes (1 << 63) means no limit
+MAX_AWAITING = 256            # fetched requests kept for their first token (the oldest go first)
 
 
 class ServeError(RuntimeError):
@@ -77,6 +83,8 @@ class OpenAIServerPromptCache:
             lambda tokens, salt: self._cache.reach(MODEL_KEY, tokens, salt),
             self._cache.counters, min_tokens=config.block_size, enabled=config.shared_prefill)
         self._cache.on_insert = self.sharing.inserted
+        self._awaiting: list[tuple[list[int], float, str]] = []  # (prompt, arrived, tier)
+        self._awaiting_lock = threading.Lock()
 
     def fetch_nearest_cache(self, tokens_ids: Sequence[int], *,
                             allowed_sources: set[str] | None = None) -> tuple[list | None, list[int]]:
@@ -85,7 +93,25 @@ class OpenAIServerPromptCache:
         request's salt (``CURRENT_SALT``: the request's task, or the batch scheduler's thread
         while it admits the request)."""
         cache, rest = self._cache.fetch_as(MODEL_KEY, tokens_ids, CURRENT_SALT.get())
+        arrived = compat.ARRIVED.get()
+        if arrived is not None:
+            with self._awaiting_lock:
+                self._awaiting.append((list(tokens_ids), arrived, self._cache.tier_of(tokens_ids)))
+                del self._awaiting[:-MAX_AWAITING]
         return cache, list(rest)
+
+    def first_token(self, prompt: Sequence[int]) -> None:
+        """The request of ``prompt`` has its first token out now: its time from arrival goes to
+        the time-to-first-token histogram by the tier of its latest fetch (the longest one
+        ``prompt`` extends; the scheduler may fetch a request twice)."""
+        now, prompt = time.perf_counter(), list(prompt)
+        with self._awaiting_lock:
+            found = [a for a in self._awaiting if prompt[:len(a[0])] == a[0]]
+            if not found:
+                return
+            _, arrived, tier = found[-1]
+            self._awaiting = [a for a in self._awaiting if a[1] != arrived]
+        self._cache.record_first_token(tier, now - arrived)
 
     def insert_cache(self, tokens_ids: Sequence[int], prompt_cache: list, *,
                      cache_type: str = "assistant", source: str = "nonbatch") -> None:
@@ -107,8 +133,13 @@ class OpenAIServerPromptCache:
 
     def close(self) -> None:
         """Called when the handler shuts down: wait until every stored block is written (blocks
-        stay on SSD for the next start, unlike LRUPromptCache's temporary files)."""
+        stay on SSD for the next start, unlike LRUPromptCache's temporary files); logs the
+        times to first token observed, by outcome."""
         self._cache.manager.flush()
+        series = histograms.summary().get("time_to_first_token_seconds", [])
+        logger.info("time to first token: %s", "; ".join(
+            f"{s['labels']['outcome']} {s['labels']['tier']} {s['count']:.0f} requests, mean "
+            f"{s['sum'] / s['count'] * 1e3:.1f} ms" for s in series) or "no request timed")
 
     @property
     def nbytes(self) -> int:
@@ -154,10 +185,12 @@ def paged_handler_class(base: type, manager: PagedSSDCacheManager) -> type:
         # the tasks streaming the reply copy that task's context, and it ends with the request.
         def generate_text_stream(self, request: Any) -> Any:
             CURRENT_SALT.set(salt_of_args(request))
+            compat.ARRIVED.set(time.perf_counter())
             return super().generate_text_stream(request)
 
         def generate_text_response(self, request: Any) -> Any:
             CURRENT_SALT.set(salt_of_args(request))
+            compat.ARRIVED.set(time.perf_counter())
             return super().generate_text_response(request)
 
     compat.observe_single_requests(PagedMLXLMHandler, _observe)
@@ -172,14 +205,22 @@ def _gate(cache: Any) -> SharedPrefills | None:
     return None
 
 
-def _observe(handler: Any, returned: Any) -> Any:
-    """What the single-request path generated (a stream of responses or one response), giving
-    the handler's prompt cache the prefill sample it reports."""
+def _first_output(cache: Any, prompt: list[int]) -> None:
+    """A batched request of ``prompt`` has its first token out: its time to first token."""
+    if isinstance(cache, OpenAIServerPromptCache):
+        cache.first_token(prompt)
+
+
+def _observe(handler: Any, prompt: list[int], returned: Any) -> Any:
+    """What the single-request path generated for ``prompt`` (a stream of responses or one
+    response), giving the handler's prompt cache the prefill sample it reports and, for a
+    stream, its time to first token (one response: the first token's time is not known)."""
     cache = handler.prompt_cache
     if not isinstance(cache, OpenAIServerPromptCache):
         return returned
     if isinstance(returned, Iterator):
-        return prefill_samples.from_responses(returned, cache.record_prefill)
+        return prefill_samples.from_responses(returned, cache.record_prefill,
+                                              lambda: cache.first_token(prompt))
     prefill_samples.sample_response(returned, cache.record_prefill)
     return returned
 
@@ -197,9 +238,11 @@ def handler_worker(config: CacheConfig, *args: Any) -> None:
         logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
     status = 1
     try:
+        histograms.set_process_labels(engine="openai_server")
         with PagedSSDCacheManager(config) as manager:
             compat.set_handler_class(paged_handler_class(compat.ORIGINAL_HANDLER, manager))
-            compat.paged_batches(prefill_samples.meter_for(OpenAIServerPromptCache), _gate)
+            compat.paged_batches(prefill_samples.meter_for(OpenAIServerPromptCache), _gate,
+                                 _first_output)
             compat.ORIGINAL_WORKER(*args)
         status = 0
     finally:

@@ -38,6 +38,12 @@ only for models whose cache cannot be trimmed: ``MLXLMHandler._build_inference_c
 calls the model's ``create_input_prompt(messages, chat_template_kwargs)``) splits it at
 ``_compute_checkpoint_boundary``, where the last user message begins; ``segment_batched_prompts``
 does the same for every model.
+
+Time to first token: the handler's entry (``generate_text_stream`` / ``generate_text_response``,
+in the request's task) marks when a request arrived (``ARRIVED``), which the admission queue
+carries to the batch scheduler's thread as it carries the salt; its first output through
+``BatchScheduler._send`` (a chunk: it has a ``token``) and the single-request path's first
+streamed response end it (``paged_batches``' ``first_output``, ``observe_single_requests``).
 """
 
 from __future__ import annotations
@@ -58,6 +64,12 @@ from paged_cache.install import install_command
 from paged_cache.integrations.shared.tenants import CURRENT_SALT, attach_salt, salt_of_args
 
 logger = logging.getLogger("paged_cache.integrations.openai_server")
+
+# When the request being served arrived in the handler process (time.perf_counter()): set in its
+# task, made current on the batch scheduler's thread while it admits the request.
+ARRIVED: ContextVar[float | None] = ContextVar("paged_cache_arrived", default=None)
+ARRIVED_ATTR = "paged_cache_arrived"  # a queued request's ARRIVED, taken along like its salt
+CHUNK_FIELD = "token"   # BatchChunk: what the scheduler sends a stream for each generated token
 
 DIST = "mlx-openai-server"
 RANGE = (">=1.8.0", "<1.9")   # kept equal to the openai-server extra in pyproject.toml
@@ -158,8 +170,9 @@ def _check() -> tuple[Any, Any, Any, Any, Any]:
             or f"self.{GENERATOR_NAME}.next()" not in _source(batcher, "_run") \
             or f"self.{CACHE_ATTR} = " not in _source(batcher, "__init__"):
         missing.append(f"BatchScheduler._run building self.{GENERATOR_NAME} = BatchGenerator(...)")
-    missing += [f"MLXLMHandler.{m} calling self.model(...)" for m in SINGLE_METHODS
-                if "self.model(" not in _source(handler, m)]
+    missing += [f"MLXLMHandler.{m}(cache_key, ...) calling self.model(...)"
+                for m in SINGLE_METHODS if "self.model(" not in _source(handler, m)
+                or list(inspect.signature(getattr(handler, m)).parameters)[1:2] != ["cache_key"]]
     missing += _sharing_missing(batch_scheduler, mlx_lm, batcher, handler)
     factory = getattr(server, "create_handler_from_config", None)
     if factory is None or "MLXLMHandler(" not in inspect.getsource(factory):
@@ -257,14 +270,18 @@ class _AdmissionQueue(queue.Queue):
     def __init__(self, maxsize: int, gate: Gate | None) -> None:
         super().__init__(maxsize)
         self.gate = gate
+        self.prompts: dict[int, list[int]] = {}  # id of a stream -> its prompt, until it outputs
 
     def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
         attach_salt(item, CURRENT_SALT.get())
+        setattr(item, ARRIVED_ATTR, ARRIVED.get())
+        self.prompts[id(item.out_queue)] = list(item.input_ids)
         super().put(item, block, timeout)
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         item = super().get(block, timeout) if self.gate is None else self._gated(block, timeout)
         CURRENT_SALT.set(salt_of_args(item))
+        ARRIVED.set(getattr(item, ARRIVED_ATTR, None))
         return item
 
     def _gated(self, block: bool, timeout: float | None) -> Any:
@@ -302,12 +319,15 @@ def queued_prompt(item: Any) -> tuple[list[int], list[int]] | None:
 
 
 def paged_batches(on_generator: Callable[[Any, Any], None],
-                  gate_of: Callable[[Any], Gate | None] = lambda _cache: None) -> None:
-    """Make batch schedulers built from now on (in this process) carry salts in their admission
-    queue, hold requests back with ``gate_of(prompt_cache)`` (None: none held; the gate is told
-    when a request's prompt is done, at its first output), and hand the BatchGenerator each
-    builds, with its prompt cache, to ``on_generator(generator, prompt_cache)`` (which may wrap
-    its methods) before it runs."""
+                  gate_of: Callable[[Any], Gate | None] = lambda _cache: None,
+                  first_output: Callable[[Any, list[int]], None] = lambda _c, _p: None) -> None:
+    """Make batch schedulers built from now on (in this process) carry salts and arrival times
+    in their admission queue, hold requests back with ``gate_of(prompt_cache)`` (None: none
+    held; the gate is told when a request's prompt is done, at its first output), tell
+    ``first_output(prompt_cache, prompt)`` when a request's first token goes out (an error, or
+    a cancellation first: not told; an error in it is logged), and hand the BatchGenerator
+    each builds, with its prompt cache, to ``on_generator(generator, prompt_cache)`` (which may
+    wrap its methods) before it runs."""
 
     def get_generator(scheduler: Any) -> Any:
         return scheduler.__dict__.get(GENERATOR_NAME)
@@ -333,6 +353,12 @@ def paged_batches(on_generator: Callable[[Any, Any], None],
     def send_output(self: Any, loop: Any, stream: Any, item: Any) -> None:
         if self.paged_gate is not None:
             self.paged_gate.prompt_done(stream)
+        prompt = getattr(self, QUEUE_NAME).prompts.pop(id(stream), None)
+        if prompt is not None and hasattr(item, CHUNK_FIELD):
+            try:
+                first_output(getattr(self, CACHE_ATTR, None), prompt)
+            except Exception:  # noqa: BLE001 - never into the scheduler's loop
+                logger.exception("time to first token not observed")
         send(loop, stream, item)
 
     def fail_held(self: Any, error: BaseException) -> None:
@@ -402,16 +428,17 @@ def watch_prompts(handler: Any) -> None:
     lm.create_input_prompt = create_input_prompt
 
 
-def observe_single_requests(handler: type, observe: Callable[[Any, Any], Any]) -> None:
+def observe_single_requests(handler: type, observe: Callable[[Any, list[int], Any], Any]) -> None:
     """Make ``handler`` (a subclass of MLXLMHandler) pass what its single-request path's
     generation returns (a stream of responses, or one response) through
-    ``observe(handler_instance, returned)``, which returns what the handler gets instead."""
+    ``observe(handler_instance, prompt, returned)``, which returns what the handler gets
+    instead; ``prompt``: the request's prompt tokens (its ``cache_key``, copied)."""
     for name in SINGLE_METHODS:
         original = getattr(handler, name)
 
-        def observed(self: Any, *args: Any, _original: Callable[..., Any] = original,
-                     **kwargs: Any) -> Any:
-            return observe(self, _original(self, *args, **kwargs))
+        def observed(self: Any, cache_key: list[int], *args: Any,
+                     _original: Callable[..., Any] = original, **kwargs: Any) -> Any:
+            return observe(self, list(cache_key), _original(self, cache_key, *args, **kwargs))
 
         setattr(handler, name, functools.wraps(original)(observed))
 

@@ -65,14 +65,17 @@ def sample_response(response: Any, record: Record) -> None:
         _record(record, tokens, tokens / rate)
 
 
-def from_responses(responses: Iterator[Any], record: Record) -> Iterator[Any]:
+def from_responses(responses: Iterator[Any], record: Record,
+                   first: Callable[[], None] = lambda: None) -> Iterator[Any]:
     """``responses`` (a stream of mlx-lm generation responses), giving ``record`` the sample of
-    the first; closing this stream closes ``responses``."""
+    the first, and calling ``first()`` as it comes (its time to first token); closing this
+    stream closes ``responses``."""
     sampled = False
     try:
         for response in responses:
             if not sampled and response is not None:
                 sampled = True
+                first()
                 sample_response(response, record)
             yield response
     finally:

@@ -103,6 +103,21 @@ def answer(handler: BaseHTTPRequestHandler, source: StatsSource,
     return True
 
 
+def start_rank_endpoint(host: str, base: int, rank: int, size: int, source: StatsSource,
+                        gauges: Iterable[str] = ()) -> ThreadingHTTPServer:
+    """The stats routes of process ``rank`` of ``size`` (the ranks of a sharded model) at
+    ``base + rank`` on ``host`` (``start_endpoint``), every rank's URL published
+    (``publish_endpoints``); rank 0 logs them. ValueError as ``start_endpoint``'s."""
+    endpoint = start_endpoint(host, base + rank, source, gauges)
+    publish_endpoints(f"http://{host}:{base + r}{METRICS_PATH}" for r in range(size))
+    if rank == 0:
+        last = f"-{base + size - 1}" if size > 1 else ""
+        log.info("metrics of %s at http://%s:%d%s%s (rank r at %d + r)",
+                 f"ranks 0-{size - 1}" if size > 1 else "this process", host, base, last,
+                 METRICS_PATH, base)
+    return endpoint
+
+
 def start_endpoint(host: str, port: int, source: StatsSource,
                    gauges: Iterable[str] = ()) -> ThreadingHTTPServer:
     """A server of its own answering the two stats paths on ``host:port`` from a daemon thread

@@ -22,10 +22,12 @@ from paged_cache.config import CacheConfig, format_size
 from paged_cache.integrations.vllm_mlx import compat
 from paged_cache.integrations.shared import prefill_samples
 from paged_cache.integrations.mlx_lm import PagedPromptCache
+from paged_cache.integrations.shared.stats_http import HISTOGRAMS
 from paged_cache.integrations.shared.tenants import CURRENT_SALT
 from paged_cache.integrations.shared.tenants_asgi import SaltMiddleware
 from paged_cache.integrations.vllm_mlx.prefills import SchedulerPrefills
 from paged_cache.manager import PagedSSDCacheManager
+from paged_cache.metrics import histograms
 
 logger = logging.getLogger("paged_cache.integrations.vllm_mlx")
 
@@ -59,9 +61,11 @@ def install(manager: PagedSSDCacheManager, *, max_kv_size: int | None = None) ->
                                     or max_kv_size < 0):
         raise ValueError(f"max_kv_size: expected an int >= 0 or None, got {max_kv_size!r}")
     _installed.update(manager=manager, max_kv_size=max_kv_size or None)
+    histograms.set_process_labels(engine="vllm_mlx")
     compat.install(PagedPrefixCache, REFRESH_TOKENS)
     compat.on_batch_generator(_on_generator)
     compat.hold_back(_held)
+    compat.after_responses(_first_tokens)
     compat.carry_salts(SaltMiddleware, _on_vision_path,
                        from_user=manager.config.cache_salt_from_user,
                        refusal=lambda: _installed.get("vision"))
@@ -74,6 +78,12 @@ def _on_generator(generator: Any, cache: Any) -> None:
     if isinstance(cache, PagedPrefixCache):
         prefill_samples.metered(generator, cache.record_prefill)
         cache.prefills.split_prompts(generator)
+
+
+def _first_tokens(scheduler: Any, cache: Any) -> None:
+    """After a Scheduler's step: the time to first token of the requests it started."""
+    if isinstance(cache, PagedPrefixCache):
+        cache.first_tokens(scheduler)
 
 
 def _held(scheduler: Any, cache: Any) -> list:
@@ -132,6 +142,7 @@ class PagedPrefixCache:
                                           enabled=manager.config.shared_prefill)
         self._last_match_type: str | None = None
         self._last_matched_key: tuple[int, ...] | None = None
+        self._awaiting: dict[str, tuple[Any, str]] = {}  # request id -> (request, its tier)
         self._ssd_tier = None      # vllm-mlx's own SSD tier is never attached (see serve_main)
         if getattr(config, "kv_quantize", False):
             logger.warning("--kv-cache-quantization has no effect with paged-cache: blocks are "
@@ -154,12 +165,26 @@ class PagedPrefixCache:
         cache, rest = self._cache.fetch_as(MODEL_KEY, tokens, CURRENT_SALT.get())
         rest = list(rest)
         self.prefills.fetched(request, tokens, rest)
+        if request is not None:
+            self._awaiting[request.request_id] = (request, self._cache.tier_of(tokens))
         if cache is None:
             self._last_match_type, self._last_matched_key = "miss", None
             return None, rest
         self._last_match_type = "prefix"
         self._last_matched_key = tuple(tokens[:len(tokens) - len(rest)])
         return cache, rest
+
+    def first_tokens(self, scheduler: Any) -> None:
+        """Observe the time to first token (arrival to first token, as vllm-mlx timed it) of the
+        fetched requests that have one, by the tier their cache came from; forget those that
+        left ``scheduler`` without one (aborted)."""
+        for request_id, (request, tier) in list(self._awaiting.items()):
+            seconds = compat.first_token_seconds(request)
+            if seconds is not None:
+                self._cache.record_first_token(tier, seconds)
+            elif not compat.prompt_done(scheduler, request):
+                continue
+            del self._awaiting[request_id]
 
     def record_prefill(self, tokens: int, seconds: float) -> None:
         """The Scheduler prefilled ``tokens`` (those its fetches did not cover) in ``seconds``: a
@@ -188,7 +213,9 @@ class PagedPrefixCache:
 
     def get_stats(self) -> dict[str, Any]:
         """vllm-mlx's cache statistics (``/v1/cache/stats``, ``/v1/status``), computed from
-        paged-cache's counters, plus every paged-cache section under ``paged_cache``."""
+        paged-cache's counters, plus every paged-cache section under ``paged_cache`` (and the
+        process's histograms there, as in ``paged-cache serve``'s stats document, less each
+        series' +Inf bucket, whose count is its ``count``: vllm-mlx answers strict JSON)."""
         stats = self._cache.stats()
         requests = stats["requests"]
         hits = requests["requests"] - requests["requests_miss"]
@@ -204,7 +231,7 @@ class PagedPrefixCache:
             "memory_utilization": round(hot / self._max_memory, 4) if self._max_memory else 0.0,
             "entry_count": len(self),
             "store_rejections": requests["store_errors"],
-            "paged_cache": stats,
+            "paged_cache": {**stats, HISTOGRAMS: _finite_summary()},
         }
 
     def save_to_disk(self, cache_dir: str) -> bool:
@@ -251,6 +278,15 @@ class PagedPrefixCache:
     def stats(self) -> dict[str, Any]:
         """paged-cache's sections (manager, prefix, requests), as ``PagedPromptCache.stats``."""
         return self._cache.stats()
+
+
+def _finite_summary() -> dict[str, list[dict[str, Any]]]:
+    """``histograms.summary()`` with the finite buckets only (strict JSON has no infinity)."""
+    summary = histograms.summary()
+    for series in summary.values():
+        for entry in series:
+            entry["buckets"] = [b for b in entry["buckets"] if b[0] != float("inf")]
+    return summary
 
 
 # ---------------------------------------------------------------------------- vllm-mlx serve

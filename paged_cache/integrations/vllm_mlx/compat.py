@@ -14,7 +14,9 @@ split at their chat prefix (``on_batch_generator``). Requests sharing a prefix a
 prefilling are kept out of ``Scheduler._schedule_waiting`` (its ``waiting`` queue, by identity)
 and admitted again later, out of its ``waiting`` and ``requests`` (``hold_back``, ``readmit``);
 a request's ``prefix_boundary`` (the prompt before its last user message), ``request_id`` and
-``output_token_ids`` are read.
+``output_token_ids`` are read, and its ``arrival_time`` and ``first_token_time`` (which
+``Scheduler._process_batch_responses`` sets) after each step, for the time to first token
+(``after_responses``).
 This module is the only one that touches them: at import it checks that the installed vllm-mlx
 is in the supported range and still has each name (and that the code still reaches them:
 ``Scheduler.__init__`` constructs the cache through the first, ``EngineCore.add_request``
@@ -54,8 +56,10 @@ CACHE_ATTR = "memory_aware_cache"         # Scheduler: the prefix cache it built
 SCHEDULE_NAME = "_schedule_waiting"       # Scheduler: moves its waiting requests into the batch
 WAITING_ATTR = "waiting"                  # Scheduler: its queue of waiting requests (a deque)
 REQUESTS_ATTR = "requests"                # Scheduler: request id -> request, until it ends
+RESPONSES_NAME = "_process_batch_responses"  # Scheduler: a step's outputs, first tokens timed
 # Request fields read (vllm_mlx.request.Request, a dataclass)
-REQUEST_FIELDS = ("request_id", "prefix_boundary", "output_token_ids")
+REQUEST_FIELDS = ("request_id", "prefix_boundary", "output_token_ids", "arrival_time",
+                  "first_token_time")
 
 
 def _version() -> tuple[int, ...]:
@@ -116,6 +120,9 @@ def _check() -> tuple[Any, Any, Any, Any]:
         schedule = getattr(sched, SCHEDULE_NAME, None)
         if schedule is None or f"self.{WAITING_ATTR}.popleft()" not in inspect.getsource(schedule):
             missing.append(f"Scheduler.{SCHEDULE_NAME} taking requests from self.{WAITING_ATTR}")
+        responses = getattr(sched, RESPONSES_NAME, None)
+        if responses is None or "first_token_time =" not in inspect.getsource(responses):
+            missing.append(f"Scheduler.{RESPONSES_NAME} setting a request's first_token_time")
     core = getattr(engine_core, "EngineCore", None)
     if not isinstance(getattr(engine_core, REQUEST_NAME, None), type) or core is None \
             or f"{REQUEST_NAME}(" not in inspect.getsource(core.add_request):
@@ -142,6 +149,7 @@ ORIGINAL_REFRESH = getattr(_scheduler.Scheduler, REFRESH_NAME)
 ORIGINAL_ADD = getattr(_scheduler.Scheduler, ADD_NAME)
 ORIGINAL_CREATE = getattr(_scheduler.Scheduler, CREATE_NAME)
 ORIGINAL_SCHEDULE = getattr(_scheduler.Scheduler, SCHEDULE_NAME)
+ORIGINAL_RESPONSES = getattr(_scheduler.Scheduler, RESPONSES_NAME)
 # The request Scheduler.add_request is admitting (its cache fetch sees it), else None.
 ADMITTING: ContextVar[Any] = ContextVar("paged_cache_vllm_mlx_admitting", default=None)
 ORIGINAL_REQUEST: type = getattr(_engine_core, REQUEST_NAME)
@@ -211,6 +219,30 @@ def hold_back(held: Callable[[Any, Any], list]) -> None:
             waiting.extendleft(reversed(kept))
 
     setattr(_scheduler.Scheduler, SCHEDULE_NAME, schedule)
+
+
+def after_responses(observe: Callable[[Any, Any], None]) -> None:
+    """Call ``observe(scheduler, its prefix cache)`` after every Scheduler has turned a step's
+    responses into outputs (on the engine's worker thread), when the requests that got their
+    first token have its time set. An error in ``observe`` is logged, never raised."""
+
+    def responses(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+        out = ORIGINAL_RESPONSES(scheduler, *args, **kwargs)
+        try:
+            observe(scheduler, getattr(scheduler, CACHE_ATTR, None))
+        except Exception:  # noqa: BLE001 - never into the engine's loop
+            logger.exception("time to first token not observed")
+        return out
+
+    setattr(_scheduler.Scheduler, RESPONSES_NAME, responses)
+
+
+def first_token_seconds(request: Any) -> float | None:
+    """The seconds from ``request``'s arrival to its first token, as vllm-mlx timed them (None
+    before its first token)."""
+    if request.first_token_time is None:
+        return None
+    return max(0.0, request.first_token_time - request.arrival_time)
 
 
 def _keep_only(queue: deque, keep: Callable[[Any], bool]) -> None:
@@ -294,12 +326,14 @@ def _drop_middleware() -> None:
 
 def uninstall() -> None:
     """Put vllm-mlx's own cache class, snapshot interval, Request class, admission, rounds of
-    admission and BatchGenerator back, and its application without the salt middleware."""
+    admission, response processing and BatchGenerator back, and its application without the
+    salt middleware."""
     install(ORIGINAL_CACHE, ORIGINAL_REFRESH)
     setattr(_scheduler.Scheduler, CREATE_NAME, ORIGINAL_CREATE)
     setattr(_engine_core, REQUEST_NAME, ORIGINAL_REQUEST)
     setattr(_scheduler.Scheduler, ADD_NAME, ORIGINAL_ADD)
     setattr(_scheduler.Scheduler, SCHEDULE_NAME, ORIGINAL_SCHEDULE)
+    setattr(_scheduler.Scheduler, RESPONSES_NAME, ORIGINAL_RESPONSES)
     setattr(_utils, ROUTE_NAME, ORIGINAL_ROUTE)
     _drop_middleware()
 
