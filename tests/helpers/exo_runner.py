@@ -11,9 +11,11 @@ from typing import Any
 PROMPT = [(i * 37 + 11) % 251 + 1 for i in range(80)]
 
 
-def serve_two_requests(environ: dict[str, str], ready: Any, done: Any) -> None:
+def serve_two_requests(environ: dict[str, str], ready: Any, done: Any,
+                       endpoints: Any = None) -> None:
     """Run as a spawned runner under ``environ``: two requests of one prompt (the second a hit),
-    then ``ready`` is set; wait (at most 120 s) for ``done``."""
+    then the metrics URLs its stats list go to the queue ``endpoints`` (when given) and
+    ``ready`` is set; wait (at most 120 s) for ``done``."""
     os.environ.update(environ)
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -28,5 +30,8 @@ def serve_two_requests(environ: dict[str, str], ready: Any, done: Any) -> None:
              cache_length=exo_calls.cache_length)
     for _ in range(2):
         exo_calls.mlx_generate(model, kv, lambda: make_prompt_cache(model), PROMPT, 3)
+    if endpoints is not None:
+        from paged_cache.integrations.shared.stats_http import stats_document
+        endpoints.put(stats_document({})["paged_cache"].get("metrics_endpoints"))
     ready.set()
     done.wait(120)

@@ -80,8 +80,10 @@ def serve_metrics(source: Callable[[], Mapping[str, Any]], gauges: frozenset[str
     """Answer this runner's stats routes (``source``'s sections, the process's histograms) at
     ``METRICS_ENV``'s port + its rank in ``group`` (exo's group; None: rank 0 of 1), its
     metrics labelled ``engine="exo"`` and that rank; started once per process, from then on
-    serving the latest cache's ``source``. False when not asked for, already started, or the
-    port cannot be bound (logged: the runner goes on unscraped)."""
+    serving the latest cache's ``source``. A port another runner holds (a second model's runner
+    on this node has the same rank) gives way to one the system picks, logged and listed in this
+    runner's stats. False when not asked for, already started, or nothing can be bound (logged:
+    the runner goes on unscraped)."""
     from paged_cache.integrations.shared import stats_http
     from paged_cache.metrics import histograms
 
@@ -94,18 +96,27 @@ def serve_metrics(source: Callable[[], Mapping[str, Any]], gauges: frozenset[str
         if _metrics:
             _serving[:] = [source]
             return False
+        def serving() -> Mapping[str, Any]:
+            return _serving[0]()  # the latest cache's sections
+
         try:
-            endpoint = stats_http.start_rank_endpoint(host, int(port), rank, size,
-                                                      lambda: _serving[0](), gauges)
-        except ValueError as error:
-            logger.error("%s=%s: the metrics of this runner (pid %d, rank %d) are not served: "
-                         "%s", METRICS_ENV, address, os.getpid(), rank, error)
-            return False
+            endpoint = stats_http.start_rank_endpoint(host, int(port), rank, size, serving, gauges)
+        except ValueError as taken:
+            try:
+                endpoint = stats_http.start_endpoint(host, 0, serving, gauges)
+            except ValueError as error:
+                logger.error("%s=%s: the metrics of this runner (pid %d, rank %d) are not "
+                             "served: %s", METRICS_ENV, address, os.getpid(), rank, error)
+                return False
+            url = f"http://{host}:{endpoint.server_address[1]}{stats_http.METRICS_PATH}"
+            stats_http.publish_endpoints([url])
+            logger.warning("%s=%s: %s; the metrics of this runner (pid %d, rank %d) are at %s",
+                           METRICS_ENV, address, taken, os.getpid(), rank, url)
         _serving[:] = [source]
         _metrics.append(endpoint)
         histograms.set_process_labels(engine="exo", rank=rank)
     logger.info("metrics of this runner (pid %d, rank %d) at http://%s:%d%s", os.getpid(), rank,
-                host, int(port) + rank, stats_http.METRICS_PATH)
+                host, endpoint.server_address[1], stats_http.METRICS_PATH)
     return True
 
 
