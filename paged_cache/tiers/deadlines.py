@@ -44,10 +44,6 @@ class Deadlines:
         with self._cond:
             self._due.pop(key, None)
 
-    def __len__(self) -> int:
-        with self._cond:
-            return len(self._due)
-
     def close(self) -> None:
         """Stop the thread (a callback running finishes first); nothing is due after this."""
         with self._cond:
