@@ -27,7 +27,7 @@ def _lookup(prefix: BlockAwarePrefixCache, tokens: np.ndarray, expect: str) -> N
     ids = token_ids(tokens)
     full = len(ids) // BLOCK * BLOCK
     keys = chain_keys(prefix.fingerprint, prefix.namespace, ids[:full], BLOCK)
-    tiers, _ = prefix.manager.chain(keys, prefix.fingerprint, prefix.namespace)
+    tiers, _ = prefix.manager.chain(keys, prefix.fingerprint, prefix.namespace, tokens=ids)
     if any(t != expect for t in tiers):
         raise AssertionError(f"lookup: expected every block in {expect}, got {set(tiers)}")
 

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from benchmarks import startup
 from benchmarks.common import Context, Figure, figure
@@ -72,7 +73,7 @@ class Chains:
             h, half = request.hash_ids[i // 2], i % 2
             node = self._nodes.get((parent, h, half))
             if node is None:
-                ids = block_tokens(h, VOCAB)[half * BLOCK:(half + 1) * BLOCK].astype("int64")
+                ids = self._ids(h, half)
                 key = block_key(self.fingerprint, "", parent, ids)
                 meta = ChainNode(key, parent, self.fingerprint, i * BLOCK, ids).to_meta()
                 node = self._nodes[(parent, h, half)] = (key, meta)
@@ -80,6 +81,16 @@ class Chains:
             out.append(node)
             parent = node[0]
         return out
+
+    def tokens(self, request: TraceRequest) -> np.ndarray:
+        """The token ids of ``request``'s full cache blocks (what ``of`` keyed)."""
+        n = request.input_length // BLOCK
+        return np.concatenate([self._ids(request.hash_ids[i // 2], i % 2) for i in range(n)]
+                              or [np.zeros(0, dtype=np.int64)])
+
+    @staticmethod
+    def _ids(h: int, half: int) -> np.ndarray:
+        return block_tokens(h, VOCAB)[half * BLOCK:(half + 1) * BLOCK].astype("int64")
 
 
 @dataclass
@@ -141,9 +152,10 @@ def replay(name: str, requests: Sequence[TraceRequest], chains: Chains, scratch:
             blocks = [Block(k, {"kv": mx.zeros((PAYLOAD,), dtype=mx.uint8)}, meta)
                       for k, meta in nodes]
             mx.eval(*[b.arrays["kv"] for b in blocks])
+            tokens = chains.tokens(request)
             out.held.append(len(held))
             started, cpu = time.perf_counter(), time.thread_time()
-            got = serve(manager, nodes, {b.key: b for b in blocks}.__getitem__)
+            got = serve(manager, nodes, {b.key: b for b in blocks}.__getitem__, tokens)
             out.seconds.append(time.thread_time() - cpu)
             out.wall.append(time.perf_counter() - started)
             out.hits += len(got)
@@ -166,19 +178,20 @@ def replay(name: str, requests: Sequence[TraceRequest], chains: Chains, scratch:
 
 
 def serve(manager: PagedSSDCacheManager, nodes: list[tuple[str, dict[str, str]]],
-          block: Callable[[str], Block]) -> list[Any]:
-    """One request as the prefix cache drives the manager: the fetch's chain lookup and takes of
-    the leading held run (returned, until the first that is gone), then the store's lookup and
-    a put of each block (``block(key)``) no tier holds in RAM."""
+          block: Callable[[str], Block], tokens: np.ndarray) -> list[Any]:
+    """One request as the prefix cache drives the manager: the fetch's chain lookup (routed by
+    the request's ``tokens``) and takes of the leading held run (returned, until the first that
+    is gone), then the store's lookup and a put of each block (``block(key)``) no tier holds in
+    RAM."""
     keys = [k for k, _ in nodes]
-    tiers, _ = manager.chain(keys, FINGERPRINT)
+    tiers, _ = manager.chain(keys, FINGERPRINT, tokens=tokens)
     got = []
     for key in keys[:tiers.index(None) if None in tiers else len(keys)]:
         taken = manager.get(key, take=True, in_place=True)
         if taken is None:
             break  # listed, then gone (a shared server evicted it meanwhile)
         got.append(taken)
-    tiers, _ = manager.chain(keys, FINGERPRINT)
+    tiers, _ = manager.chain(keys, FINGERPRINT, tokens=tokens)
     for key, tier in zip(keys, tiers):
         if tier is None or tier in OUT_OF_RAM:
             manager.put(block(key))

@@ -71,7 +71,8 @@ def replay(config: CacheConfig, requests: Sequence[TraceRequest], chains: Chains
         for request in requests:
             nodes = chains.of(request)
             metas = dict(nodes)
-            got = serve(manager, nodes, lambda key: Block(key, {"kv": payload(key)}, metas[key]))
+            got = serve(manager, nodes, lambda key: Block(key, {"kv": payload(key)}, metas[key]),
+                        chains.tokens(request))
             for block in got:
                 if not np.array_equal(np.array(block.arrays["kv"]), np.array(payload(block.key))):
                     raise AssertionError(f"trace remote: block {block.key[:12]} restored with "

@@ -125,7 +125,7 @@ def chain_of(pc: Any, ids: np.ndarray) -> tuple[list[str], list, dict[str, list[
                         pc.layout.fingerprint)
     if skip:
         pc.count("lookups_skipped")
-    tiers, kids = manager.chain(keys, pc.layout.fingerprint, pc.namespace, skip)
+    tiers, kids = manager.chain(keys, pc.layout.fingerprint, pc.namespace, skip, ids)
     return keys, tiers, kids, tiers.index(None) if None in tiers else len(keys)
 
 

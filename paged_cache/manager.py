@@ -40,6 +40,7 @@ from paged_cache.tiers.base import Tier
 from paged_cache.tiers.deadlines import Deadlines
 from paged_cache.tiers.ssd.direct import StoredBlock, read_stored
 from paged_cache.tiers.format import Expected, RawTensors, check_meta, raw_tensors
+from paged_cache.tiers.route import route_of
 from paged_cache.tiers.stack import HIT_LABELS, TIER_GAUGES, open_tiers
 
 log = logging.getLogger("paged_cache.manager")
@@ -516,7 +517,7 @@ class PagedSSDCacheManager:
     # ------------------------------------------------------------------------------ chain lookup
 
     def chain(self, keys: Sequence[str], fingerprint: str, namespace: str = "",
-              skip: AbstractSet[str] = frozenset()
+              skip: AbstractSet[str] = frozenset(), tokens: Sequence[int] | None = None
               ) -> tuple[list[Label | None], dict[str, list[ChainNode]]]:
         """One batched chain lookup: where each of ``keys`` (a chain of block keys) is held, up
         to the first held nowhere (the rest None), and, for the root and every held key, its held
@@ -529,22 +530,26 @@ class PagedSSDCacheManager:
         ``nodes_rejected``, unless it is a root child that may start another namespace's chain
         (``ChainNode.another_namespaces``: every namespace's chains start at the same root). Each
         parent's children come in key order. ``skip``: names of shared tiers not asked (the
-        fetch plan would read none of their nodes: fetch_plan.unread_tiers)."""
+        fetch plan would read none of their nodes: fetch_plan.unread_tiers). ``tokens``: the
+        request's token ids (the keys' blocks, then any partial block): a parent's children are
+        then those starting with the request's token there and at most one other per tier
+        (tiers/route.py), so a lookup's cost does not grow with a parent's children."""
         keys = checked_keys(keys)
         parents = [ROOT_PARENT, *keys]
+        route = None if tokens is None else route_of(parents, tokens, self.config.block_size)
         with self._lock:
             self._check_open()
         rows: dict[Tier, list] = {}
         for tier in self._tiers:
             if not tier.shared:
-                rows[tier] = tier.children(parents, fingerprint)
+                rows[tier] = tier.children(parents, fingerprint, route)
         listed = {tier: {row[0] for row in found} for tier, found in rows.items()}
         tiers = self._walk(keys, chain=True, shared=True, listed=listed, skip=skip)
         held = tiers.index(None) if None in tiers else len(keys)
         parents = parents[:held + 1]
         for tier in self._lower:
             if tier.shared and tier.name not in skip:
-                rows[tier] = tier.children(parents, fingerprint)
+                rows[tier] = tier.children(parents, fingerprint, route)
         depth = {parent: d for d, parent in enumerate(parents)}
         bs = self.config.block_size
         nodes: dict[str, ChainNode] = {}  # the fastest tier's node first

@@ -55,7 +55,7 @@ def store_chain(pc: Any, tokens: np.ndarray, cache: list, snaps: dict, consume: 
     keys = pc.chain_keys(tokens)
     spans = [(s, min(s + bs, n)) for s in range(0, n, bs)]
     parents = [keys[j - 1] if j else ROOT_PARENT for j in range(len(keys))]
-    tiers, kids = manager.chain(keys, fp, pc.namespace)
+    tiers, kids = manager.chain(keys, fp, pc.namespace, tokens=ids)
     new = [j for j, tier in enumerate(tiers) if tier is None]
     # Blocks held only on disk (or queued for it) go to RAM too (the next turn is a RAM hit): cut
     # again from the live cache when every layer's rows are all a block holds (the same

@@ -91,3 +91,50 @@ def test_the_bound_forgets_the_least_recently_listed_node() -> None:
     assert fits.verified == 3  # a's second listing was remembered
     assert check(a) is None and fits.verified == 3  # listed since b: kept
     assert check(b) is None and fits.verified == 4  # forgotten for c: verified again
+
+
+def routed_tail(root: Block) -> Block:
+    """A partial tail under ``root`` starting with the first child's first token."""
+    return node_block(root.key, BS, np.full(BS // 2, 100, dtype=np.int64))
+
+
+@pytest.mark.parametrize("tier", ["hot", "ssd"])
+def test_a_routed_lookup_lists_the_request_s_children_and_one_other(tmp_path: Path,
+                                                                    tier: str) -> None:
+    """Given the request's tokens, a lookup lists a parent's children that start with the
+    request's token there (its own block, a partial tail of it) and one other child (another
+    conversation continues there: the hand-over keeps the parent), not every child; the
+    request's blocks are found as an unrouted lookup finds them."""
+    config = CacheConfig(block_size=BS, hot_cache_only=True, hot_cache_max_bytes="1MiB") \
+        if tier == "hot" else CacheConfig(block_size=BS, hot_cache_max_bytes="1KiB",
+                                          ssd_dir=tmp_path, ssd_max_bytes="64MiB")
+    with PagedSSDCacheManager(config) as manager:
+        root, kids = fan_out(manager)
+        tail = routed_tail(root)
+        assert manager.put(tail)
+        manager.flush()
+        keys = [root.key, kids[0].key]
+        tokens = np.concatenate([np.arange(BS), np.full(BS + 3, 100)]).astype(np.int64)
+        tiers, nodes = manager.chain(keys, FP, tokens=tokens)
+        whole_tiers, whole = manager.chain(keys, FP)
+        assert tiers == whole_tiers and tiers[0] is not None
+        listed = {n.key for n in nodes[root.key]}
+        assert {kids[0].key, tail.key} < listed  # the request's block and its tail
+        assert len(listed - {kids[0].key, tail.key}) == 1  # one other: a witness
+        assert listed < {n.key for n in whole[root.key]}
+        assert len(whole[root.key]) == CHILDREN + 1
+        # the request ends where root's children start: only a witness is listed (per tier)
+        _, ends = manager.chain([root.key], FP, tokens=np.arange(BS, dtype=np.int64))
+        by_tier = [n.tier for n in ends[root.key]]
+        assert by_tier and len(by_tier) == len(set(by_tier))
+        with pytest.raises(ValueError, match="too few"):
+            manager.chain(keys, FP, tokens=np.arange(BS, dtype=np.int64))
+
+
+def test_first_token_reads_only_the_first_id() -> None:
+    from paged_cache.tiers.route import first_token
+    for dtype_ids in (np.array([7, 65535, 3]), np.array([70000, 1]), np.array([2**40, 5])):
+        assert first_token(encode_token_ids(dtype_ids)) == int(dtype_ids[0])
+    assert first_token(encode_token_ids(np.array([-3, 4]))) == -3
+    for bad in (None, "", "u2", "x9:AAAA", "i8:AA", "u2:!!!!"):
+        assert first_token(bad) is None

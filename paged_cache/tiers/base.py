@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, AbstractSet, Any, ClassVar, Sequence
 
 from paged_cache.tiers.format import Expected, NodeRow, RawTensors
+from paged_cache.tiers.route import Route
 
 if TYPE_CHECKING:
     from paged_cache.block import Block
@@ -45,9 +46,12 @@ class Tier:
         ``stop_at_miss``: the keys after the first one not held are not looked up (None)."""
         raise NotImplementedError
 
-    def children(self, parents: Sequence[str], fingerprint: str) -> list[NodeRow]:
+    def children(self, parents: Sequence[str], fingerprint: str,
+                 route: Route | None = None) -> list[NodeRow]:
         """The node rows of the blocks held here whose parent is one of ``parents`` and whose
-        model is ``fingerprint``, in one lookup whatever the number of parents."""
+        model is ``fingerprint``, in one lookup whatever the number of parents. With ``route``
+        (the request's token id where each parent's children start: tiers/route.py), per
+        routed parent only the children starting with that token and at most one other."""
         raise NotImplementedError
 
     def read(self, key: str, *, in_place: bool = False,

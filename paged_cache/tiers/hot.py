@@ -27,7 +27,9 @@ import mlx.core as mx
 from paged_cache.block import Block
 from paged_cache.tiers.base import Tier
 from paged_cache.tiers.eviction import LeavesFirst
-from paged_cache.tiers.format import META_FINGERPRINT, META_PARENT, NodeRow, RawTensors, node_row
+from paged_cache.tiers.format import (META_FINGERPRINT, META_PARENT, META_TOKEN_IDS, NodeRow,
+                                      RawTensors, node_row)
+from paged_cache.tiers.route import ChildIndex, Route, first_token
 
 log = logging.getLogger("paged_cache.tiers.hot")
 
@@ -44,6 +46,7 @@ class _Entry:
     nbytes: int
     persisted: bool   # True when an SSD copy exists or is queued: evicting it loses nothing
     parent: str | None   # meta["parent"] (None for a root or a block without one)
+    first: int | None = None   # its first token id (the children index's key)
 
 
 EvictCallback = Callable[[Block, bool], None]   # (block, persisted)
@@ -72,7 +75,7 @@ class HotTier(Tier):
         self._tick = 0                     # uses so far: the last use of each block
         self._order = order()              # leaves first, least recently used first (by default)
         self._ghosts: OrderedDict[str, str] = OrderedDict()   # left key -> its (held) ancestor
-        self._by_parent: dict[str, set[str]] = {}   # meta parent -> held keys (children lookups)
+        self._children = ChildIndex()   # meta parent, first token id -> held keys (lookups)
         self._lock = lock if lock is not None else threading.RLock()
         self._unreleased = 0   # evicted bytes since the last mx.clear_cache()
         self._clear_threshold = clear_cache_bytes if clear_cache_bytes is not None else \
@@ -154,7 +157,8 @@ class HotTier(Tier):
         key = entry.block.key
         self._entries[key] = entry
         self._bytes += entry.nbytes
-        self._by_parent.setdefault(entry.block.meta.get(META_PARENT, ""), set()).add(key)
+        entry.first = first_token(entry.block.meta.get(META_TOKEN_IDS))
+        self._children.add(entry.block.meta.get(META_PARENT, ""), entry.first, key)
         self._tick += 1
         self._order.add(key, entry.parent, self._tick)
 
@@ -198,11 +202,7 @@ class HotTier(Tier):
         if entry is not None:
             self._bytes -= entry.nbytes
             self._order.remove(key)
-            parent = entry.block.meta.get(META_PARENT, "")
-            siblings = self._by_parent[parent]
-            siblings.discard(key)
-            if not siblings:
-                del self._by_parent[parent]
+            self._children.remove(entry.block.meta.get(META_PARENT, ""), entry.first, key)
             if entry.parent is not None:
                 self._remember(key, self._anchor(entry.parent) or entry.parent)
         return entry
@@ -292,7 +292,7 @@ class HotTier(Tier):
             self._entries.clear()
             self._order.clear()
             self._ghosts.clear()
-            self._by_parent.clear()
+            self._children.clear()
             self._bytes = 0
         self.release_memory()
 
@@ -306,15 +306,16 @@ class HotTier(Tier):
         with self._lock:
             return ["hot" if k in self._entries else None for k in keys]
 
-    def children(self, parents: Sequence[str], fingerprint: str) -> list[NodeRow]:
-        """Node rows of the held blocks of ``fingerprint`` whose parent is one of ``parents``."""
+    def children(self, parents: Sequence[str], fingerprint: str,
+                 route: Route | None = None) -> list[NodeRow]:
+        """Node rows of the held blocks of ``fingerprint`` whose parent is one of ``parents``
+        (those ``route`` leads to: tiers/route.py)."""
         out = []
         with self._lock:
-            for parent in parents:
-                for key in self._by_parent.get(parent, ()):
-                    meta = self._entries[key].block.meta
-                    if meta.get(META_FINGERPRINT) == fingerprint:
-                        out.append(node_row(key, meta))
+            for key in self._children.keys(parents, route):
+                meta = self._entries[key].block.meta
+                if meta.get(META_FINGERPRINT) == fingerprint:
+                    out.append(node_row(key, meta))
         return out
 
     def read(self, key: str, *, in_place: bool = False,

@@ -25,6 +25,7 @@ from paged_cache.block import Block, check_key
 from paged_cache.config import REMOTE_QUEUE_DEFAULT
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.base import Tier
+from paged_cache.tiers.route import Route, routed
 from paged_cache.tiers.remote.mac import Sealer
 from paged_cache.tiers.remote.client import TLSFiles, client_module, connect, shown
 from paged_cache.tiers.remote.reads import RemoteReads
@@ -99,15 +100,17 @@ class RemoteTier(RemoteReads, RemoteWriter, Tier):
         renewed."""
         return [self.name if h else None for h in self.held(keys, chain=True)]
 
-    def children(self, parents: Sequence[str], fingerprint: str) -> list[fmt.NodeRow]:
-        """Node rows of the children the server lists under ``parents`` (``listed_children``)."""
+    def children(self, parents: Sequence[str], fingerprint: str,
+                 route: Route | None = None) -> list[fmt.NodeRow]:
+        """Node rows of the children the server lists under ``parents`` (``listed_children``),
+        those ``route`` leads to (tiers/route.py: the listing holds every child)."""
         out = []
         for parent in parents:
             for key in self.listed_children(parent, fingerprint):
                 meta = self.meta(key)
                 if meta is not None:
                     out.append(fmt.node_row(key, meta))
-        return out
+        return routed(out, route)
 
     def read(self, key: str, *, in_place: bool = False,
              expect: fmt.Expected | None = None) -> tuple[Block, str] | None:

@@ -31,6 +31,7 @@ from paged_cache.block import Block, check_key
 from paged_cache.config import QUEUE_DEFAULT, QUEUE_FULL_POLICIES
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.base import Tier
+from paged_cache.tiers.route import Route
 from paged_cache.tiers.ssd.block_files import BlockFiles
 from paged_cache.tiers.ssd.deferred import DeferredUpdates
 from paged_cache.tiers.ssd.direct import StoredBlock
@@ -38,6 +39,7 @@ from paged_cache.tiers.ssd.files import LIVE_WRITERS, unlink_quiet
 from paged_cache.tiers.ssd.manifest import (BUSY_TIMEOUT_SECONDS, RESERVED, Manifest, ManifestError,
                                             now, row_from_meta)
 from paged_cache.tiers.ssd.manifest_open import OpenManifest
+from paged_cache.tiers.ssd.pending import PendingWrites
 from paged_cache.tiers.write_queue import Write, WriteBehind
 
 log = logging.getLogger("paged_cache.ssd")
@@ -78,7 +80,7 @@ class SSDTier(WriteBehind, Tier):
         self._counts: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._count_lock = threading.Lock()
         self._updates = DeferredUpdates()
-        self._pending: dict[str, Write] = {}
+        self._pending = PendingWrites()           # key -> queued write, indexed by parent
         self._written: list[Write] = []          # finished items: released by release_written
         self._writing: dict[str, int] = {}       # key -> writes in progress (writer and callers)
         self._discarding: set[str] = set()       # keys a discard is removing: no write starts
@@ -290,23 +292,19 @@ class SSDTier(WriteBehind, Tier):
         return out
 
     # ---- chain lookup --------------------------------------------------------------------
-
-    def children(self, parents: Sequence[str], fingerprint: str) -> list[fmt.NodeRow]:
-        """Node rows of the blocks stored under ``parents`` for ``fingerprint``: those in the
-        write queue, then the complete rows of the manifest (any process's), in one query. Rows
-        of files this process removed or found missing (their deletion is deferred) are left out
-        unless the file is back (stored again meanwhile: one stat each); no manifest rows if the
-        manifest cannot be read now (logged)."""
-        wanted = set(parents)
+    def children(self, parents: Sequence[str], fingerprint: str,
+                 route: Route | None = None) -> list[fmt.NodeRow]:
+        """Node rows of the blocks under ``parents`` for ``fingerprint`` (those ``route`` leads to:
+        tiers/route.py): in the write queue, then the manifest's complete rows (one query).
+        Rows of files this process removed or found missing (deletion deferred) are left out
+        unless the file is back (one stat each); none if the manifest cannot be read (logged)."""
         with self._cond:
-            out = [fmt.node_row(item.key, item.meta) for item in self._pending.values()
-                   if item.meta.get(fmt.META_PARENT) in wanted
-                   and item.meta.get(fmt.META_FINGERPRINT) == fingerprint]
-        # Taken before the query: a removal whose row delete commits while the query reads an
-        # older snapshot is still in ``_applying`` now (taken after, it could be missed).
+            out = self._pending.rows(parents, fingerprint, route)
+        # Taken before the query: a removal committing while the query reads an older snapshot
+        # is still in ``_applying`` now (taken after, it could be missed).
         gone = self._updates.gone()
         try:
-            rows = self._manifest.child_rows(parents, fingerprint)
+            rows = self._manifest.child_rows(parents, fingerprint, route)
         except sqlite3.Error as exc:
             log.warning("chain lookup of %d parents failed: %s", len(parents), exc)
             return out
