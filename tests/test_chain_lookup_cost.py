@@ -16,6 +16,7 @@ from paged_cache import CacheConfig, PagedSSDCacheManager
 from paged_cache.block import Block
 from paged_cache.chain_index import ChainNode, FitNodes
 from paged_cache.hashing import ROOT_PARENT, block_key, encode_token_ids
+from paged_cache.tiers.route import NEIGHBORS
 
 pytestmark = pytest.mark.unit
 
@@ -94,17 +95,17 @@ def test_the_bound_forgets_the_least_recently_listed_node() -> None:
 
 
 def routed_tail(root: Block) -> Block:
-    """A partial tail under ``root`` starting with the first child's first token."""
+    """A partial tail under ``root``: the first half of the first child's tokens."""
     return node_block(root.key, BS, np.full(BS // 2, 100, dtype=np.int64))
 
 
 @pytest.mark.parametrize("tier", ["hot", "ssd"])
-def test_a_routed_lookup_lists_the_request_s_children_and_one_other(tmp_path: Path,
-                                                                    tier: str) -> None:
-    """Given the request's tokens, a lookup lists a parent's children that start with the
-    request's token there (its own block, a partial tail of it) and one other child (another
-    conversation continues there: the hand-over keeps the parent), not every child; the
-    request's blocks are found as an unrouted lookup finds them."""
+def test_a_routed_lookup_lists_the_request_s_children_and_its_neighbours(tmp_path: Path,
+                                                                         tier: str) -> None:
+    """Given the request's tokens, a lookup lists of a parent's children those that are
+    prefixes of the request's tokens there (its own block, a partial tail of it) and the
+    NEIGHBORS on each side of them in token order, not every child; the request's blocks are
+    found as an unrouted lookup finds them."""
     config = CacheConfig(block_size=BS, hot_cache_only=True, hot_cache_max_bytes="1MiB") \
         if tier == "hot" else CacheConfig(block_size=BS, hot_cache_max_bytes="1KiB",
                                           ssd_dir=tmp_path, ssd_max_bytes="64MiB")
@@ -113,28 +114,66 @@ def test_a_routed_lookup_lists_the_request_s_children_and_one_other(tmp_path: Pa
         tail = routed_tail(root)
         assert manager.put(tail)
         manager.flush()
-        keys = [root.key, kids[0].key]
-        tokens = np.concatenate([np.arange(BS), np.full(BS + 3, 100)]).astype(np.int64)
+        mine = kids[CHILDREN // 2]  # tokens 100 + CHILDREN // 2: children on both sides
+        keys = [root.key, mine.key]
+        tokens = np.concatenate([np.arange(BS), np.full(BS + 3, 100 + CHILDREN // 2)])
         tiers, nodes = manager.chain(keys, FP, tokens=tokens)
         whole_tiers, whole = manager.chain(keys, FP)
         assert tiers == whole_tiers and tiers[0] is not None
         listed = {n.key for n in nodes[root.key]}
-        assert {kids[0].key, tail.key} < listed  # the request's block and its tail
-        assert len(listed - {kids[0].key, tail.key}) == 1  # one other: a witness
-        assert listed < {n.key for n in whole[root.key]}
+        assert mine.key in listed
+        near = {k.key for k in kids[CHILDREN // 2 - NEIGHBORS:CHILDREN // 2 + NEIGHBORS + 1]}
+        assert listed <= near | {tail.key}
+        assert len(listed) <= 2 * NEIGHBORS + 1 + (tier == "ssd") * 2 * NEIGHBORS
         assert len(whole[root.key]) == CHILDREN + 1
-        # the request ends where root's children start: only a witness is listed (per tier)
+        # the first child's own request: its tail (a prefix of its tokens) is listed too
+        first = np.concatenate([np.arange(BS), np.full(BS, 100)])
+        listed = {n.key for n in manager.chain([root.key, kids[0].key], FP,
+                                               tokens=first)[1][root.key]}
+        assert {kids[0].key, tail.key} <= listed
+        # the request ends where root's children start: a few are listed (a witness)
         _, ends = manager.chain([root.key], FP, tokens=np.arange(BS, dtype=np.int64))
-        by_tier = [n.tier for n in ends[root.key]]
-        assert by_tier and len(by_tier) == len(set(by_tier))
+        assert 1 <= len(ends[root.key]) <= 2 * NEIGHBORS
         with pytest.raises(ValueError, match="too few"):
             manager.chain(keys, FP, tokens=np.arange(BS, dtype=np.int64))
 
 
-def test_first_token_reads_only_the_first_id() -> None:
-    from paged_cache.tiers.route import first_token
-    for dtype_ids in (np.array([7, 65535, 3]), np.array([70000, 1]), np.array([2**40, 5])):
-        assert first_token(encode_token_ids(dtype_ids)) == int(dtype_ids[0])
-    assert first_token(encode_token_ids(np.array([-3, 4]))) == -3
+def test_a_shared_prefix_ending_inside_a_block_lists_few_children(tmp_path: Path) -> None:
+    """The common case of a system prompt: it ends a few tokens into a block, so every
+    conversation's next block starts with the same tokens. A routed lookup still lists only the
+    request's neighbours and its prefixes (a checkpoint-like partial node at the prompt's end),
+    in the hot tier and the manifest alike."""
+    shared = np.arange(5, dtype=np.int64) + 1000   # the prompt's last 5 tokens
+    for config in (CacheConfig(block_size=BS, hot_cache_only=True, hot_cache_max_bytes="1MiB"),
+                   CacheConfig(block_size=BS, hot_cache_max_bytes="1KiB", ssd_dir=tmp_path,
+                               ssd_max_bytes="64MiB")):
+        with PagedSSDCacheManager(config) as manager:
+            root = node_block(ROOT_PARENT, 0, np.arange(BS, dtype=np.int64))
+            kids = [node_block(root.key, BS, np.concatenate([shared, np.full(BS - 5, 7 * i)]))
+                    for i in range(CHILDREN)]
+            end = node_block(root.key, BS, shared)   # a tail at the prompt's end
+            for block in [root, end, *kids]:
+                assert manager.put(block)
+            manager.flush()
+            ids = np.concatenate([np.arange(BS), shared, np.full(BS - 5, 7 * 3 + 1)])
+            _, nodes = manager.chain([root.key], FP, tokens=ids)
+            listed = {n.key for n in nodes[root.key]}
+            assert end.key in listed
+            assert len(listed) <= 2 * NEIGHBORS + 2
+            assert len(manager.chain([root.key], FP)[1][root.key]) == CHILDREN + 1
+
+
+def test_order_keys_and_the_prefix_walk() -> None:
+    from paged_cache.tiers.route import ids_key, prefix_walk, text_key
+    for ids in (np.array([7, 65535, 3]), np.array([70000, 1]), np.array([2**32 - 1, 5])):
+        assert text_key(encode_token_ids(ids)) == ids_key(ids) == ids.astype(">u4").tobytes()
+    assert ids_key(np.array([-3, 4])) is None and ids_key(np.array([2**32])) is None
     for bad in (None, "", "u2", "x9:AAAA", "i8:AA", "u2:!!!!"):
-        assert first_token(bad) is None
+        assert text_key(bad) is None
+    stored = sorted(ids_key(np.array(t)) for t in ([1], [1, 2], [1, 2, 3, 9], [1, 2, 5], [4]))
+    request = ids_key(np.array([1, 2, 3, 4]))
+
+    def below(q: bytes) -> bytes | None:
+        return max((s for s in stored if s <= q), default=None)
+
+    assert prefix_walk(request, below) == [ids_key(np.array([1, 2])), ids_key(np.array([1]))]

@@ -1,125 +1,189 @@
-"""A chain lookup's route: the request's token id where each parent's children start.
+"""A chain lookup's route: the request's tokens where each parent's children start.
 
 A lookup lists the children of every block on a request's path. A block many conversations
 continue (a shared system prompt) has thousands of children, and listing them all made each
-lookup's cost grow with the blocks held. A child can only hold the request's tokens if its first
-token id is the request's token there, so a tier given a route lists, per parent, the children
-whose first token is the route's, and at most one other (a witness: another conversation
-continues through that parent, which is all the hand-over needs to know of the rest). Each tier
-keeps its children indexed by (parent, first token id): ``ChildIndex`` in RAM, a column and
-index in the SSD manifest; ``routed`` filters rows listed whole (the write queue, the remote
-tier's listings).
+lookup's cost grow with the blocks held. What a fetch or a store can use of them is:
+
+- the children whose tokens are a prefix of the request's there (its own block, its earlier
+  partial tails, checkpoints: a system prompt's end);
+- the children sharing the longest run of leading tokens with the request (the rows of a shared
+  prefix that ends inside a block: any of them holds the same rows for those tokens);
+- whether any other child exists (another conversation continues through the parent: the
+  hand-over keeps the parent).
+
+With each parent's children ordered by their token ids (``ids_key``: 4 bytes big-endian per
+token, so children sharing leading tokens are adjacent), those are the ``NEIGHBORS`` children on
+each side of the request's own tokens and the prefixes found by walking down from them
+(``prefix_walk``): a handful of ordered look-ups whatever the number of children. The hot tier and
+the SSD write queue keep a ``ChildIndex``; the SSD manifest an index on (parent, ids); the remote
+tier filters its listings (``routed``). A child whose ids cannot be ordered (none, or an id
+outside 0..2**32-1) is always listed.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-from typing import Iterable, Mapping, Sequence
+import bisect
+from typing import Callable, Iterable, Mapping, Sequence
 
+import numpy as np
+
+from paged_cache.hashing import decode_token_ids
 from paged_cache.tiers.format import NodeRow
 
-# parent key -> the request's token id where that parent's children start (None: the request
-# ends there, only a witness is wanted)
-Route = Mapping[str, int | None]
+NEIGHBORS = 4   # children listed on each side of the request's tokens under a parent
+_ID_LIMIT = 2 ** 32
 
-# base64 characters holding the first id of each token id text form (hashing.encode_token_ids)
-_FIRST_CHARS = {"u2": 4, "i4": 8, "i8": 12}
+# parent key -> the request's tokens where its children start (``ids_key`` form; b"" where the
+# request ends there: only a witness is wanted)
+Route = Mapping[str, bytes]
 
 
-def first_token(text: object) -> int | None:
-    """The first token id of a token id text form (``hashing.encode_token_ids``), decoding only
-    its first characters; None when ``text`` is not in that form (such a row is no node)."""
+def ids_key(tokens: Sequence[int] | np.ndarray) -> bytes | None:
+    """The order key of token ids (4 bytes big-endian each: children sharing leading tokens are
+    adjacent in its order, a prefix's key is a prefix of the key), or None when an id is outside
+    0..2**32-1 (such a node is not ordered: listed always)."""
+    array = np.asarray(tokens, dtype=np.int64)
+    if array.size and (int(array.min()) < 0 or int(array.max()) >= _ID_LIMIT):
+        return None
+    return array.astype(">u4").tobytes()
+
+
+def text_key(text: object) -> bytes | None:
+    """``ids_key`` of a token id text form (``hashing.encode_token_ids``); None when malformed."""
     if not isinstance(text, str):
         return None
-    code, sep, payload = text.partition(":")
-    chars = _FIRST_CHARS.get(code)
-    if not sep or chars is None:
-        return None
-    width = int(code[1])
     try:
-        raw = base64.b64decode(payload[:chars], validate=True)
-    except (binascii.Error, ValueError):
+        ids = decode_token_ids(text)
+    except ValueError:
         return None
-    if len(raw) < width:
-        return None
-    return int.from_bytes(raw[:width], "little", signed=code != "u2")
+    return ids_key(ids) if ids.size else None
 
 
-def route_of(parents: Sequence[str], tokens: Sequence[int], block_size: int) -> Route:
+def route_of(parents: Sequence[str], tokens: Sequence[int] | np.ndarray,
+             block_size: int) -> Route | None:
     """The route of a chain lookup: for ``parents`` (the root, then the chain's keys, the last
-    of which may be a partial block), the token id of ``tokens`` where each one's children
-    start, None past the end. ValueError when ``tokens`` does not reach the last key's block."""
+    of which may be a partial block), the request's tokens where each one's children start
+    (b"" past the end); None when a token id cannot be ordered (the lookup lists every child).
+    ValueError when ``tokens`` does not reach the last key's block."""
     need = (len(parents) - 2) * block_size + 1
     if len(tokens) < need:
         raise ValueError(f"chain: tokens holds {len(tokens)} ids, too few for the "
                          f"{len(parents) - 1} blocks of its keys (at least {need})")
-    return {parent: int(tokens[d * block_size]) if d * block_size < len(tokens) else None
-            for d, parent in enumerate(parents)}
+    whole = ids_key(np.asarray(tokens[:len(parents) * block_size]))
+    if whole is None:
+        return None
+    step = 4 * block_size
+    return {parent: whole[d * step:(d + 1) * step] for d, parent in enumerate(parents)}
+
+
+def common_prefix(a: bytes, b: bytes) -> int:
+    """Length in bytes of the longest common prefix of ``a`` and ``b``."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def prefix_walk(request: bytes, below: Callable[[bytes], bytes | None]) -> list[bytes]:
+    """The keys among a parent's children that are prefixes of ``request`` (longest first),
+    given ``below(q)``: the greatest child key <= q, or None. Each step shortens q: the greatest
+    key <= q is either a prefix of q (found: go on below it) or shares with q every prefix
+    of q a child has (go on from their common prefix)."""
+    out, q = [], request
+    while q:
+        found = below(q)
+        if found is None:
+            break
+        if q.startswith(found):
+            out.append(found)
+            q = found[:-4]
+        else:
+            q = q[:common_prefix(found, q) // 4 * 4]
+    return out
 
 
 class ChildIndex:
-    """Held keys by parent and first token id, each in insertion order (deterministic listings);
-    the caller's lock guards it."""
+    """Held keys by parent, ordered by (``ids_key``, key); the caller's lock guards it."""
 
     def __init__(self) -> None:
-        self._by: dict[str, dict[int | None, dict[str, None]]] = {}
+        self._by: dict[str, list[tuple[bytes, str]]] = {}
+        self._odd: dict[str, dict[str, None]] = {}   # parent -> keys with no order key
 
-    def add(self, parent: str, first: int | None, key: str) -> None:
-        """Index ``key`` under ``parent`` and its first token id ``first``."""
-        self._by.setdefault(parent, {}).setdefault(first, {})[key] = None
+    def add(self, parent: str, ids: bytes | None, key: str) -> None:
+        """Index ``key`` under ``parent`` and its order key ``ids``."""
+        if ids is None:
+            self._odd.setdefault(parent, {})[key] = None
+        else:
+            bisect.insort(self._by.setdefault(parent, []), (ids, key))
 
-    def remove(self, parent: str, first: int | None, key: str) -> None:
+    def remove(self, parent: str, ids: bytes | None, key: str) -> None:
         """Forget ``key`` (as added); nothing when it is not indexed."""
-        buckets = self._by.get(parent)
-        bucket = None if buckets is None else buckets.get(first)
-        if bucket is None:
+        if ids is None:
+            odd = self._odd.get(parent, {})
+            odd.pop(key, None)
+            if not odd:
+                self._odd.pop(parent, None)
             return
-        bucket.pop(key, None)
-        if not bucket:
-            del buckets[first]
-            if not buckets:
+        entries = self._by.get(parent)
+        if entries is None:
+            return
+        i = bisect.bisect_left(entries, (ids, key))
+        if i < len(entries) and entries[i] == (ids, key):
+            del entries[i]
+            if not entries:
                 del self._by[parent]
 
     def keys(self, parents: Sequence[str], route: Route | None) -> list[str]:
-        """The keys under ``parents``: every one where ``route`` is None or names no token for
-        the parent, else those whose first token is the route's and at most one other."""
+        """The keys under ``parents``: every one where ``route`` is None or names no tokens for
+        the parent, else those it leads to (module doc)."""
         out: list[str] = []
         for parent in parents:
-            buckets = self._by.get(parent)
-            if not buckets:
+            out += self._odd.get(parent, ())
+            entries = self._by.get(parent)
+            if not entries:
                 continue
             if route is None or parent not in route:
-                out += [k for bucket in buckets.values() for k in bucket]
-                continue
-            want = route[parent]
-            if want is not None:
-                out += buckets.get(want, ())
-            witness = next((b for first, b in buckets.items() if first != want), None)
-            if witness:
-                out.append(next(iter(witness)))
+                out += [key for _, key in entries]
+            else:
+                out += [entries[i][1] for i in sorted(select(entries, route[parent]))]
         return out
 
     def clear(self) -> None:
         """Forget every key."""
         self._by.clear()
+        self._odd.clear()
+
+
+def select(entries: list[tuple[bytes, str]], request: bytes) -> set[int]:
+    """Indices of the ``entries`` (sorted (ids, key)) a lookup with ``request`` lists: the
+    ``NEIGHBORS`` on each side of it and every prefix of it."""
+    at = bisect.bisect_left(entries, request, key=lambda e: e[0])
+    chosen = set(range(max(0, at - NEIGHBORS), min(len(entries), at + NEIGHBORS)))
+
+    def below(q: bytes) -> bytes | None:
+        i = bisect.bisect_right(entries, q, key=lambda e: e[0]) - 1
+        return entries[i][0] if i >= 0 else None
+
+    for ids in prefix_walk(request, below):
+        i = bisect.bisect_left(entries, ids, key=lambda e: e[0])
+        while i < len(entries) and entries[i][0] == ids:
+            chosen.add(i)
+            i += 1
+    return chosen
 
 
 def routed(rows: Iterable[NodeRow], route: Route | None) -> list[NodeRow]:
-    """The node rows (parent second, token id text sixth) a tier listed whole, as ``ChildIndex``
-    would list them for ``route``: per routed parent, those whose first token is the route's
-    and at most one other."""
+    """The node rows (parent second, token id text sixth) a tier listed whole, as a
+    ``ChildIndex`` of them lists them for ``route``."""
     rows = list(rows)
     if route is None:
         return rows
-    out, witnessed = [], set()
+    index, by_key = ChildIndex(), {}
     for row in rows:
-        parent = row[1]
-        if parent not in route:
-            out.append(row)
-        elif route[parent] is not None and first_token(row[5]) == route[parent]:
-            out.append(row)
-        elif parent not in witnessed:
-            witnessed.add(parent)
-            out.append(row)
-    return out
+        index.add(row[1], text_key(row[5]), row[0])
+        by_key[row[0]] = row
+    return [by_key[key] for key in index.keys(list(dict.fromkeys(r[1] for r in rows)), route)]

@@ -18,10 +18,11 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.eviction import LeavesFirst, eviction_order
-from paged_cache.tiers.route import Route, first_token
+from paged_cache.tiers.route import Route, text_key
+from paged_cache.tiers.ssd.child_rows import routed_rows
 from paged_cache.tiers.ssd.wal_meter import WalMeter
 
-SCHEMA_VERSION = "3"  # 2: chain columns (start, token ids, node flags); 3: first_token
+SCHEMA_VERSION = "3"  # 2: chain columns (start, token ids, node flags); 3: ids (order key)
 RESERVED, COMPLETE = 0, 1
 BUSY_TIMEOUT_SECONDS = 10.0  # how long one statement waits for another process's write lock
 WAL_LIMIT_BYTES = 4 << 20    # the WAL is truncated back to this after a checkpoint
@@ -53,10 +54,10 @@ CREATE TABLE IF NOT EXISTS blocks(
     created REAL NOT NULL,
     last_access REAL NOT NULL,
     writer TEXT NOT NULL,
-    first_token INTEGER
+    ids BLOB
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS blocks_lru ON blocks(state, last_access);
-CREATE INDEX IF NOT EXISTS blocks_route ON blocks(parent, first_token);
+CREATE INDEX IF NOT EXISTS blocks_route ON blocks(parent, ids);
 CREATE TABLE IF NOT EXISTS totals(id INTEGER PRIMARY KEY CHECK (id = 0),
                                   blocks INTEGER NOT NULL, bytes INTEGER NOT NULL);
 INSERT OR IGNORE INTO totals VALUES (0, 0, 0);
@@ -70,21 +71,12 @@ CREATE TRIGGER IF NOT EXISTS blocks_upd AFTER UPDATE OF file_bytes ON blocks BEG
 
 _COLUMNS = ("key", "state", "compression", "file_bytes", "raw_bytes", "tokens", "fingerprint",
             "parent", "layers", "start", "token_ids", "checkpoint", "restorable", "created",
-            "last_access", "writer", "first_token")
-# The children of a chain's blocks, found through the (parent, first token) index (``+state``
-# keeps SQLite from choosing the state index instead, which scans every complete row). A routed
-# lookup (tiers/route.py) reads per parent the children starting with the route's token, then
-# one other child each (the first the index has).
-_FIELDS = ','.join(f"b.{name}" for name in fmt.NODE_FIELDS)
-_PAIRS = ("(SELECT json_extract(value, '$[0]') p, json_extract(value, '$[1]') t "
-          "FROM json_each(:route)) r")
-CHILD_ROWS_SQL = (f"SELECT {_FIELDS} FROM blocks b WHERE +b.state = :state AND b.fingerprint = :fp"
-                  " AND b.parent IN (SELECT value FROM json_each(:route))")
-ROUTED_ROWS_SQL = (f"SELECT {_FIELDS} FROM {_PAIRS} CROSS JOIN blocks b ON b.parent = r.p AND "
-                   "b.first_token = r.t WHERE +b.state = :state AND b.fingerprint = :fp")
-WITNESS_ROWS_SQL = (f"SELECT {_FIELDS} FROM blocks b WHERE b.key IN (SELECT (SELECT c.key FROM "
-                    "blocks c WHERE c.parent = r.p AND c.first_token IS NOT r.t AND +c.state = "
-                    f":state AND c.fingerprint = :fp LIMIT 1) FROM {_PAIRS})")
+            "last_access", "writer", "ids")
+# The children of a chain's blocks, found through the (parent, ids) index (``+state`` keeps
+# SQLite from choosing the state index instead, which scans every complete row). A routed lookup
+# reads only the children its route leads to (tiers/ssd/child_rows.py).
+CHILD_ROWS_SQL = (f"SELECT {','.join(fmt.NODE_FIELDS)} FROM blocks WHERE +state = :state AND "
+                  "fingerprint = :fp AND parent IN (SELECT value FROM json_each(:parents))")
 
 
 @dataclass
@@ -107,7 +99,7 @@ class Row:
     created: float
     last_access: float
     writer: str
-    first_token: int | None  # the first of token_ids (the chain lookup's index: tiers/route.py)
+    ids: bytes | None  # token_ids' order key (the chain lookup's index: tiers/route.py)
 
 
 def row_from_meta(key: str, state: int, file_bytes: int, raw_bytes: int, compression: str,
@@ -116,7 +108,7 @@ def row_from_meta(key: str, state: int, file_bytes: int, raw_bytes: int, compres
     node = dict(zip(fmt.NODE_FIELDS, fmt.node_row(key, meta)))
     return Row(state=state, compression=compression, file_bytes=file_bytes, raw_bytes=raw_bytes,
                layers=fmt.layers_summary(meta), created=when, last_access=when, writer=writer,
-               first_token=first_token(node["token_ids"]), **node)
+               ids=text_key(node["token_ids"]), **node)
 
 
 class Deferred(NamedTuple):
@@ -285,12 +277,10 @@ class Manifest:
         self.queries += 1
         args = {"state": COMPLETE, "fp": fingerprint}
         whole = [p for p in parents if route is None or p not in route]
-        out = self._db.execute(CHILD_ROWS_SQL, dict(args, route=json.dumps(whole))).fetchall() \
+        out = self._db.execute(CHILD_ROWS_SQL, dict(args, parents=json.dumps(whole))).fetchall() \
             if whole else []
-        pairs = json.dumps([[p, route[p]] for p in parents if route is not None and p in route])
-        if pairs != "[]":
-            out += self._db.execute(ROUTED_ROWS_SQL, dict(args, route=pairs)).fetchall()
-            out += self._db.execute(WITNESS_ROWS_SQL, dict(args, route=pairs)).fetchall()
+        if route is not None and len(whole) < len(parents):
+            out += routed_rows(self._db, [p for p in parents if p in route], route, args)
         return out
 
     # ---- writes --------------------------------------------------------------------------
