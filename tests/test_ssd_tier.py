@@ -22,6 +22,7 @@ from paged_cache.block import Block
 from paged_cache.hashing import encode_token_ids
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.ssd.files import MANIFEST_NAME
+from paged_cache.tiers.ssd import child_rows
 from paged_cache.tiers.ssd.manifest import CHILD_ROWS_SQL
 from paged_cache.tiers.ssd.tier import SSDTier
 from helpers.blocks import block_files, key_of, same_block, stored_block
@@ -359,10 +360,19 @@ def test_chain_listing_uses_the_parent_index(tmp_path: Path) -> None:
         t.flush()
         listed = sorted(row[0] for row in t.children(parents, "m1"))
         assert listed == sorted(key_of(i) for i in range(4))
-        plan = t._manifest._db.execute("EXPLAIN QUERY PLAN " + CHILD_ROWS_SQL,
-                                       (0, "m1", "[]")).fetchall()
-        assert any("INDEX blocks_parent" in row[-1] for row in plan), plan
+        db = t._manifest._db
+        plan = db.execute("EXPLAIN QUERY PLAN " + CHILD_ROWS_SQL,
+                          {"state": 0, "fp": "m1", "parents": "[]"}).fetchall()
+        assert any("INDEX blocks_route (parent=?)" in row[-1] for row in plan), plan
         assert not any("blocks_lru" in row[-1] for row in plan), plan
+        # a routed lookup (tiers/ssd/child_rows.py) reads ordered runs of the same index
+        routed = "WITH r(p, q) AS (VALUES (:p0, :q0)) " + child_rows._ROUTED
+        plan = db.execute("EXPLAIN QUERY PLAN " + routed, {"state": 0, "fp": "m1", "p0": "x",
+                                                           "q0": b""}).fetchall()
+        assert any("INDEX blocks_route (parent=? AND ids>?)" in row[-1] for row in plan), plan
+        assert any("INDEX blocks_route (parent=? AND ids<?)" in row[-1] for row in plan), plan
+        assert not any(row[-1].startswith("SCAN b") or "blocks_lru" in row[-1]
+                       for row in plan), plan
 
 
 CHILD = textwrap.dedent("""
