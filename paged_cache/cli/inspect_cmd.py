@@ -222,7 +222,6 @@ def _state(row: Row) -> str:
 
 def _row_json(row: Row) -> dict[str, Any]:
     out = asdict(row)
-    del out["ids"]  # token_ids' order key for the chain lookup: token_ids says it
     out.update(state=_state(row), layers=layer_counts(row), created_iso=render.iso(row.created),
                last_access_iso=render.iso(row.last_access))
     return out

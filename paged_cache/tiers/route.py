@@ -12,9 +12,10 @@ lookup's cost grow with the blocks held. What a fetch or a store can use of them
   hand-over keeps the parent).
 
 With each parent's children ordered by their token ids (``ids_key``: 4 bytes big-endian per
-token, so children sharing leading tokens are adjacent), those are the ``NEIGHBORS`` children on
-each side of the request's own tokens and the prefixes found by walking down from them
-(``prefix_walk``): a handful of ordered look-ups whatever the number of children. The hot tier and
+token, so children sharing leading tokens are adjacent), those are the prefixes found by walking
+down from the request's tokens (``prefix_walk``) and the ``NEIGHBORS`` children on each side of
+them, or only the nearest one where the request's own block is there (``keep``): a handful of
+ordered look-ups whatever the number of children. The hot tier and
 the SSD write queue keep a ``ChildIndex``; the SSD manifest an index on (parent, ids); the remote
 tier filters its listings (``routed``). A child whose ids cannot be ordered (none, or an id
 outside 0..2**32-1) is always listed.
@@ -57,6 +58,13 @@ def text_key(text: object) -> bytes | None:
     except ValueError:
         return None
     return ids_key(ids) if ids.size else None
+
+
+def first_token(text: object) -> int | None:
+    """The first token id of a token id text form (the manifest's index column), None when
+    malformed or outside the order key's range."""
+    key = text_key(text)
+    return int.from_bytes(key[:4], "big") if key else None
 
 
 def route_of(parents: Sequence[str], tokens: Sequence[int] | np.ndarray,
@@ -159,21 +167,35 @@ class ChildIndex:
 
 
 def select(entries: list[tuple[bytes, str]], request: bytes) -> set[int]:
-    """Indices of the ``entries`` (sorted (ids, key)) a lookup with ``request`` lists: the
-    ``NEIGHBORS`` on each side of it and every prefix of it."""
-    at = bisect.bisect_left(entries, request, key=lambda e: e[0])
-    chosen = set(range(max(0, at - NEIGHBORS), min(len(entries), at + NEIGHBORS)))
-
+    """Indices of the ``entries`` (sorted (ids, key)) a lookup with ``request`` lists
+    (``keep``), the prefixes found by a walk over them."""
     def below(q: bytes) -> bytes | None:
         i = bisect.bisect_right(entries, q, key=lambda e: e[0]) - 1
         return entries[i][0] if i >= 0 else None
 
-    for ids in prefix_walk(request, below):
-        i = bisect.bisect_left(entries, ids, key=lambda e: e[0])
-        while i < len(entries) and entries[i][0] == ids:
-            chosen.add(i)
-            i += 1
-    return chosen
+    return keep(entries, request, set(prefix_walk(request, below)))
+
+
+def keep(entries: Sequence[tuple[bytes | None, str]], request: bytes,
+         prefixes: set[bytes]) -> set[int]:
+    """Of ``entries`` (sorted (ids, key), all of a parent's children or a run of them around
+    ``request``), the indices a lookup lists: the ones in ``prefixes`` (prefixes of the
+    request's tokens, its own block included) and the ``NEIGHBORS`` on each side of
+    ``request``, or only the nearest other one when a child holds the request's very tokens
+    (the others share fewer: its own block is better than any of them, and one is witness
+    enough)."""
+    ordered = [e for e in entries if e[0] is not None]
+    at = bisect.bisect_left(ordered, request, key=lambda e: e[0])
+    exact = at < len(ordered) and ordered[at][0] == request
+    if exact:
+        past = at
+        while past < len(ordered) and ordered[past][0] == request:
+            past += 1
+        near = [at - 1] if at else ([past] if past < len(ordered) else [])
+    else:
+        near = range(max(0, at - NEIGHBORS), min(len(ordered), at + NEIGHBORS))
+    chosen = {ordered[i][1] for i in near} | {key for ids, key in ordered if ids in prefixes}
+    return {i for i, (ids, key) in enumerate(entries) if ids is not None and key in chosen}
 
 
 def routed(rows: Iterable[NodeRow], route: Route | None) -> list[NodeRow]:

@@ -18,11 +18,11 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.eviction import LeavesFirst, eviction_order
-from paged_cache.tiers.route import Route, text_key
+from paged_cache.tiers.route import Route, first_token
 from paged_cache.tiers.ssd.child_rows import routed_rows
 from paged_cache.tiers.ssd.wal_meter import WalMeter
 
-SCHEMA_VERSION = "3"  # 2: chain columns (start, token ids, node flags); 3: ids (order key)
+SCHEMA_VERSION = "3"  # 2: chain columns (start, token ids, node flags); 3: first_token
 RESERVED, COMPLETE = 0, 1
 BUSY_TIMEOUT_SECONDS = 10.0  # how long one statement waits for another process's write lock
 WAL_LIMIT_BYTES = 4 << 20    # the WAL is truncated back to this after a checkpoint
@@ -54,10 +54,10 @@ CREATE TABLE IF NOT EXISTS blocks(
     created REAL NOT NULL,
     last_access REAL NOT NULL,
     writer TEXT NOT NULL,
-    ids BLOB
+    first_token INTEGER
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS blocks_lru ON blocks(state, last_access);
-CREATE INDEX IF NOT EXISTS blocks_route ON blocks(parent, ids);
+CREATE INDEX IF NOT EXISTS blocks_route ON blocks(parent, first_token);
 CREATE TABLE IF NOT EXISTS totals(id INTEGER PRIMARY KEY CHECK (id = 0),
                                   blocks INTEGER NOT NULL, bytes INTEGER NOT NULL);
 INSERT OR IGNORE INTO totals VALUES (0, 0, 0);
@@ -71,10 +71,10 @@ CREATE TRIGGER IF NOT EXISTS blocks_upd AFTER UPDATE OF file_bytes ON blocks BEG
 
 _COLUMNS = ("key", "state", "compression", "file_bytes", "raw_bytes", "tokens", "fingerprint",
             "parent", "layers", "start", "token_ids", "checkpoint", "restorable", "created",
-            "last_access", "writer", "ids")
-# The children of a chain's blocks, found through the (parent, ids) index (``+state`` keeps
-# SQLite from choosing the state index instead, which scans every complete row). A routed lookup
-# reads only the children its route leads to (tiers/ssd/child_rows.py).
+            "last_access", "writer", "first_token")
+# The children of a chain's blocks, found through the (parent, first_token) index (``+state``
+# keeps SQLite from choosing the state index instead, which scans every complete row). A routed
+# lookup reads only the children its route leads to (tiers/ssd/child_rows.py).
 CHILD_ROWS_SQL = (f"SELECT {','.join(fmt.NODE_FIELDS)} FROM blocks WHERE +state = :state AND "
                   "fingerprint = :fp AND parent IN (SELECT value FROM json_each(:parents))")
 
@@ -99,7 +99,7 @@ class Row:
     created: float
     last_access: float
     writer: str
-    ids: bytes | None  # token_ids' order key (the chain lookup's index: tiers/route.py)
+    first_token: int | None  # the first of token_ids (the chain lookup's index: tiers/route.py)
 
 
 def row_from_meta(key: str, state: int, file_bytes: int, raw_bytes: int, compression: str,
@@ -108,7 +108,7 @@ def row_from_meta(key: str, state: int, file_bytes: int, raw_bytes: int, compres
     node = dict(zip(fmt.NODE_FIELDS, fmt.node_row(key, meta)))
     return Row(state=state, compression=compression, file_bytes=file_bytes, raw_bytes=raw_bytes,
                layers=fmt.layers_summary(meta), created=when, last_access=when, writer=writer,
-               ids=text_key(node["token_ids"]), **node)
+               first_token=first_token(node["token_ids"]), **node)
 
 
 class Deferred(NamedTuple):
