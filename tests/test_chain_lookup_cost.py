@@ -166,12 +166,14 @@ def test_a_shared_prefix_ending_inside_a_block_lists_few_children(tmp_path: Path
 
 
 def test_order_keys_and_the_prefix_walk() -> None:
-    from paged_cache.tiers.route import ids_key, prefix_walk, text_key
+    from paged_cache.tiers.route import first_of, first_token, ids_key, prefix_walk, text_key
     for ids in (np.array([7, 65535, 3]), np.array([70000, 1]), np.array([2**32 - 1, 5])):
         assert text_key(encode_token_ids(ids)) == ids_key(ids) == ids.astype(">u4").tobytes()
+        assert first_token(encode_token_ids(ids)) == first_of(ids_key(ids)) == ids[0]
     assert ids_key(np.array([-3, 4])) is None and ids_key(np.array([2**32])) is None
+    assert first_token(encode_token_ids(np.array([-3, 4]))) is None
     for bad in (None, "", "u2", "x9:AAAA", "i8:AA", "u2:!!!!"):
-        assert text_key(bad) is None
+        assert text_key(bad) is None and first_token(bad) is None
     stored = sorted(ids_key(np.array(t)) for t in ([1], [1, 2], [1, 2, 3, 9], [1, 2, 5], [4]))
     request = ids_key(np.array([1, 2, 3, 4]))
 

@@ -23,6 +23,8 @@ outside 0..2**32-1) is always listed.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import bisect
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -60,11 +62,34 @@ def text_key(text: object) -> bytes | None:
     return ids_key(ids) if ids.size else None
 
 
+# base64 characters holding the first id of each token id text form (hashing.encode_token_ids)
+_FIRST_CHARS = {"u2": 4, "i4": 8, "i8": 12}
+
+
 def first_token(text: object) -> int | None:
-    """The first token id of a token id text form (the manifest's index column), None when
-    malformed or outside the order key's range."""
-    key = text_key(text)
-    return int.from_bytes(key[:4], "big") if key else None
+    """The first token id of a token id text form, decoding only its first characters (a
+    lookup reads it for every child a tier lists whole); None when malformed or outside
+    0..2**32-1 (the order key's range)."""
+    if not isinstance(text, str):
+        return None
+    code, sep, payload = text.partition(":")
+    chars = _FIRST_CHARS.get(code)
+    if not sep or chars is None:
+        return None
+    width = int(code[1])
+    try:
+        raw = base64.b64decode(payload[:chars], validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    if len(raw) < width:
+        return None
+    first = int.from_bytes(raw[:width], "little", signed=code != "u2")
+    return first if 0 <= first < _ID_LIMIT else None
+
+
+def first_of(request: bytes) -> int | None:
+    """The first token id of a route's tokens (``ids_key`` form), None when empty."""
+    return int.from_bytes(request[:4], "big") if request else None
 
 
 def route_of(parents: Sequence[str], tokens: Sequence[int] | np.ndarray,
@@ -198,14 +223,39 @@ def keep(entries: Sequence[tuple[bytes | None, str]], request: bytes,
     return {i for i, (ids, key) in enumerate(entries) if ids is not None and key in chosen}
 
 
+def trim(rows: list[NodeRow], request: bytes) -> list[NodeRow]:
+    """Of a parent's node rows starting with the request's first token (a tier that orders its
+    children by first token only), those a ``ChildIndex`` of them lists for ``request``."""
+    found = sorted(((text_key(row[5]), row[0], row) for row in rows),
+                   key=lambda e: (e[0] is not None, e[0] or b"", e[1]))
+    ordered = [e[0] for e in found if e[0] is not None]
+
+    def below(q: bytes) -> bytes | None:
+        i = bisect.bisect_right(ordered, q) - 1
+        return ordered[i] if i >= 0 else None
+
+    kept = keep([(ids, key) for ids, key, _ in found], request,
+                set(prefix_walk(request, below)))
+    return [row for i, (ids, _, row) in enumerate(found) if i in kept or ids is None]
+
+
 def routed(rows: Iterable[NodeRow], route: Route | None) -> list[NodeRow]:
-    """The node rows (parent second, token id text sixth) a tier listed whole, as a
-    ``ChildIndex`` of them lists them for ``route``."""
+    """The node rows (parent second, token id text sixth) a tier listed whole, filtered for
+    ``route`` as the manifest filters its own (tiers/ssd/child_rows.py): per routed parent, the
+    children starting with the request's token there (``trim``med) and one other."""
     rows = list(rows)
     if route is None:
         return rows
-    index, by_key = ChildIndex(), {}
+    out, bucket, witnessed = [], {}, set()
     for row in rows:
-        index.add(row[1], text_key(row[5]), row[0])
-        by_key[row[0]] = row
-    return [by_key[key] for key in index.keys(list(dict.fromkeys(r[1] for r in rows)), route)]
+        parent = row[1]
+        if parent not in route:
+            out.append(row)
+        elif route[parent] and first_token(row[5]) == first_of(route[parent]):
+            bucket.setdefault(parent, []).append(row)
+        elif parent not in witnessed:
+            witnessed.add(parent)
+            out.append(row)
+    for parent, found in bucket.items():
+        out += trim(found, route[parent])
+    return out

@@ -17,7 +17,7 @@ import sqlite3
 from typing import Sequence
 
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.route import Route, keep, prefix_walk, text_key
+from paged_cache.tiers.route import Route, first_of, trim
 
 _FIELDS = ",".join(f"b.{name}" for name in fmt.NODE_FIELDS)
 _PAIRS = ("(SELECT json_extract(value, '$[0]') p, json_extract(value, '$[1]') t "
@@ -32,29 +32,15 @@ WITNESS_ROWS_SQL = (f"SELECT {_FIELDS} FROM blocks b WHERE b.key IN (SELECT (SEL
                     + _KEEP.format(t="c") + f" LIMIT 1) FROM {_PAIRS})")
 
 
-def first_of(request: bytes) -> int | None:
-    """The first token id of a route's tokens (``route.ids_key`` form), None when empty."""
-    return int.from_bytes(request[:4], "big") if request else None
-
-
 def routed_rows(db: sqlite3.Connection, parents: Sequence[str], route: Route,
                 args: dict) -> list[tuple]:
     """Node rows of the complete children of ``parents`` (each in ``route``) that ``route``
     leads to; ``args``: the ``state`` and ``fp`` (fingerprint) parameters."""
     pairs = json.dumps([[parent, first_of(route[parent])] for parent in parents])
-    bucket = db.execute(ROUTED_ROWS_SQL, dict(args, route=pairs)).fetchall()
     out = db.execute(WITNESS_ROWS_SQL, dict(args, route=pairs)).fetchall()
-    by_parent: dict[str, list[tuple[bytes | None, str, tuple]]] = {}
-    for row in bucket:
-        by_parent.setdefault(row[1], []).append((text_key(row[5]), row[0], row))
-    for parent, found in by_parent.items():
-        found.sort(key=lambda e: (e[0] is not None, e[0] or b"", e[1]))
-        ordered = [e[0] for e in found if e[0] is not None]
-
-        def below(q: bytes, ordered=ordered) -> bytes | None:
-            return max((ids for ids in ordered if ids <= q), default=None)
-
-        prefixes = set(prefix_walk(route[parent], below))
-        kept = keep([(ids, key) for ids, key, _ in found], route[parent], prefixes)
-        out += [row for i, (ids, _, row) in enumerate(found) if i in kept or ids is None]
+    bucket: dict[str, list[tuple]] = {}
+    for row in db.execute(ROUTED_ROWS_SQL, dict(args, route=pairs)).fetchall():
+        bucket.setdefault(row[1], []).append(row)
+    for parent, rows in bucket.items():
+        out += trim(rows, route[parent])
     return out
