@@ -351,7 +351,7 @@ def run(ctx: Context) -> dict:
                     files=got["files"]))
     figures.append(_first_fetch(ctx, model, cache, tokens, n, payload, restarts))
     figures.append(remote_first(model, cache, tokens, n, BLOCK, payload, restarts))
-    figures.append(serve_first(ctx, ctx.pick(3, 5)))
+    figures += serve_first(ctx, ctx.pick(3, 5))
     # the SSD restore against the slower of its two floors: the read, and the move to the device
     upload = _to_device([_Rows(layer, n) for layer in cache], repeats)
     raw_none = ssd["none"]["raw"]
