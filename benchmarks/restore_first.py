@@ -175,8 +175,8 @@ def serve_first(ctx: Context, repeats: int) -> list:
     rounds = [r for r in rounds if r["whole"]]
     if not rounds:
         raise AssertionError(f"serve: no round restored both prompts whole: {short}")
-    details = dict(short_rounds=short, tokens=size, kv_bytes_per_token=2 * 4 * SERVE_SIZES["layers"]
-                   * SERVE_SIZES["kv_heads"] * SERVE_SIZES["head_dim"],
+    kv_bytes = 2 * 4 * SERVE_SIZES["layers"] * SERVE_SIZES["kv_heads"] * SERVE_SIZES["head_dim"]
+    details = dict(short_rounds=short, tokens=size, kv_bytes_per_token=kv_bytes,
                    **{f"{k}_s" if k in ("cold", "fetch", "ttft") else k: [r[k] for r in rounds]
                       for k in ("cold", "fetch", "ttft", "cached", "prompt", "probes",
                                 "probe_s", "declined", "cut")})
