@@ -5,10 +5,10 @@ of what a fetch adds before its first token when the process knows nothing yet.
 interpreter: no model timed, no MLX kernel run, no estimate in memory) and returns what it
 printed, one JSON object:
 
-- ``restore``: the 8B-shaped layout (``io_model``) opens a manager with default settings on a
-  stored SSD directory and fetches its prompt once: the layout's 1-token dry run and the fetch,
-  timed apart (the parent drops the page cache first, and chooses whether ``rates.json`` is
-  there);
+- ``restore``: the 8B-shaped layout (``io_model``) opens a manager on ``config`` (a stored SSD
+  directory with default settings, or a fresh ``hot_cache_only`` host of a remote tier) and
+  fetches its prompt once from ``tier``: the layout's 1-token dry run and the fetch, timed apart
+  (the parent drops the page cache first, and chooses whether ``rates.json`` is there);
 - ``requests``: a caller of ``BlockAwarePrefixCache.fetch`` that prefills the rest itself in
   block chunks (reporting that prefill with ``record_prefill`` when ``report``): its first
   request (the dry run included), then ``steady`` more, each followed by a cold prefill of the
@@ -74,10 +74,9 @@ def dry_run_and_fetch(prefix: BlockAwarePrefixCache, fetch: Callable[[], Any]
     return dry, time.perf_counter() - t0, out
 
 
-def _restore(ssd_dir: str, tokens: list[int], block: int, hot_bytes: int) -> dict:
+def _restore(config: dict, tokens: list[int], tier: str) -> dict:
     model = io_model()
-    config = CacheConfig(block_size=block, ssd_dir=ssd_dir, hot_cache_max_bytes=hot_bytes)
-    with PagedSSDCacheManager(config) as manager:
+    with PagedSSDCacheManager(CacheConfig(**config)) as manager:
         prefix = BlockAwarePrefixCache(manager, model)
 
         def fetch() -> int:
@@ -87,6 +86,8 @@ def _restore(ssd_dir: str, tokens: list[int], block: int, hot_bytes: int) -> dic
 
         dry, seconds, n = dry_run_and_fetch(prefix, fetch)
         stats = prefix.stats()
+        if n and prefix.last_fetch.tier != tier:
+            raise AssertionError(f"restore: read from {prefix.last_fetch.tier}, not {tier}")
     return dict(dry=dry, fetch=seconds, restored=n, probes=stats["prefill_probes"],
                 probe_s=stats["prefill_probe_seconds"])
 

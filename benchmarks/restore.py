@@ -12,10 +12,11 @@
 - SSD, warm: the figure this family reported before, kept beside it: one manager, an untimed
   warm-up fetch first (MLX's buffer cache then holds the previous restore's buffers), page cache
   dropped before each run;
-- SSD, a restart's first fetch in a new process (benchmarks/policy_restart.py): on a directory
-  without saved estimates (no prefill rate known, none reported: the fetch must not stop to time
-  the model) against one with the estimates the run before saved (goal <= 1.25x), the layout's
-  dry run included in both;
+- a process's first fetch (benchmarks/restore_first.py): on the SSD and over the remote tier,
+  each in a new process, one that knows nothing (no prefill rate known, none reported: the fetch
+  must not stop to time the model) against one that knows the rates (goal <= 1.25x), the
+  layout's dry run included in both; and ``paged-cache serve`` on a new directory, its first
+  restore against its second;
 - hot: ``prefix.fetch`` from the hot tier vs a plain numpy copy of the same bytes (goal >= 0.8),
   in fresh memory (a new manager per run, its store written out first, every freed page handed
   back to the OS before the fetch, vs a copy into freshly mapped memory) and in reused memory
@@ -40,6 +41,7 @@ from benchmarks.common import (KIB, Context, Timing, block_files, bar_plot, drop
                                eval_cache, figure, figures_by_name, filled_cache, io_model,
                                read_files, repeat, return_pages, settle)
 from benchmarks.policy_restart import dry_run_and_fetch, in_new_process
+from benchmarks.restore_first import alternate, first_figure, remote_first, serve_first
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
 from paged_cache.config import READ_THREADS_DEFAULT
 from paged_cache.row_path import forced, row_path
@@ -217,31 +219,29 @@ def _restarted(config: CacheConfig, model, tokens, n, files, raw=None):
     return seconds, dry, raw_seconds
 
 
-def _first_fetch(ctx: Context, model, cache, tokens, n, payload, repeats) -> dict:
-    """A restart's first fetch, each in a new process (policy_restart.py): with nothing saved
-    (no rates.json: no prefill rate, no read rate) against one whose directory has the
-    estimates an earlier run saved, alternating (each ahead in turn), page cache dropped before
-    each; the layout's dry run included in both."""
+def _first_fetch(ctx: Context, model, cache, tokens, n, payload, repeats):
+    """A restart's first fetch on the SSD, each in a new process (restore_first.py): nothing
+    saved (no rates.json: no prefill rate, no read rate) against the estimates an earlier run
+    saved, page cache dropped before each."""
     ssd_dir = ctx.scratch / "restore-first"
-    config = CacheConfig(block_size=BLOCK, ssd_dir=ssd_dir, hot_cache_max_bytes=3 * payload)
-    files = _store_files(ssd_dir, config, model, cache, tokens, n)
-    runs: dict[str, list[dict]] = {"first": [], "second": []}
-    for i in range(repeats):
-        for name in sorted(runs, reverse=i % 2 == 1):  # each ahead in turn (a run's exit
-            # frees its 256 MiB while the next starts)
-            if name == "first":
+    config = dict(block_size=BLOCK, ssd_dir=str(ssd_dir), hot_cache_max_bytes=3 * payload)
+    files = _store_files(ssd_dir, CacheConfig(**config), model, cache, tokens, n)
+
+    def one(saved: bool):
+        def run() -> dict:
+            if not saved:
                 (ssd_dir / "rates.json").unlink(missing_ok=True)
             drop_page_cache(files)
-            runs[name].append(in_new_process("restore", ssd_dir=str(ssd_dir), tokens=tokens,
-                                             block=BLOCK, hot_bytes=3 * payload))
+            return in_new_process("restore", config=config, tokens=tokens, tier="ssd")
+        return run
+
+    first = alternate(repeats, {"first": one(False), "second": one(True)}, n)
     shutil.rmtree(ssd_dir, ignore_errors=True)
-    for got in runs.values():
-        if any(r["restored"] != n for r in got):
-            raise AssertionError(f"restore: a first fetch restored {[r['restored'] for r in got]}"
-                                 f" of {n} tokens")
-    return {name: dict(total=Timing.of([r["dry"] + r["fetch"] for r in got]),
-                       dry=[r["dry"] for r in got], probes=[r["probes"] for r in got],
-                       probe_s=[r["probe_s"] for r in got]) for name, got in runs.items()}
+    return first_figure(
+        "SSD first fetch in a new process, nothing saved vs estimates saved (none)", first,
+        "dry run + fetch of a new process on a directory without rates.json / the same with the "
+        "rates.json an earlier run saved (page cache dropped, default settings, each ahead in "
+        "turn)", tokens=n, payload_bytes=payload)
 
 
 def _ssd(ctx: Context, model, cache, tokens, n, payload, repeats, compression, threads=THREADS):
@@ -349,16 +349,9 @@ def run(ctx: Context) -> dict:
                     measured=got["lib"][threads], baseline=got["lib"][1], invert=True,
                     meaning="restore time at 1 thread / at this many (ssd_read_threads)",
                     files=got["files"]))
-    first = _first_fetch(ctx, model, cache, tokens, n, payload, restarts)
-    figures.append(figure(
-        FAMILY, "SSD first fetch in a new process, nothing saved vs estimates saved (none)",
-        measured=first["first"]["total"], baseline=first["second"]["total"], goal=1.25,
-        goal_op="<=", tokens=n, payload_bytes=payload,
-        **{f"{name}_{k}": v for name, got in first.items() for k, v in got.items()
-           if k != "total"},
-        meaning="dry run + fetch of a new process on a directory without rates.json / the same "
-                "with the rates.json an earlier run saved (page cache dropped, default settings, "
-                "each ahead in turn)"))
+    figures.append(_first_fetch(ctx, model, cache, tokens, n, payload, restarts))
+    figures.append(remote_first(model, cache, tokens, n, BLOCK, payload, restarts))
+    figures += serve_first(ctx, ctx.pick(3, 5))
     # the SSD restore against the slower of its two floors: the read, and the move to the device
     upload = _to_device([_Rows(layer, n) for layer in cache], repeats)
     raw_none = ssd["none"]["raw"]

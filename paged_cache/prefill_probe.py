@@ -6,11 +6,13 @@ adapters) gives it; a saved estimate (rates.json) or the ``prefill_tokens_per_s`
 it. When none of these is there, a fetch restores under the cut-off and, once its first reads
 project the restore's time, may time the model within a budget of fetch_plan.PROBE_SHARE of that
 restore: forwards of the request's own tokens (repeated when it is shorter) into a fresh cache,
-1 token, then each twice the tokens of the one before, up to ``PROBE_TOKENS``, while the next
-one's cost at the last one's cost per token fits what is left of the budget (the first one's: the
-layout's 1-token dry run, a first call, its overheads in it). A small model's short forwards are
-all call overhead, so the doubling finds in a few milliseconds what a linear guess from one token
-would call unaffordable; a large model stops where its forwards get dear. The longest forward of
+each twice the tokens of the one before, up to ``PROBE_TOKENS``, while its cost at the last one's
+cost per token fits what is left of the budget. The first "one before" is the layout's 1-token
+dry run (a forward into a fresh cache, timed when the prefix cache is first used, its first-call
+overheads in it): no forward of one token is run again, so a restore too short to time two
+tokens in pays nothing for the model. A small model's short forwards are all call overhead, so
+the doubling finds in a few milliseconds what a linear guess from one token would call
+unaffordable; a large model stops where its forwards get dear. The longest forward of
 the process is kept: a later fetch (or manager) goes on doubling from it. One of
 ``MIN_PROBE_TOKENS`` or more is a sample of the model's prefill rate (saved beside the others);
 fewer tell a call's overhead more than the rate: no sample, and the fetch restores. Counted in
@@ -54,16 +56,16 @@ def known_rate(pc: Any) -> float | None:
 
 def sized_rate(pc: Any, ids: np.ndarray, budget: float) -> float | None:
     """``pc``'s model's prefill rate after timing forwards of ``ids`` within ``budget`` seconds
-    (module doc: each twice the tokens of the longest timed, while its cost at that one's cost
-    per token fits what is left), or the rate known before; None when nothing is known and no
-    forward worth a sample fit."""
+    (module doc: each twice the tokens of the longest timed, the dry run's one token at first,
+    while its cost at that one's cost per token fits what is left), or the rate known before;
+    None when nothing is known and no forward worth a sample fit."""
     identity = pc.layout.identity
-    with _lock:
-        tokens, seconds = _timed.get(identity, (0, 0.0))
+    with _lock:  # none timed yet: the layout's dry run is the process's first, 1-token forward
+        tokens, seconds = _timed.get(identity, (1, pc.layout.dry_run_seconds))
     grown = False
     while tokens < PROBE_TOKENS:
-        more = min(PROBE_TOKENS, 2 * tokens) if tokens else 1
-        cost = seconds * more / tokens if tokens else pc.layout.dry_run_seconds
+        more = min(PROBE_TOKENS, 2 * tokens)
+        cost = seconds * more / tokens
         if cost > budget:
             break
         tokens, seconds = time_forward(pc, ids, more)

@@ -314,7 +314,7 @@ def test_the_prefill_rate_is_timed_within_its_budget_once_per_model_and_process(
     for first in (True, False):
         with new_manager(tmp_path, **slow_ssd) as manager:
             prefix = BlockAwarePrefixCache(manager, model)
-            _model_costing(model, prefix, 1e-9)  # one token timed, then the sized forward
+            _model_costing(model, prefix, 1e-9)  # from the dry run on, doubling in budget
             assert_exact(model, prefix, tokens + [1])
             stats = prefix.stats()
             assert stats["prefill_probes"] == int(first) and stats["prefill_samples"] == 1
@@ -327,22 +327,60 @@ def test_the_prefill_rate_is_timed_within_its_budget_once_per_model_and_process(
         stats["prefill_tokens_per_s"])
 
 
+@pytest.mark.timeout(300)
+def test_a_remote_first_fetch_restores_without_waiting_for_the_model(
+        server: ValkeyServer, url: str) -> None:
+    """A fresh hot_cache_only host of a remote tier (no rate known, and none can be saved
+    without an SSD tier) restores its first request whole over a fast link, timing the model
+    only within its budget: a model whose forward costs more than the budget (1,000 s, a given
+    figure) is not run at all, by either host; one whose forward fits (1 ns) is timed, one
+    sample at most per fetch. Counted, not timed (the `restore` family measures the first fetch
+    of a new process against one given the prefill rate: at most 1.25x)."""
+    config = dict(block_size=16, hot_cache_only=True, remote_url=url, remote_timeout=LOADED)
+    tokens = prompt(32 * 16)  # 256 KiB of KV: more than the first round trip reads
+    for seed, forward in ((31, 1e3), (32, 1e-9)):
+        model = tiny_model("llama", seed=seed)  # timed by no other test of this process
+        with PagedSSDCacheManager(CacheConfig(**config)) as writer:  # another host stores it
+            store_prompt(model, BlockAwarePrefixCache(writer, model), tokens)
+            writer.flush()
+        spent = []
+        for _ in range(2):  # two fresh hosts of this process, in turn (fetch_policy cost)
+            with PagedSSDCacheManager(CacheConfig(**config)) as host:
+                prefix = BlockAwarePrefixCache(host, model)
+                _model_costing(model, prefix, forward)
+                assert assert_exact(model, prefix, tokens + [1]) == len(tokens)
+                stats = prefix.stats()
+                assert prefix.last_fetch.tier == "remote" and stats["cut_fetches"] == 0
+                assert host.stats()["remote"]["hits"] == 32
+                assert stats["prefill_probes"] <= 1  # at most one sample per fetch
+                spent.append(stats["prefill_probe_seconds"])
+        if forward > 1:  # nothing fits the budget: no forward, no rate
+            assert spent == [0, 0] and "prefill_tokens_per_s" not in stats
+        else:  # at least the 1-token forward fits at the first host
+            assert spent[0] > 0
+
+
 def test_the_model_is_timed_in_doubling_forwards_within_the_budget() -> None:
-    """Each forward twice the tokens of the one before, while its cost at the last one's cost
-    per token fits what is left of the budget (the first's: the dry run's); the longest is kept
-    for the process, a later call goes on from it; a sample from MIN_PROBE_TOKENS on."""
+    """Each forward twice the tokens of the one before (the first: the layout's 1-token dry
+    run), while its cost at the last one's cost per token fits what is left of the budget; the
+    longest is kept for the process, a later call goes on from it; a sample from
+    MIN_PROBE_TOKENS on."""
     model = tiny_model("llama", seed=13)  # timed by no other test of this process
     with new_manager(None, block_size=16, fetch_policy="cost") as manager:
         prefix = BlockAwarePrefixCache(manager, model)
         ids = np.asarray(prompt(40))
         _model_costing(model, prefix, 1e3)  # one token would cost 1,000 s: nothing timed
         assert sized_rate(prefix, ids, 1.0) is None
+        # the dry run is the first, 1-token forward (0.6 s here): none is timed again, and two
+        # tokens (1.2 s) do not fit a second
+        _model_costing(model, prefix, 0.6)
+        assert sized_rate(prefix, ids, 1.0) is None
         assert prefix.stats()["prefill_probe_seconds"] == 0
         _model_costing(model, prefix, 1e-9)
-        assert sized_rate(prefix, ids, 1e-6) is None  # one token, then nothing left
+        assert sized_rate(prefix, ids, 1e-6) is None  # two tokens, then nothing left
         stats = prefix.stats()
         assert stats["prefill_probe_seconds"] > 0 and stats["prefill_probes"] == 0
-        assert known_rate(prefix) is None  # a 1-token forward is no sample
+        assert known_rate(prefix) is None  # a 2-token forward is no sample
         rate = sized_rate(prefix, ids, 60.0)  # 2, 4, ... 256 tokens: well within a minute
         stats = prefix.stats()
         assert rate and stats["prefill_probes"] == 1 and stats["prefill_samples"] == 1
