@@ -21,8 +21,10 @@ def test_sigterm_logs_the_blocks_and_bytes_its_flush_wrote(tmp_path):
     model = write_model_dir(tmp_path / "model", "llama")
     ssd, log = tmp_path / "ssd", tmp_path / "serve.log"
     # write-back: a block stays in RAM until it leaves the hot tier or the server stops, so the
-    # flush has blocks to write
-    argv = paged_argv(model, "--ssd-dir", str(ssd), "--write-policy", "write-back")
+    # flush has blocks to write; no tail's timer fires between the count below and the stop (on
+    # a loaded machine the default 10 s can pass there)
+    argv = paged_argv(model, "--ssd-dir", str(ssd), "--write-policy", "write-back",
+                      "--tail-write-delay-s", "600")
     with server(argv, log) as (client, proc, url):
         conversation(client, turns=2)
         deadline = time.monotonic() + 30   # the blocks evicted so far: written, not in flight
