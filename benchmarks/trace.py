@@ -247,7 +247,8 @@ def _wear(data: dict) -> list[dict]:
 def tables(data: dict) -> dict[str, str]:
     """``hits``: per capacity, the bounds and the documented order's simulation beside the RAM
     replay of the whole trace; ``tiers``: the same for the tiered replays' requests; ``orders``:
-    each order's hit ratio and its share of MIN; ``wear``: SSD writes and hits by setting."""
+    each order's hit ratio and its share of MIN; ``wear``: SSD writes and hits by setting;
+    ``cost``: the cache's own work per request by blocks held (trace_cost.py)."""
     figs = {f["name"]: f for f in data["figures"]}
     caps = data["capacities"]
 
@@ -283,4 +284,5 @@ def tables(data: dict) -> dict[str, str]:
                     f"{d['hit_ratio']:.3f} | "
                     f"{d['ram_hit_ratio']:.3f} | {d['ssd_hit_ratio']:.3f} |")
     return {"hits": hit_table(("ram",)), "tiers": hit_table(("ram+ssd", "remote")),
-            "orders": "\n".join(orders) + "\n", "wear": "\n".join(wear) + "\n"}
+            "orders": "\n".join(orders) + "\n", "wear": "\n".join(wear) + "\n",
+            "cost": trace_cost.cost_table(data["figures"])}

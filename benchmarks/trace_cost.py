@@ -295,3 +295,22 @@ def figures(ctx: Context, requests: Sequence[TraceRequest]) -> list[Figure]:
                               goal_op="<=", goal_on="measured",
                               meaning="open time / open time of an empty directory", **common))
     return out
+
+
+def cost_table(figures: Sequence[dict]) -> str:
+    """Per blocks held, each configuration's median (p99) cost per request and the median's
+    ratio to the one at the first mark, from the stored figures."""
+    figs = {f["name"]: f for f in figures}
+    marks = sorted({f["details"]["blocks_held"] for f in figures
+                    if f["name"].startswith("cost per request median")})
+    lines = ["| blocks held | " + " | ".join(f"`{c}`" for c in CONFIGS) + " |",
+             "|---" * (1 + len(CONFIGS)) + "|"]
+    for mark in marks:
+        cells = []
+        for config in CONFIGS:
+            got = figs.get(f"cost per request median, {config}, {mark:,} blocks held")
+            cells.append("" if got is None else
+                         f"{got['measured'] * 1e3:.2f} ms ({got['details']['p99_s'] * 1e3:.1f} ms)"
+                         f", {got['ratio']:.2f}x")
+        lines.append(f"| {mark:,} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
