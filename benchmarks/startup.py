@@ -15,6 +15,7 @@ listing of the same block directory, os.scandir of every fan-out directory.)
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -72,11 +73,13 @@ class Opened:
     open_s: float       # SSDTier() returned
     reconciled_s: float  # from the open's start until the pass had finished
     cpu_s: float        # CPU time of the process (every thread) over both
+    peak_bytes: int | None  # the process's peak RSS over both, above its RSS before (Linux)
     stats: dict
 
 
 def open_and_reconcile(root: Path) -> Opened:
     """Open an SSD tier on ``root``, wait for its reconciliation pass, close it."""
+    before = _reset_peak_rss()
     cpu, started = time.process_time(), time.perf_counter()
     tier = SSDTier(root, max_bytes=1 << 40)
     opened = time.perf_counter() - started
@@ -84,10 +87,31 @@ def open_and_reconcile(root: Path) -> Opened:
         assert tier.wait_reconciled(timeout=600), "the reconciliation pass did not finish"
         reconciled = time.perf_counter() - started
         cpu = time.process_time() - cpu
+        peak = None if before is None else _status_kib("VmHWM") * 1024 - before
         stats = tier.stats()
     finally:
         tier.close()
-    return Opened(opened, reconciled, cpu, stats)
+    return Opened(opened, reconciled, cpu, peak, stats)
+
+
+def _reset_peak_rss() -> int | None:
+    """Reset the process's peak RSS to its RSS now (Linux: /proc/self/clear_refs); that RSS in
+    bytes, or None where it cannot be reset."""
+    try:
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5\n")
+        return _status_kib("VmRSS") * 1024
+    except (OSError, ValueError):
+        return None
+
+
+def _status_kib(field: str) -> int:
+    """A kB figure of /proc/self/status (VmRSS, VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise ValueError(f"/proc/self/status has no {field}")
 
 
 def drop_caches(root: Path) -> str | None:
@@ -177,6 +201,8 @@ def run(ctx) -> dict:
                            measured=Timing.of([r.reconciled_s for r in runs]), baseline=listed,
                            meaning="open + background pass time / plain listing time (warm)",
                            cpu_seconds=[r.cpu_s for r in runs],
+                           peak_rss_bytes_per_block=[r.peak_bytes / blocks for r in runs
+                                                     if r.peak_bytes is not None],
                            pass_seconds=[r.stats["reconcile_seconds"] for r in runs], **common))
         notes.append(f"startup with {blocks} blocks{cache or ', warm page cache'}: open "
                      f"{opened.median * 1e3:.1f} ms median (goal <= 1 s: "
@@ -214,6 +240,8 @@ def main() -> None:
             "open_seconds_runs": [r.open_s for r in got["warm"]],
             "reconciled_seconds_runs": [r.reconciled_s for r in got["warm"]],
             "cpu_seconds_runs": [r.cpu_s for r in got["warm"]],
+            "peak_rss_bytes_per_block_runs": [r.peak_bytes / args.blocks for r in got["warm"]
+                                              if r.peak_bytes is not None],
             "cold_open_seconds_runs": [r.open_s for r in got["cold"]],
             "cold_reconciled_seconds_runs": [r.reconciled_s for r in got["cold"]],
             "cold_skipped": got["cold_skipped"],
