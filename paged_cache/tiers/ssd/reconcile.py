@@ -2,9 +2,10 @@
 
 Files without rows are adopted (header read), rows without files dropped, finished reservations
 of dead writers completed, temp files of dead writers and stray entries removed; no block payload
-is read. It goes one fan-out folder at a time, each folder's rows read before it is listed, so
-it can run while this and other processes use the directory: an open tier runs it on a
-background thread (``OpenManifest``), a reopen after damage on the calling thread.
+is read. It reads the rows first, then goes one fan-out folder at a time, and each change it
+makes checks the files again inside its transaction, so it can run while this and other
+processes use the directory: an open tier runs it on a background thread (``OpenManifest``), a
+reopen after damage on the calling thread.
 """
 
 from __future__ import annotations
