@@ -146,6 +146,7 @@ PAUSE_CHILD = textwrap.dedent("""
             print("paused", flush=True)
             threading.Event().wait()
     reconcile.Reconciliation._fan = halfway
+    reconcile.BATCH = 2  # rows adopted are committed every two, so some are before the kill
     tier = SSDTier(Path({root!r}), max_bytes=1 << 30)
     threading.Event().wait()
 """)

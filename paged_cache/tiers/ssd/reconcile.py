@@ -29,7 +29,7 @@ log = logging.getLogger("paged_cache.ssd")
 
 Count = Callable[[str, int], None]  # the tier's counter: count(name, n)
 FANS = tuple(f"{i:02x}" for i in range(256))  # the fan-out folder names
-DROP_BATCH = 1024  # rows without a file dropped per transaction
+BATCH = 1024  # rows adopted, or dropped for want of a file, per transaction
 
 
 class Reconciliation:
@@ -37,7 +37,7 @@ class Reconciliation:
 
     ``count`` receives the tier counters ``adopted``, ``rows_dropped``, ``damaged``,
     ``strays_removed``, ``temps_removed``; ``stop``, once set, ends the pass after the folder
-    being reconciled (each folder's changes are whole transactions)."""
+    being reconciled (the rows it adopted so far are inserted first)."""
 
     def __init__(self, manifest: Manifest, files: BlockFiles, count: Count,
                  stop: threading.Event | None = None) -> None:
@@ -46,6 +46,7 @@ class Reconciliation:
         self._blocks_fd = files.blocks_fd
         self._count = count
         self._stop = stop or threading.Event()
+        self._adopting: list[Row] = []  # rows of files found without one, inserted by BATCH
 
     def run(self) -> bool:
         """Reconcile every folder, then the rows left without a file, then ``tmp/``; False when
@@ -60,17 +61,19 @@ class Reconciliation:
         listed = self._fan_folders()
         for fan in FANS:
             if self._stop.is_set():
+                self._adopt_rows()
                 return False
             if fan in listed:
                 self._fan(self._scan_fan(fan), unseen, reserved)
+        self._adopt_rows()
         dead = [key for key, writer in reserved.items() if not writer_alive(*writer)]
         if dead:  # reservations of dead writers that left no file
             self._manifest.remove(dead, states=(RESERVED,))
         missing = list(unseen)
-        for start in range(0, len(missing), DROP_BATCH):
+        for start in range(0, len(missing), BATCH):
             if self._stop.is_set():
                 return False
-            self._manifest.apply(Deferred({}, set(missing[start:start + DROP_BATCH])),
+            self._manifest.apply(Deferred({}, set(missing[start:start + BATCH])),
                                  self._files.exists)
         self._count("rows_dropped", len(dead) + len(missing))
         self._clean_temps()
@@ -81,7 +84,7 @@ class Reconciliation:
         """One folder's files (``present``: their keys), taken out of ``unseen`` and, when
         reserved, out of ``reserved`` (writer, created): only the files without a complete row
         are looked at one by one."""
-        adopt, complete = [], []
+        complete = []
         for key in present - unseen:
             writer = reserved.pop(key, None)
             if writer is not None:
@@ -93,12 +96,20 @@ class Reconciliation:
                 continue
             row = self._adopt(key)
             if row is not None:
-                adopt.append(row)
+                self._adopting.append(row)
         unseen -= present
-        if adopt:
-            self._count("adopted", self._manifest.adopt(adopt, self._files.exists))
         if complete:
             self._manifest.mark_complete(complete)
+        if len(self._adopting) >= BATCH:
+            self._adopt_rows()
+
+    def _adopt_rows(self) -> None:
+        """Insert the rows of the files found without one, each only if its file is still there
+        then (one evicted meanwhile gets no row) and no row has its key (``adopted`` counts the
+        rows inserted: two processes reconciling at once adopt each file once)."""
+        if self._adopting:
+            self._count("adopted", self._manifest.adopt(self._adopting, self._files.exists))
+            self._adopting = []
 
     def _fan_folders(self) -> set[str]:
         """The fan-out folders under blocks/; anything else there is removed."""
