@@ -15,6 +15,7 @@ from pathlib import Path
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.ssd import reconcile
 from paged_cache.tiers.ssd.files import MANIFEST_NAME
+from paged_cache.tiers.ssd.manifest import ManifestReplaced
 from paged_cache.tiers.ssd.tier import SSDTier
 from helpers.blocks import block_files, same_block, stored_block
 
@@ -130,6 +131,32 @@ def test_close_stops_the_pass_and_the_next_open_finishes_it(tmp_path: Path, monk
     with _tier(root) as t:
         assert t.wait_reconciled(timeout=60)
         assert t.stats()["adopted"] == len(orphans) - adopted
+    _agreed(root, orphans + intact)
+
+
+def test_a_recovery_that_reopens_nothing_restarts_the_pass_it_stopped(tmp_path: Path,
+                                                                      monkeypatch) -> None:
+    """A manifest error on another thread stops the pass before a reopen; when the manifest
+    turns out to be usable (here: still the directory's), no reopen reconciles, so the pass
+    starts again and finishes."""
+    root = tmp_path / "c"
+    orphans, intact = list(range(0, 8)), list(range(8, 12))
+    _disagree(root, orphans + intact, orphans, [])
+    folder, held, stopped = reconcile.Reconciliation._fan, threading.Event(), []
+
+    def held_once_until_stopped(self, *args) -> None:
+        if not stopped:
+            held.set()
+            assert self._stop.wait(60), "the recovery never stopped the pass"
+            stopped.append(True)
+        folder(self, *args)
+
+    monkeypatch.setattr(reconcile.Reconciliation, "_fan", held_once_until_stopped)
+    with _tier(root) as t:
+        assert held.wait(60)
+        assert t._manifests.recover(ManifestReplaced("checked: still the directory's manifest"))
+        assert t.wait_reconciled(timeout=60) and stopped
+        assert t.stats()["adopted"] == len(orphans)
     _agreed(root, orphans + intact)
 
 

@@ -49,15 +49,14 @@ class OpenManifest:
         self._lock = threading.Lock()   # serializes reopening / rebuilding the manifest
         self.reconcile_seconds: float | None = None
         self._reconciled = threading.Event()  # set once the pass ended (done, failed or stopped)
-        self._stop = threading.Event()
+        self._closed = False
         self.current = self._open(reconcile=False)
         self._evict(self.current)  # a smaller budget than the directory holds: trimmed now
-        self._pass = threading.Thread(target=self._background, name="paged-cache-ssd-reconcile",
-                                      daemon=True)
-        self._pass.start()
+        self._start_pass()
 
     def close(self) -> None:
         """Stop the reconciliation pass (after the folder it is in) and close the manifest."""
+        self._closed = True
         self._stop_pass()
         self._reconciled.set()
         self.current.close()
@@ -68,22 +67,30 @@ class OpenManifest:
         self._reconciled.wait(timeout)
         return self.reconcile_seconds is not None
 
-    def _background(self) -> None:
-        """The pass started at open: reconcile every folder, then evict down to ``max_bytes``
-        again (what adoption added). A manifest error ends it: damage is recovered from (the reopen
-        reconciles), anything else is logged; the tier goes on serving either way."""
+    def _start_pass(self) -> None:
+        """Start the reconciliation pass on its own thread (``_stop_pass`` ends it)."""
+        self._stop = threading.Event()
+        self._pass = threading.Thread(target=self._background, args=(self._stop,),
+                                      name="paged-cache-ssd-reconcile", daemon=True)
+        self._pass.start()
+
+    def _background(self, stop: threading.Event) -> None:
+        """The pass: reconcile every folder, then evict down to ``max_bytes`` again (what
+        adoption added). A manifest error ends it: damage is recovered from (the reopen
+        reconciles), anything else is logged; the tier goes on serving either way. Stopped, it
+        leaves saying when reconciliation ended to whoever stopped it (``close``, ``recover``)."""
         started = time.perf_counter()
         manifest, ended = self.current, True
         try:
-            if Reconciliation(manifest, self._files, self._count, self._stop).run():
+            if Reconciliation(manifest, self._files, self._count, stop).run():
                 self._evict(manifest)  # what the adopted files added
                 self.reconcile_seconds = time.perf_counter() - started
             else:
-                ended = False  # stopped: whoever stopped it says when reconciliation ended
-        except (OSError, sqlite3.Error, ManifestError) as exc:
-            if self._stop.is_set() or self.recover(exc):
                 ended = False
-            else:
+        except (OSError, sqlite3.Error, ManifestError) as exc:
+            if stop.is_set():
+                ended = False
+            elif not (self.recover(exc) and self.reconcile_seconds is not None):
                 log.warning("reconciliation of %s stopped (%s): files without rows stay "
                             "unindexed until the next open", self.directory, exc)
         finally:
@@ -101,6 +108,14 @@ class OpenManifest:
         self._stop.set()
         if self._pass is not threading.current_thread():
             self._pass.join()
+
+    def _resume_pass(self, usable: bool) -> bool:
+        """After a recovery that reopened nothing: a pass it stopped before the end starts again
+        (unless it is the caller: it reports its error itself); returns ``usable``."""
+        if (self.reconcile_seconds is None and not self._closed
+                and self._pass is not threading.current_thread()):
+            self._start_pass()
+        return usable
 
     def _open(self, damaged: int | None = None, *, reconcile: bool = True) -> Manifest:
         """Open the manifest and, if ``reconcile``, reconcile it with the files (else the
@@ -175,20 +190,20 @@ class OpenManifest:
         damaged = is_damage(exc)
         if not damaged and not isinstance(exc, ManifestReplaced):
             return False
-        self._stop_pass()  # the reopen reconciles: the pass must not go on with the old manifest
+        self._stop_pass()  # a reopen reconciles: the pass must not go on with the old manifest
         with self._lock:
             old = self.current
             try:  # the error may be from a manifest another thread has replaced meanwhile
                 if damaged and old.find_damage() is None:
-                    return True
+                    return self._resume_pass(True)
                 if not damaged:
                     old.check_current()
-                    return True
+                    return self._resume_pass(True)
             except ManifestReplaced:
                 pass
             except sqlite3.Error as again:
                 log.warning("manifest could not be checked (%s)", again)
-                return False
+                return self._resume_pass(False)
             if damaged:
                 self._rebuilding(exc)
             old.close()

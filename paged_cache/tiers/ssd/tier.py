@@ -594,4 +594,3 @@ _COUNTERS = ("hits", "misses", "pending_hits", "damaged", "read_errors", "writes
              "write_errors", "write_drops", "write_on_caller", "write_too_large", "write_budget_full",
              "evictions", "evicted_bytes", "adopted", "rows_dropped", "temps_removed",
              "strays_removed", "unlink_errors", "deferred_errors", "manifest_rebuilds")
-
