@@ -47,11 +47,13 @@ def _totals(root: Path) -> tuple[int, int]:
 
 def _disagree(root: Path, labels: list, orphans: list, lost: list) -> None:
     """Store ``labels``, then make the directory disagree with its manifest: the rows of
-    ``orphans`` deleted (files without rows), the files of ``lost`` deleted (rows without files)."""
+    ``orphans`` deleted (files without rows), the files of ``lost`` deleted (rows without
+    files)."""
     _write(root, labels)
     files = block_files(root)
     with sqlite3.connect(root / MANIFEST_NAME) as db:
-        db.executemany("DELETE FROM blocks WHERE key = ?", [(stored_block(i).key,) for i in orphans])
+        db.executemany("DELETE FROM blocks WHERE key = ?",
+                       [(stored_block(i).key,) for i in orphans])
     for label in lost:
         files[stored_block(label).key].unlink()
 

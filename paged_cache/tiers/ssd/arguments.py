@@ -20,7 +20,8 @@ def check_arguments(max_bytes: int, queue_max_bytes: int, compression: str,
 def check_size(name: str, value: int, *, minimum: int) -> None:
     """``value`` must be an integer number of bytes (not a bool) of at least ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}: expected an integer number of bytes >= {minimum}, got {value!r}")
+        raise ValueError(f"{name}: expected an integer number of bytes >= {minimum}, "
+                         f"got {value!r}")
 
 
 def _check_choice(name: str, value: str, choices: Sequence[str]) -> None:
