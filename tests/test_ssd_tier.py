@@ -293,6 +293,7 @@ def test_reconcile_orphans_missing_files_temps_and_strays(tmp_path: Path) -> Non
     (root / "blocks" / "zz").write_bytes(b"stray")
     (root / "blocks" / blocks[3].key[:2] / "notes.txt").write_bytes(b"stray")
     with tier(root) as t:
+        assert t.wait_reconciled(timeout=60)  # the pass started at open
         stats = t.stats()
         assert stats["adopted"] == 1 and stats["rows_dropped"] == 1
         assert stats["temps_removed"] == 1 and stats["strays_removed"] == 2
@@ -312,6 +313,7 @@ def test_corrupt_manifest_is_rebuilt_from_files(tmp_path: Path) -> None:
             put(t, b)
     (root / MANIFEST_NAME).write_bytes(b"this is not a database" * 100)
     with tier(root) as t:
+        assert t.wait_reconciled(timeout=60)
         assert t.stats()["adopted"] == 3
         assert all(same_block(t.read_file(b.key), b) for b in blocks)
 
@@ -418,6 +420,7 @@ def test_sigkill_while_writing_never_serves_a_partial_block(tmp_path: Path, long
         child.wait()
         child.stdout.close()
         with tier(root, max_bytes=budget) as t:
+            assert t.wait_reconciled(timeout=60)
             assert list((root / "tmp").iterdir()) == []  # no temp file survives reopening
             files = block_files(root)
             assert set(files) == manifest_keys(root)

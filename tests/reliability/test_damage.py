@@ -70,6 +70,7 @@ def test_damaged_files_are_counted_misses(tmp_path: Path, long_run: bool, record
             _drop_row(root, victim.key)
         if mode != "open":
             manager = new_manager(root, **SMALL | dict(**opts, compression=rng.choice(["none", "lz4"])))
+            assert manager.tier("ssd").wait_reconciled(timeout=60)  # an unindexed file: adopted?
         before = manager.stats()["ssd"]["damaged"] if mode == "open" else 0
 
         hurt = [victim, other] if kind == "swapped_names" else [victim]

@@ -47,6 +47,7 @@ def test_sigkill_at_random_moments(tmp_path: Path, long_run: bool, record) -> No
         with new_manager(root, **SMALL | dict(ssd_max_bytes=BUDGET)) as manager:
             open_times.append(time.perf_counter() - t0)
             assert open_times[-1] < STARTUP_BOUND_S
+            assert manager.tier("ssd").wait_reconciled(timeout=60)  # the pass after the open
             files = audit(root, BUDGET).files     # no temp file, rows == files, totals, budget
             last = max(done, default=start - 1) + 1  # the child may have put one unprinted block
             ever.update(key_of(i) for i in range(start, last + 1))

@@ -76,6 +76,7 @@ def _reopened(tmp_path: Path, blocks: list[Block], tag: str, n: int) -> tuple[li
     block reads back exactly, then ``n`` new blocks are written and flushed. Returns the new blocks
     and the manager's stats after the flush."""
     with new_manager(tmp_path, **SMALL) as manager:
+        assert manager.tier("ssd").wait_reconciled(timeout=60)  # damage it read: rebuilt first
         assert all(same_block(manager.get(b.key), b) for b in blocks)
         more = [random_block(key_of(i, tag)) for i in range(n)]
         for block in more:

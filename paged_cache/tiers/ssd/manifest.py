@@ -335,12 +335,14 @@ class Manifest:
             self._db.executemany(f"DELETE FROM blocks WHERE key = ? AND state IN ({marks})",
                                  [(k, *states) for k in keys])
 
-    def adopt(self, rows: Iterable[Row]) -> None:
-        """Insert rows for complete files found on disk (kept if a row already exists)."""
+    def adopt(self, rows: Iterable[Row], file_exists: Callable[[str], bool] | None = None) -> int:
+        """Insert rows for complete files found on disk (kept if a row already exists; with
+        ``file_exists``, only for files still there inside the transaction); the rows inserted."""
         with self._txn():
-            self._db.executemany(f"INSERT INTO blocks({','.join(_COLUMNS)}) VALUES "
-                                 f"({','.join('?' * len(_COLUMNS))}) ON CONFLICT(key) DO NOTHING",
-                                 [_values(r) for r in rows])
+            return self._db.executemany(
+                f"INSERT INTO blocks({','.join(_COLUMNS)}) VALUES "
+                f"({','.join('?' * len(_COLUMNS))}) ON CONFLICT(key) DO NOTHING",
+                [_values(r) for r in rows if file_exists is None or file_exists(r.key)]).rowcount
 
     def mark_complete(self, keys: Iterable[str]) -> None:
         """Turn reservations of dead writers whose file was renamed into complete rows."""

@@ -1,6 +1,7 @@
-"""The manifest an SSD tier works on: opened (waiting for another process's write lock,
-reconciled with the block files, evicted down to the budget at startup, rebuilt from the files
-when damaged) and reopened after damage or another process's rebuild (``recover``)."""
+"""The manifest an SSD tier works on: opened (waiting for another process's write lock, rebuilt
+from the files when damaged), reconciled with the block files and evicted down to the budget by
+a background pass that starts at open, and reopened after damage or another process's rebuild
+(``recover``, which reconciles on the calling thread)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from paged_cache.tiers.ssd.files import (MANIFEST_FILES, MANIFEST_NAME, create_m
 from paged_cache.tiers.ssd.manifest import (BUSY_TIMEOUT_SECONDS, Manifest, ManifestBusy,
                                             ManifestDamaged, ManifestError, ManifestReplaced,
                                             is_damage)
-from paged_cache.tiers.ssd.reconcile import reconcile
+from paged_cache.tiers.ssd.reconcile import Reconciliation
 
 log = logging.getLogger("paged_cache.ssd")
 
@@ -28,9 +29,10 @@ OPEN_WAIT_SECONDS = 120.0  # how long open waits for another process's write loc
 
 class OpenManifest:
     """The SSD tier's manifest (``current``), kept usable: see module doc. ``count`` counts the
-    tier's events, ``count_evicted`` the blocks evicted at open, ``on_reopen`` runs after a
+    tier's events, ``count_evicted`` the blocks evicted by the pass, ``on_reopen`` runs after a
     reopen (the reconciliation adopted every renamed file); ``busy_timeout_s``: how long one
-    statement waits for another process's write lock."""
+    statement waits for another process's write lock. ``reconcile_seconds``: how long the pass
+    took, None until it has finished (``wait_reconciled``)."""
 
     def __init__(self, files: BlockFiles, *, max_bytes: int, count: Callable[..., None],
                  count_evicted: Callable[[list[tuple[str, int]]], None],
@@ -45,15 +47,79 @@ class OpenManifest:
         self._on_reopen = on_reopen
         self._busy_timeout_s = busy_timeout_s
         self._lock = threading.Lock()   # serializes reopening / rebuilding the manifest
-        self.current = self._open(evict=True)
+        self.reconcile_seconds: float | None = None
+        self._reconciled = threading.Event()  # set once the pass ended (done, failed or stopped)
+        self._closed = False
+        self.current = self._open(reconcile=False)
+        self._evict(self.current)  # a smaller budget than the directory holds: trimmed now
+        self._start_pass()
 
     def close(self) -> None:
-        """Close the manifest."""
+        """Stop the reconciliation pass (after the folder it is in) and close the manifest."""
+        self._closed = True
+        self._stop_pass()
+        self._reconciled.set()
         self.current.close()
 
-    def _open(self, damaged: int | None = None, *, evict: bool = False) -> Manifest:
-        """Open the manifest and reconcile it with the files (then evict down to ``max_bytes`` if
-        ``evict``), waiting up to OPEN_WAIT_SECONDS for another process's write lock.
+    def wait_reconciled(self, timeout: float | None = None) -> bool:
+        """Wait until the reconciliation pass has ended; True when it finished (False: stopped by
+        ``close``, failed, or still running after ``timeout`` seconds)."""
+        self._reconciled.wait(timeout)
+        return self.reconcile_seconds is not None
+
+    def _start_pass(self) -> None:
+        """Start the reconciliation pass on its own thread (``_stop_pass`` ends it)."""
+        self._stop = threading.Event()
+        self._pass = threading.Thread(target=self._background, args=(self._stop,),
+                                      name="paged-cache-ssd-reconcile", daemon=True)
+        self._pass.start()
+
+    def _background(self, stop: threading.Event) -> None:
+        """The pass: reconcile every folder, then evict down to ``max_bytes`` again (what
+        adoption added). A manifest error ends it: damage is recovered from (the reopen
+        reconciles), anything else is logged; the tier goes on serving either way. Stopped, it
+        leaves saying when reconciliation ended to whoever stopped it (``close``, ``recover``)."""
+        started = time.perf_counter()
+        manifest, ended = self.current, True
+        try:
+            if Reconciliation(manifest, self._files, self._count, stop).run():
+                self._evict(manifest)  # what the adopted files added
+                self.reconcile_seconds = time.perf_counter() - started
+            else:
+                ended = False
+        except (OSError, sqlite3.Error, ManifestError) as exc:
+            if stop.is_set():
+                ended = False
+            elif not (self.recover(exc) and self.reconcile_seconds is not None):
+                log.warning("reconciliation of %s stopped (%s): files without rows stay "
+                            "unindexed until the next open", self.directory, exc)
+        finally:
+            if ended:
+                self._reconciled.set()
+
+    def _evict(self, manifest: Manifest) -> None:
+        """Evict down to ``max_bytes`` (nothing to do unless over it)."""
+        self._count_evicted(manifest.evict_to(self.max_bytes, self._files.remove,
+                                              self._files.exists))
+
+    def _stop_pass(self) -> None:
+        """End the background pass (after the folder it is in) and wait for it, unless called
+        from it."""
+        self._stop.set()
+        if self._pass is not threading.current_thread():
+            self._pass.join()
+
+    def _resume_pass(self, usable: bool) -> bool:
+        """After a recovery that reopened nothing: a pass it stopped before the end starts again
+        (unless it is the caller: it reports its error itself); returns ``usable``."""
+        if (self.reconcile_seconds is None and not self._closed
+                and self._pass is not threading.current_thread()):
+            self._start_pass()
+        return usable
+
+    def _open(self, damaged: int | None = None, *, reconcile: bool = True) -> Manifest:
+        """Open the manifest and, if ``reconcile``, reconcile it with the files (else the
+        background pass does), waiting up to OPEN_WAIT_SECONDS for another process's write lock.
 
         Only damage (found opening or reconciling; ``damaged``: the inode of a manifest found
         damaged before) leads to a rebuild from the block files: a lock is waited for, then
@@ -83,11 +149,10 @@ class OpenManifest:
                 damaged = exc.inode
                 continue
             try:
-                reconcile(manifest, self._files.blocks_fd, self._files.tmp_fd,
-                          compressions=self._files.compression_order(), count=self._count)
-                if evict:
-                    self._count_evicted(manifest.evict_to(self.max_bytes, self._files.remove,
-                                                          self._files.exists))
+                started = time.perf_counter()
+                if reconcile:
+                    Reconciliation(manifest, self._files, self._count).run()
+                    self.reconcile_seconds = time.perf_counter() - started
             except BaseException as exc:
                 manifest.close()
                 if not is_damage(exc) or rebuilt:
@@ -125,19 +190,20 @@ class OpenManifest:
         damaged = is_damage(exc)
         if not damaged and not isinstance(exc, ManifestReplaced):
             return False
+        self._stop_pass()  # a reopen reconciles: the pass must not go on with the old manifest
         with self._lock:
             old = self.current
             try:  # the error may be from a manifest another thread has replaced meanwhile
                 if damaged and old.find_damage() is None:
-                    return True
+                    return self._resume_pass(True)
                 if not damaged:
                     old.check_current()
-                    return True
+                    return self._resume_pass(True)
             except ManifestReplaced:
                 pass
             except sqlite3.Error as again:
                 log.warning("manifest could not be checked (%s)", again)
-                return False
+                return self._resume_pass(False)
             if damaged:
                 self._rebuilding(exc)
             old.close()
@@ -146,6 +212,8 @@ class OpenManifest:
             except (OSError, sqlite3.Error, ManifestError) as again:
                 log.warning("manifest could not be reopened (%s); SSD writes fail until it can", again)
                 return False
+            finally:
+                self._reconciled.set()
             self._on_reopen()  # renamed files were adopted by the reconciliation
             return True
 

@@ -12,7 +12,8 @@ applies); the tier is a context manager; ``stats()`` keys are listed in docs/fil
 Layout under ``directory`` (0700, files 0600): ``manifest.sqlite`` (+ WAL), ``blocks/<k[:2]>/<key>
 .safetensors[.lz4]``, ``tmp/`` (files being written; renamed into ``blocks/`` once complete).
 Its parts, beside it in tiers/ssd/: the block files and their damage (``block_files``), the
-manifest (``manifest``), its open and recovery (``manifest_open``, ``reconcile``), the updates kept
+manifest (``manifest``), its open, recovery and reconciliation with the files (``manifest_open``,
+``reconcile``: a background pass, ``wait_reconciled``), the updates kept
 for its next transaction (``deferred``), file helpers (``files``); the queue is tiers/write_queue.
 """
 
@@ -28,10 +29,11 @@ from pathlib import Path
 from typing import AbstractSet, Any, Sequence
 
 from paged_cache.block import Block, check_key
-from paged_cache.config import QUEUE_DEFAULT, QUEUE_FULL_POLICIES
+from paged_cache.config import QUEUE_DEFAULT
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.base import Tier
 from paged_cache.tiers.route import Route
+from paged_cache.tiers.ssd.arguments import check_arguments, check_size
 from paged_cache.tiers.ssd.block_files import BlockFiles
 from paged_cache.tiers.ssd.deferred import DeferredUpdates
 from paged_cache.tiers.ssd.direct import StoredBlock
@@ -61,13 +63,7 @@ class SSDTier(WriteBehind, Tier):
     def __init__(self, directory: Path, *, max_bytes: int, compression: str = "none",
                  queue_max_bytes: int = QUEUE_DEFAULT, queue_full_policy: str = "skip",
                  writes_new: bool = True, busy_timeout_s: float = BUSY_TIMEOUT_SECONDS) -> None:
-        _check_size("max_bytes", max_bytes, minimum=1)
-        _check_size("queue_max_bytes", queue_max_bytes, minimum=0)
-        if compression not in fmt.COMPRESSIONS:
-            raise ValueError(f"compression: expected one of {fmt.COMPRESSIONS}, got {compression!r}")
-        if queue_full_policy not in QUEUE_FULL_POLICIES:
-            raise ValueError(f"queue_full_policy: expected one of {QUEUE_FULL_POLICIES}, "
-                             f"got {queue_full_policy!r}")
+        check_arguments(max_bytes, queue_max_bytes, compression, queue_full_policy)
         started = time.perf_counter()
         super().__init__(queue_max_bytes, "paged-cache-ssd-writer")
         self.directory = Path(directory)
@@ -101,6 +97,10 @@ class SSDTier(WriteBehind, Tier):
         LIVE_WRITERS.add(self._writer_id)
         self._start_writer()
 
+    def wait_reconciled(self, timeout: float | None = None) -> bool:
+        """Wait for the reconciliation pass started at open (OpenManifest.wait_reconciled)."""
+        return self._manifests.wait_reconciled(timeout)
+
     @property
     def max_bytes(self) -> int:
         """The byte budget (the manager may set it once open: ``ssd_max_bytes="auto"``)."""
@@ -108,7 +108,7 @@ class SSDTier(WriteBehind, Tier):
 
     @max_bytes.setter
     def max_bytes(self, value: int) -> None:
-        _check_size("max_bytes", value, minimum=1)
+        check_size("max_bytes", value, minimum=1)
         self._max_bytes = self._files.max_bytes = value
 
     @property
@@ -273,7 +273,7 @@ class SSDTier(WriteBehind, Tier):
 
     # stats(): levels; the _COUNTERS accumulate since open (compression, a string, is not a number)
     STAT_GAUGES = frozenset({"queue_bytes", "queue_blocks", "blocks", "bytes", "manifest_bytes",
-                             "max_bytes", "queue_max_bytes", "open_seconds"})
+                             "max_bytes", "queue_max_bytes", "open_seconds", "reconcile_seconds"})
 
     def stats(self) -> dict[str, Any]:
         """Counters and gauges: blocks, bytes, queue bytes, writes, drops, errors, damage, evictions."""
@@ -288,6 +288,7 @@ class SSDTier(WriteBehind, Tier):
         out["bytes_written"] = out["write_bytes"] + out["manifest_write_bytes"]
         out.update(max_bytes=self.max_bytes, queue_max_bytes=self.queue_max_bytes,
                    compression=self.compression, open_seconds=self.open_seconds,
+                   reconcile_seconds=self._manifests.reconcile_seconds,
                    chain_lookups=self._manifest.queries)
         return out
 
@@ -591,8 +592,3 @@ _COUNTERS = ("hits", "misses", "pending_hits", "damaged", "read_errors", "writes
              "write_errors", "write_drops", "write_on_caller", "write_too_large", "write_budget_full",
              "evictions", "evicted_bytes", "adopted", "rows_dropped", "temps_removed",
              "strays_removed", "unlink_errors", "deferred_errors", "manifest_rebuilds")
-
-
-def _check_size(name: str, value: int, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}: expected an integer number of bytes >= {minimum}, got {value!r}")
