@@ -141,8 +141,8 @@ def run(ctx: Context) -> dict:
     figures = _hit_figures(results, bounds, whole, tiered)
     figures += _order_figures(orders, bounds[whole])
     figures += _wear_figures(results)
-    stream = load(limit=tiered)
-    figures += trace_cost.figures(ctx, stream) + trace_remote.figures(ctx, stream)
+    figures += trace_cost.figures(ctx, load(limit=whole))   # the blocks held grow to 300k+
+    figures += trace_remote.figures(ctx, load(limit=tiered))
     for f in figures:
         print(f"   {f.name}: {f.measured:.4f} ({f.ratio:.3g}x)", flush=True)
     return dict(figures=figures, trace=str(trace_path().name), requests_in_trace=everything,
