@@ -18,8 +18,9 @@ from typing import Any, Callable
 from paged_cache.block import Block, check_key, is_key
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.ssd.direct import StoredBlock, StoredTensor
-from paged_cache.tiers.ssd.files import (DIR_FLAGS, READ_FLAGS, CacheDirError, file_compression,
-                                         drain, open_cache_root, open_private_dir, read_exact)
+from paged_cache.tiers.ssd.files import (DIR_FLAGS, PLANTED, READ_FLAGS, CacheDirError,
+                                         drain, file_compression, open_cache_root,
+                                         open_private_dir, raise_open_files_limit, read_exact)
 
 log = logging.getLogger("paged_cache.ssd")
 
@@ -35,6 +36,7 @@ class BlockFiles:
         self.compression = compression
         self._count = count
         self._forget = forget
+        raise_open_files_limit()  # a fetch holds one open file per SSD block it restores
         self.root_fd = open_cache_root(self.directory)
         self.blocks_fd = self.tmp_fd = -1
         try:
@@ -72,7 +74,10 @@ class BlockFiles:
         ``missing(key)`` when it has none (default ``_missing``)."""
         check_key(key)
         missing = missing or self._missing
-        fan_fd = self.open_fan(key, create=False)
+        try:
+            fan_fd = self.open_fan(key, create=False)
+        except OSError as exc:  # out of descriptors, an I/O error: nothing is known of the file
+            return self._read_error(key, exc)
         if fan_fd is None:
             missing(key)
             return None
@@ -83,14 +88,24 @@ class BlockFiles:
                     fd = os.open(name, READ_FLAGS, dir_fd=fan_fd)
                 except FileNotFoundError:
                     continue
-                except OSError as exc:  # ELOOP: a symlink planted under our name
-                    self._damaged(fan_fd, name, None, f"cannot open safely: {exc.strerror}", key)
-                    return None
+                except OSError as exc:
+                    if exc.errno in PLANTED:  # a symlink, fifo or directory under our name
+                        self._damaged(fan_fd, name, None, f"cannot open safely: {exc.strerror}",
+                                      key)
+                        return None
+                    return self._read_error(key, exc)  # the file is kept: it may be whole
                 return use(fan_fd, fd, name, key)
         finally:
             os.close(fan_fd)
         missing(key)
         return None
+
+    def _read_error(self, key: str, exc: OSError) -> None:
+        """A read that could not open the block's file for a reason that says nothing of the
+        file (EMFILE: the process's descriptors are all in use; EIO, EACCES): a counted miss,
+        the file and its row kept."""
+        self._count("read_errors")
+        log.warning("block %s: read failed: %s", key[:16], exc)
 
     def _missing(self, key: str) -> None:
         """A read found no file: counted, and a row the manifest may still have for it (a file
@@ -107,9 +122,7 @@ class BlockFiles:
             if reason is None:
                 data = read_exact(fd, st.st_size)
         except OSError as exc:
-            self._count("read_errors")
-            log.warning("block %s: read failed: %s", key[:16], exc)
-            return None
+            return self._read_error(key, exc)
         finally:
             os.close(fd)
         if reason is None:
@@ -136,9 +149,7 @@ class BlockFiles:
                            else (lambda off, n: os.pread(fd, n, off)))
         except OSError as exc:
             os.close(fd)
-            self._count("read_errors")
-            log.warning("block %s: read failed: %s", key[:16], exc)
-            return None
+            return self._read_error(key, exc)
         if reason is None:
             try:
                 header = fmt.read_header_only(read_at, st.st_size,

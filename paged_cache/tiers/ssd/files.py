@@ -6,9 +6,11 @@ tools, so every one of them names, opens and judges files the same way.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
+import resource
 import stat
 
 from paged_cache.tiers import format as fmt
@@ -21,6 +23,9 @@ MANIFEST_FILES = (MANIFEST_NAME, MANIFEST_NAME + "-wal", MANIFEST_NAME + "-shm")
 STALE_SECONDS = 3600.0     # a temp file / reservation this old is abandoned even if its pid lives
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+# what opening with READ_FLAGS fails with when something not a file was planted under a block's
+# name (a symlink: ELOOP, EMLINK on BSDs; a socket: ENXIO); any other error says nothing of it
+PLANTED = frozenset({errno.ELOOP, errno.EMLINK, errno.ENXIO, errno.EISDIR})
 SUFFIX_TO_COMPRESSION = {suffix: comp for comp, suffix in fmt.SUFFIXES.items()}
 def file_compression(blocks_fd: int, key: str, order: tuple[str, ...]) -> str | None:
     """The compression of the block's regular file under blocks/ if one exists, trying ``order``
@@ -183,3 +188,23 @@ def writer_alive(writer: str, created: float) -> bool:
     if int(pid) == os.getpid():
         return writer in LIVE_WRITERS
     return pid_alive(int(pid))
+
+
+OPEN_FILES = 8192  # descriptors a process with an SSD tier asks for (the soft limit, if lower)
+
+
+def raise_open_files_limit(want: int = OPEN_FILES) -> int:
+    """Raise the process's soft limit on open files to ``want`` (at most its hard limit) and
+    return the limit now. A fetch reads each SSD block of a prompt in place from its own open
+    file, all at once (a 128k-token prompt of 256-token blocks: 512 files), and macOS starts a
+    process at 256; a read refused for want of descriptors is a counted miss, never damage."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            log.debug("open files limit raised from %d to %d", soft, target)
+            return target
+        except (ValueError, OSError) as exc:  # macOS: above kern.maxfilesperproc
+            log.debug("open files limit left at %d: %s", soft, exc)
+    return soft
