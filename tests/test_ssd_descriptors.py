@@ -62,3 +62,35 @@ def test_a_read_out_of_descriptors_is_a_miss_and_the_file_stays(tmp_path: Path) 
     assert got["read_errors"] > 0  # some reads found no descriptor...
     assert got["damaged"] == 0  # ...and none was taken for damage
     assert got["files"] == 40 and got["again"] == 40  # every block file is still there
+
+
+def test_a_block_dropped_unread_closes_its_file_at_once(tmp_path: Path) -> None:
+    """A block read in place and dropped before its payload is read (a fetch that gave up)
+    releases its open file when the last reference goes, not at the garbage collector's next
+    full pass (no reference cycle between a block and its tensors)."""
+    import gc
+    import os
+
+    import mlx.core as mx
+
+    from paged_cache import CacheConfig, PagedSSDCacheManager
+    from paged_cache.block import Block
+    from paged_cache.hashing import block_key
+
+    config = CacheConfig(block_size=4, hot_cache_max_bytes="1KiB", ssd_dir=tmp_path,
+                         ssd_max_bytes="64MiB")
+    gc.disable()
+    try:
+        with PagedSSDCacheManager(config) as manager:
+            keys = [block_key("f" * 64, "", "", [i]) for i in range(30)]
+            for key in keys:
+                assert manager.put(Block(key, {"kv": mx.zeros((4096,), dtype=mx.uint8)}))
+            manager.flush()
+            before = len(os.listdir("/proc/self/fd"))
+            for key in keys:
+                stored = manager.get(key, take=True, in_place=True)
+                assert stored is not None and stored.fd >= 0
+                del stored
+            assert len(os.listdir("/proc/self/fd")) <= before
+    finally:
+        gc.enable()

@@ -12,6 +12,7 @@ import errno
 import logging
 import os
 import stat
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -166,7 +167,7 @@ class BlockFiles:
                             header.meta.get(fmt.META_CHECKSUM, ""),
                             lambda why: self._damaged_later(key, name, st.st_ino, why),
                             compressed=whole)
-        block.arrays = {n: StoredTensor(block, dtype, shape, begin)
+        block.arrays = {n: StoredTensor(weakref.ref(block), dtype, shape, begin)
                         for n, dtype, shape, begin, _ in header.tensors}
         return block
 

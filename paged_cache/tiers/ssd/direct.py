@@ -21,6 +21,7 @@ import contextlib
 import math
 import os
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -65,12 +66,22 @@ _READ_AHEAD = _ReadAhead()
 
 @dataclass
 class StoredTensor:
-    """One tensor of a block file, not read yet: where its bytes lie in the data section."""
+    """One tensor of a block file, not read yet: where its bytes lie in the data section. It
+    refers to its file weakly: the block holds its tensors, and a reference back would make a
+    cycle that keeps a block dropped unread (and its open file) until a full collection."""
 
-    file: "StoredBlock"
+    ref: "weakref.ReferenceType[StoredBlock]"
     kind: fmt.DType
     shape: tuple[int, ...]
     begin: int
+
+    @property
+    def file(self) -> "StoredBlock":
+        """The block file (whoever reads the tensor holds it)."""
+        block = self.ref()
+        if block is None:
+            raise RuntimeError("a stored tensor used after its block file was released")
+        return block
 
     @property
     def dtype(self) -> Any:
