@@ -247,8 +247,7 @@ def _wear(data: dict) -> list[dict]:
 def tables(data: dict) -> dict[str, str]:
     """``hits``: per capacity, the bounds and the documented order's simulation beside the RAM
     replay of the whole trace; ``tiers``: the same for the tiered replays' requests; ``orders``:
-    each order's hit ratio and its share of MIN; ``wear``: SSD writes and hits by setting;
-    ``cost``: the cache's own work per request by blocks held (trace_cost.py)."""
+    each order's hit ratio and its share of MIN; ``wear``: SSD writes and hits by setting."""
     figs = {f["name"]: f for f in data["figures"]}
     caps = data["capacities"]
 
@@ -284,5 +283,4 @@ def tables(data: dict) -> dict[str, str]:
                     f"{d['hit_ratio']:.3f} | "
                     f"{d['ram_hit_ratio']:.3f} | {d['ssd_hit_ratio']:.3f} |")
     return {"hits": hit_table(("ram",)), "tiers": hit_table(("ram+ssd", "remote")),
-            "orders": "\n".join(orders) + "\n", "wear": "\n".join(wear) + "\n",
-            "cost": trace_cost.cost_table(data["figures"])}
+            "orders": "\n".join(orders) + "\n", "wear": "\n".join(wear) + "\n"}

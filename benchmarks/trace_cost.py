@@ -299,9 +299,11 @@ def figures(ctx: Context, requests: Sequence[TraceRequest]) -> list[Figure]:
     return out
 
 
-def cost_table(figures: Sequence[dict]) -> str:
-    """Per blocks held, each configuration's median (p99) cost per request and the median's
-    ratio to the one at the first mark, from the stored figures."""
+def tables(data: dict) -> dict[str, str]:
+    """``cost``: per blocks held, each configuration's median (p99) cost per request and the
+    median's ratio to the one at the first mark, from a stored run (``trace`` family figures,
+    kept apart in results/trace_cost.json when the replays ran on their own)."""
+    figures = data["figures"]
     figs = {f["name"]: f for f in figures}
     marks = sorted({f["details"]["blocks_held"] for f in figures
                     if f["name"].startswith("cost per request median")})
@@ -315,4 +317,4 @@ def cost_table(figures: Sequence[dict]) -> str:
                          f"{got['measured'] * 1e3:.2f} ms ({got['details']['p99_s'] * 1e3:.1f} ms)"
                          f", {got['ratio']:.2f}x")
         lines.append(f"| {mark:,} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return {"cost": "\n".join(lines) + "\n"}
