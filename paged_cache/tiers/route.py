@@ -193,12 +193,28 @@ class ChildIndex:
 
 def select(entries: list[tuple[bytes, str]], request: bytes) -> set[int]:
     """Indices of the ``entries`` (sorted (ids, key)) a lookup with ``request`` lists
-    (``keep``), the prefixes found by a walk over them."""
+    (``keep``), the prefixes found by a walk over them: ordered look-ups and the entries next to
+    the request's tokens, never a pass over every entry."""
+    def first_at(ids: bytes) -> int:
+        return bisect.bisect_left(entries, ids, key=lambda e: e[0])
+
     def below(q: bytes) -> bytes | None:
         i = bisect.bisect_right(entries, q, key=lambda e: e[0]) - 1
         return entries[i][0] if i >= 0 else None
 
-    return keep(entries, request, set(prefix_walk(request, below)))
+    prefixes = set(prefix_walk(request, below))
+    at = first_at(request)
+    hi = at
+    while hi < len(entries) and entries[hi][0] == request:
+        hi += 1   # the request's very tokens, then one past them (keep's nearest other)
+    near = set(range(max(0, at - NEIGHBORS), min(len(entries), max(at + NEIGHBORS, hi + 1))))
+    for ids in prefixes:
+        i = first_at(ids)
+        while i < len(entries) and entries[i][0] == ids:
+            near.add(i)
+            i += 1
+    window = sorted(near)
+    return {window[j] for j in keep([entries[i] for i in window], request, prefixes)}
 
 
 def keep(entries: Sequence[tuple[bytes | None, str]], request: bytes,
