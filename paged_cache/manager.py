@@ -532,8 +532,9 @@ class PagedSSDCacheManager:
         parent's children come in key order. ``skip``: names of shared tiers not asked (the
         fetch plan would read none of their nodes: fetch_plan.unread_tiers). ``tokens``: the
         request's token ids (the keys' blocks, then any partial block): a parent's children are
-        then those starting with the request's token there and at most one other per tier
-        (tiers/route.py), so a lookup's cost does not grow with a parent's children."""
+        then only those a fetch or store can use there (prefixes of the request's tokens, the
+        few sharing most of them, a witness: tiers/route.py), so a lookup's cost does not grow
+        with a parent's children."""
         keys = checked_keys(keys)
         parents = [ROOT_PARENT, *keys]
         route = None if tokens is None else route_of(parents, tokens, self.config.block_size)

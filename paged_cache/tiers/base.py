@@ -50,8 +50,8 @@ class Tier:
                  route: Route | None = None) -> list[NodeRow]:
         """The node rows of the blocks held here whose parent is one of ``parents`` and whose
         model is ``fingerprint``, in one lookup whatever the number of parents. With ``route``
-        (the request's token id where each parent's children start: tiers/route.py), per
-        routed parent only the children starting with that token and at most one other."""
+        (the request's tokens where each parent's children start: tiers/route.py), per routed
+        parent only the children a fetch or store can use there (route.py's module doc)."""
         raise NotImplementedError
 
     def read(self, key: str, *, in_place: bool = False,

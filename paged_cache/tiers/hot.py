@@ -75,7 +75,7 @@ class HotTier(Tier):
         self._tick = 0                     # uses so far: the last use of each block
         self._order = order()              # leaves first, least recently used first (by default)
         self._ghosts: OrderedDict[str, str] = OrderedDict()   # left key -> its (held) ancestor
-        self._children = ChildIndex()   # meta parent, first token id -> held keys (lookups)
+        self._children = ChildIndex()   # held keys by meta parent, in token order (lookups)
         self._lock = lock if lock is not None else threading.RLock()
         self._unreleased = 0   # evicted bytes since the last mx.clear_cache()
         self._clear_threshold = clear_cache_bytes if clear_cache_bytes is not None else \

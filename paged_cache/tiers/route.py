@@ -15,10 +15,11 @@ With each parent's children ordered by their token ids (``ids_key``: 4 bytes big
 token, so children sharing leading tokens are adjacent), those are the prefixes found by walking
 down from the request's tokens (``prefix_walk``) and the ``NEIGHBORS`` children on each side of
 them, or only the nearest one where the request's own block is there (``keep``): a handful of
-ordered look-ups whatever the number of children. The hot tier and
-the SSD write queue keep a ``ChildIndex``; the SSD manifest an index on (parent, ids); the remote
-tier filters its listings (``routed``). A child whose ids cannot be ordered (none, or an id
-outside 0..2**32-1) is always listed.
+ordered look-ups whatever the number of children. The hot tier and the SSD write queue keep a
+``ChildIndex``; the SSD manifest indexes (parent, first token) and the remote tier lists whole:
+both read the children starting with the request's token there, ``trim`` them as the index
+would list them and add one other (``routed``, tiers/ssd/child_rows.py). A child whose ids
+cannot be ordered (none, or an id outside 0..2**32-1) is always listed.
 """
 
 from __future__ import annotations
@@ -217,42 +218,31 @@ def select(entries: list[tuple[bytes, str]], request: bytes) -> set[int]:
     return {window[j] for j in keep([entries[i] for i in window], request, prefixes)}
 
 
-def keep(entries: Sequence[tuple[bytes | None, str]], request: bytes,
-         prefixes: set[bytes]) -> set[int]:
-    """Of ``entries`` (sorted (ids, key), all of a parent's children or a run of them around
-    ``request``), the indices a lookup lists: the ones in ``prefixes`` (prefixes of the
+def keep(entries: Sequence[tuple[bytes, str]], request: bytes, prefixes: set[bytes]) -> set[int]:
+    """Of ``entries`` (sorted (ids, key): the run of a parent's children around ``request``
+    and its prefixes), the indices a lookup lists: the ones in ``prefixes`` (prefixes of the
     request's tokens, its own block included) and the ``NEIGHBORS`` on each side of
     ``request``, or only the nearest other one when a child holds the request's very tokens
     (the others share fewer: its own block is better than any of them, and one is witness
     enough)."""
-    ordered = [e for e in entries if e[0] is not None]
-    at = bisect.bisect_left(ordered, request, key=lambda e: e[0])
-    exact = at < len(ordered) and ordered[at][0] == request
-    if exact:
-        past = at
-        while past < len(ordered) and ordered[past][0] == request:
-            past += 1
-        near = [at - 1] if at else ([past] if past < len(ordered) else [])
+    at = bisect.bisect_left(entries, request, key=lambda e: e[0])
+    past = at
+    while past < len(entries) and entries[past][0] == request:
+        past += 1
+    if past > at:
+        near = [at - 1] if at else ([past] if past < len(entries) else [])
     else:
-        near = range(max(0, at - NEIGHBORS), min(len(ordered), at + NEIGHBORS))
-    chosen = {ordered[i][1] for i in near} | {key for ids, key in ordered if ids in prefixes}
-    return {i for i, (ids, key) in enumerate(entries) if ids is not None and key in chosen}
+        near = range(max(0, at - NEIGHBORS), min(len(entries), at + NEIGHBORS))
+    return set(near) | {i for i, (ids, _) in enumerate(entries) if ids in prefixes}
 
 
 def trim(rows: list[NodeRow], request: bytes) -> list[NodeRow]:
     """Of a parent's node rows starting with the request's first token (a tier that orders its
     children by first token only), those a ``ChildIndex`` of them lists for ``request``."""
-    found = sorted(((text_key(row[5]), row[0], row) for row in rows),
-                   key=lambda e: (e[0] is not None, e[0] or b"", e[1]))
-    ordered = [e[0] for e in found if e[0] is not None]
-
-    def below(q: bytes) -> bytes | None:
-        i = bisect.bisect_right(ordered, q) - 1
-        return ordered[i] if i >= 0 else None
-
-    kept = keep([(ids, key) for ids, key, _ in found], request,
-                set(prefix_walk(request, below)))
-    return [row for i, (ids, _, row) in enumerate(found) if i in kept or ids is None]
+    keyed = [(text_key(row[5]), row) for row in rows]
+    entries = sorted((ids, row[0]) for ids, row in keyed if ids is not None)
+    chosen = {entries[i][1] for i in select(entries, request)}
+    return [row for ids, row in keyed if ids is None or row[0] in chosen]
 
 
 def routed(rows: Iterable[NodeRow], route: Route | None) -> list[NodeRow]:

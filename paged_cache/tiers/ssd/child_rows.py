@@ -5,7 +5,7 @@ The manifest orders a parent's children by their first token id only (the ``bloc
 spill every entry of the manifest's 512-byte pages into overflow pages and make each ordered probe
 cost a fifth of a millisecond. So one statement reads, per parent, the children starting with the
 request's token there (every one that can be a prefix of the request's tokens or share leading
-tokens with them) and one other (a witness, the first the index holds); ``route.keep`` then trims
+tokens with them) and one other (a witness, the first the index holds); ``route.trim`` then trims
 them as the RAM index would list them. A parent whose children all start with the same token (a
 shared prompt ending a few tokens into a block) is read whole.
 """
