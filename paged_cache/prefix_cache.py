@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from paged_cache.bounds import NodeBounds
+from paged_cache.compile_guard import guard_thread
 from paged_cache.distributed import WORLD, Agreement, resolve_group, shard_of
 from paged_cache.fetch import Found, find
 from paged_cache.handlers import layer_needs_snapshots
@@ -253,6 +254,7 @@ class BlockAwarePrefixCache:
         a fetch may then prefill a head of them instead of reading it (docs/fetch-plan.md).
         """
         t0 = time.perf_counter()
+        guard_thread()
         tokens = token_ids(tokens)
         if not self._supported():
             return 0
@@ -291,6 +293,7 @@ class BlockAwarePrefixCache:
         (``chunks.next_forward_end``), so the forward runs in place on a cold cache's layout.
         """
         t0 = time.perf_counter()
+        guard_thread()
         tokens = token_ids(tokens)
         chunk = self._check_chunk(prefill_chunk)
         grid = chunk if self._agreement is None and self.manager.config.fetch_overlap else 0

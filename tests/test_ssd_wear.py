@@ -70,6 +70,8 @@ def test_twenty_turn_conversation_writes_one_copy(tmp_path: Path, arch: str) -> 
         after = process_io(server.process.pid)
         with urllib.request.urlopen(server.url + "/metrics") as reply:
             metrics = reply.read().decode()
+    # stopped by SIGTERM, it closed its cache and exited normally (the tally below needs it)
+    assert server.process.returncode == 0, server.tail()
     ssd_stats = stats["manager"]["ssd"]
     counted = ssd_stats["bytes_written"]
     assert counted == ssd_stats["write_bytes"] + ssd_stats["manifest_write_bytes"]
