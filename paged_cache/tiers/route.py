@@ -46,7 +46,10 @@ def ids_key(tokens: Sequence[int] | np.ndarray) -> bytes | None:
     """The order key of token ids (4 bytes big-endian each: children sharing leading tokens are
     adjacent in its order, a prefix's key is a prefix of the key), or None when an id is outside
     0..2**32-1 (such a node is not ordered: listed always)."""
-    array = np.asarray(tokens, dtype=np.int64)
+    array = np.asarray(tokens)
+    if array.dtype.kind == "u" and array.dtype.itemsize <= 4:  # in range: no widening, no scan
+        return array.astype(">u4").tobytes()
+    array = array.astype(np.int64)
     if array.size and (int(array.min()) < 0 or int(array.max()) >= _ID_LIMIT):
         return None
     return array.astype(">u4").tobytes()
