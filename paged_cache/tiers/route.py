@@ -27,6 +27,7 @@ from __future__ import annotations
 import base64
 import binascii
 import bisect
+import functools
 from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -35,6 +36,7 @@ from paged_cache.hashing import decode_token_ids
 from paged_cache.tiers.format import NodeRow
 
 NEIGHBORS = 4   # children listed on each side of the request's tokens under a parent
+TEXT_KEYS = 1024  # order keys of token id texts remembered (~2 KB each at 256-token blocks)
 _ID_LIMIT = 2 ** 32
 
 # parent key -> the request's tokens where its children start (``ids_key`` form; b"" where the
@@ -56,9 +58,14 @@ def ids_key(tokens: Sequence[int] | np.ndarray) -> bytes | None:
 
 
 def text_key(text: object) -> bytes | None:
-    """``ids_key`` of a token id text form (``hashing.encode_token_ids``); None when malformed."""
-    if not isinstance(text, str):
-        return None
+    """``ids_key`` of a token id text form (``hashing.encode_token_ids``); None when malformed.
+    The last ``TEXT_KEYS`` are remembered: a request's blocks are keyed by the RAM index, the
+    write queue's and the manifest's listings, often several times a request."""
+    return _text_key(text) if isinstance(text, str) else None
+
+
+@functools.lru_cache(maxsize=TEXT_KEYS)
+def _text_key(text: str) -> bytes | None:
     try:
         ids = decode_token_ids(text)
     except ValueError:
