@@ -32,9 +32,9 @@ WAL_LIMIT_BYTES = 4 << 20    # the WAL is truncated back to this after a checkpo
 # manifest keeps the page size it was created with.
 PAGE_BYTES = 512
 CHECKPOINT_PAGES = WAL_LIMIT_BYTES // PAGE_BYTES  # WAL pages between checkpoints (~4 MiB)
-# Each connection's page cache, at most (KiB; it grows only with the pages read): SQLite's 2 MiB
-# default held too few of the index's inner pages of a large manifest, so each chain lookup's
-# probes read most of their pages from the OS again (~20 -> ~8 us a parent with 16 MiB, 60k rows)
+# Each connection's page cache, at most (KiB; it grows only with the pages read): a long chain
+# lookup's probes touch more pages than SQLite's 2 MiB default holds, so they read the index's
+# inner pages from the OS again parent after parent (~20 -> ~8 us a parent, 60k rows)
 PAGE_CACHE_KIB = 16 << 10
 WRITTEN, WRITTEN_SINCE = "written_bytes", "written_since"  # info rows: the directory's write tally
 EVICT_BATCH = 256            # rows per transaction when evicting at open
