@@ -17,7 +17,8 @@ from paged_cache.block import Block
 from paged_cache.chain_index import ChainNode
 from paged_cache.hashing import ROOT_PARENT, block_key
 from paged_cache.tiers import listing
-from paged_cache.tiers.route import ids_key
+from paged_cache.tiers.format import node_row
+from paged_cache.tiers.route import ChildIndex, ids_key, text_key, trim
 from paged_cache.tiers.ssd.tier import SSDTier
 
 pytestmark = pytest.mark.unit
@@ -118,3 +119,18 @@ def test_an_unsigned_order_key_is_the_same_as_a_wide_one() -> None:
             if int(ids.max()) <= np.iinfo(dtype).max:
                 assert ids_key(ids.astype(dtype)) == ids_key(ids.astype(np.int64))
     assert ids_key(np.array([2**32], dtype=np.uint64)) is None
+
+
+
+def test_a_lone_child_is_listed_as_the_index_lists_it() -> None:
+    """``trim`` passes a parent's only child through untouched (no ids decoded): the RAM index
+    lists it too, for any request, whether it is the request's own block or another's."""
+    parent, request = "ab" * 32, np.arange(BS, dtype=np.int64) + 3
+    for ids in (request, request[:2], np.r_[request[:2], 0, 0], np.full(BS, 9000)):
+        key = block_key(FP, "", parent, ids)
+        row = node_row(key, ChainNode(key, parent, FP, BS, ids).to_meta())
+        index = ChildIndex()
+        index.add(parent, text_key(row[5]), key)
+        assert index.keys([parent], {parent: ids_key(request)}) == [key]
+        assert trim([row], ids_key(request)) == [row]
+    assert trim([], ids_key(request)) == []

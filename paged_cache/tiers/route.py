@@ -249,6 +249,8 @@ def keep(entries: Sequence[tuple[bytes, str]], request: bytes, prefixes: set[byt
 def trim(rows: list[NodeRow], request: bytes) -> list[NodeRow]:
     """Of a parent's node rows starting with the request's first token (a tier that orders its
     children by first token only), those a ``ChildIndex`` of them lists for ``request``."""
+    if len(rows) < 2:  # a lone child is listed whatever its ids: the request's own, or a witness
+        return list(rows)
     keyed = [(text_key(row[5]), row) for row in rows]
     entries = sorted((ids, row[0]) for ids, row in keyed if ids is not None)
     chosen = {entries[i][1] for i in select(entries, request)}
