@@ -40,6 +40,7 @@ from paged_cache.tiers.base import Tier
 from paged_cache.tiers.deadlines import Deadlines
 from paged_cache.tiers.ssd.direct import StoredBlock, read_stored
 from paged_cache.tiers.format import Expected, RawTensors, check_meta, raw_tensors
+from paged_cache.tiers.listing import list_children, list_spans
 from paged_cache.tiers.route import route_of
 from paged_cache.tiers.stack import HIT_LABELS, TIER_GAUGES, open_tiers
 
@@ -523,10 +524,11 @@ class PagedSSDCacheManager:
         to the first held nowhere (the rest None), and, for the root and every held key, its held
         child nodes of ``fingerprint``, as every tier lists them: RAM, the SSD write queue and
         files of any process (one manifest query, which also says which keys of the chain are on
-        SSD: no file is looked at unless the manifest misses it) and, for the held part of the
-        chain, the remote tier's listings (pipelined, cached briefly). Every listed node is checked
-        against the request (``ChainNode.unfit``: fingerprint, start, key = hash of ``namespace``,
-        parent and token ids); one that fails is never returned and counted in
+        SSD: no file is looked at unless the manifest misses it; a chain of more than LIST_SPAN
+        blocks is listed in spans while it is held: tiers/listing.py) and, for the held part of
+        the chain, the remote tier's listings (pipelined, cached briefly). Every listed node is
+        checked against the request (``ChainNode.unfit``: fingerprint, start, key = hash of
+        ``namespace``, parent and token ids); one that fails is never returned and counted in
         ``nodes_rejected``, unless it is a root child that may start another namespace's chain
         (``ChainNode.another_namespaces``: every namespace's chains start at the same root). Each
         parent's children come in key order. ``skip``: names of shared tiers not asked (the
@@ -540,13 +542,12 @@ class PagedSSDCacheManager:
         route = None if tokens is None else route_of(parents, tokens, self.config.block_size)
         with self._lock:
             self._check_open()
-        rows: dict[Tier, list] = {}
-        for tier in self._tiers:
-            if not tier.shared:
-                rows[tier] = tier.children(parents, fingerprint, route)
-        listed = {tier: {row[0] for row in found} for tier, found in rows.items()}
+        local = [tier for tier in self._tiers if not tier.shared]
+        rows, listed, done = list_spans(local, keys, parents, fingerprint, route)
         tiers = self._walk(keys, chain=True, shared=True, listed=listed, skip=skip)
         held = tiers.index(None) if None in tiers else len(keys)
+        if held + 1 > done:  # held past the spans listed (found where no listing named it)
+            list_children(rows, listed, parents[done:held + 1], fingerprint, route)
         parents = parents[:held + 1]
         for tier in self._lower:
             if tier.shared and tier.name not in skip:

@@ -77,9 +77,9 @@ def test_store_through_a_stateless_block_end_leaves_a_checkpoint(arch: str) -> N
 @pytest.mark.parametrize("arch", ["llama", "qwen3_next"])
 def test_fetch_after_restart_costs_one_manifest_query(tmp_path: Path, arch: str,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """Whatever the chain length, a fetch in a new process asks the manifest once, and looks at
-    no block file to learn where the chain is (the manifest's rows say it); only the first key
-    past the stored chain is looked for on disk."""
+    """A fetch of a chain under 64 blocks (tiers/listing.py) in a new process asks the manifest
+    once, and looks at no block file to learn where the chain is (the manifest's rows say it);
+    only the first key past the stored chain is looked for on disk."""
     model = tiny_model(arch)
     tokens = prompt(20 * BLOCK + 5, seed=6)
     with new_manager(tmp_path, block_size=BLOCK) as manager:

@@ -443,9 +443,11 @@ def split_file(data: Any, *, max_bytes: int, admit: Callable[[Header], None] | N
 
 
 def read_header_only(read_at: Callable[[int, int], bytes], file_size: int,
-                     max_bytes: int, expect: Expected | None = None) -> Header:
+                     max_bytes: int, expect: Expected | None = None,
+                     key: str | None = None) -> Header:
     """Parse just the header of a block file via ``read_at(offset, n)`` (to adopt files, or to
-    read a payload in place later), verified, and checked against ``expect`` when given."""
+    read a payload in place later), verified (``verify_header``: that it holds ``key`` too,
+    when given), and checked against ``expect`` when given."""
     limit = expected_limit(max_bytes, expect)
     most = MAX_HEADER_BYTES if expect is None else expect.header_bytes
     head = read_at(0, min(file_size, 1 << 16))
@@ -460,7 +462,7 @@ def read_header_only(read_at: Callable[[int, int], bytes], file_size: int,
         h = parse_header(raw, data_limit=file_size - 8 - n)
         if h.file_bytes != file_size:
             raise BlockFileError(f"file has {file_size} bytes, header describes {h.file_bytes}")
-    verify_header(h, None)
+    verify_header(h, key)
     if expect is not None:
         expect.check(h)
     return h

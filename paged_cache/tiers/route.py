@@ -27,6 +27,7 @@ from __future__ import annotations
 import base64
 import binascii
 import bisect
+import functools
 from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -35,6 +36,7 @@ from paged_cache.hashing import decode_token_ids
 from paged_cache.tiers.format import NodeRow
 
 NEIGHBORS = 4   # children listed on each side of the request's tokens under a parent
+TEXT_KEYS = 1024  # order keys of token id texts remembered (~2 KB each at 256-token blocks)
 _ID_LIMIT = 2 ** 32
 
 # parent key -> the request's tokens where its children start (``ids_key`` form; b"" where the
@@ -46,16 +48,24 @@ def ids_key(tokens: Sequence[int] | np.ndarray) -> bytes | None:
     """The order key of token ids (4 bytes big-endian each: children sharing leading tokens are
     adjacent in its order, a prefix's key is a prefix of the key), or None when an id is outside
     0..2**32-1 (such a node is not ordered: listed always)."""
-    array = np.asarray(tokens, dtype=np.int64)
+    array = np.asarray(tokens)
+    if array.dtype.kind == "u" and array.dtype.itemsize <= 4:  # in range: no widening, no scan
+        return array.astype(">u4").tobytes()
+    array = array.astype(np.int64)
     if array.size and (int(array.min()) < 0 or int(array.max()) >= _ID_LIMIT):
         return None
     return array.astype(">u4").tobytes()
 
 
 def text_key(text: object) -> bytes | None:
-    """``ids_key`` of a token id text form (``hashing.encode_token_ids``); None when malformed."""
-    if not isinstance(text, str):
-        return None
+    """``ids_key`` of a token id text form (``hashing.encode_token_ids``); None when malformed.
+    The last ``TEXT_KEYS`` are remembered: a request's blocks are keyed by the RAM index, the
+    write queue's and the manifest's listings, often several times a request."""
+    return _text_key(text) if isinstance(text, str) else None
+
+
+@functools.lru_cache(maxsize=TEXT_KEYS)
+def _text_key(text: str) -> bytes | None:
     try:
         ids = decode_token_ids(text)
     except ValueError:
@@ -239,6 +249,8 @@ def keep(entries: Sequence[tuple[bytes, str]], request: bytes, prefixes: set[byt
 def trim(rows: list[NodeRow], request: bytes) -> list[NodeRow]:
     """Of a parent's node rows starting with the request's first token (a tier that orders its
     children by first token only), those a ``ChildIndex`` of them lists for ``request``."""
+    if len(rows) < 2:  # a lone child is listed whatever its ids: the request's own, or a witness
+        return list(rows)
     keyed = [(text_key(row[5]), row) for row in rows]
     entries = sorted((ids, row[0]) for ids, row in keyed if ids is not None)
     chosen = {entries[i][1] for i in select(entries, request)}

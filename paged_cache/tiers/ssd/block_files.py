@@ -154,8 +154,7 @@ class BlockFiles:
         if reason is None:
             try:
                 header = fmt.read_header_only(read_at, st.st_size,
-                                              fmt.decoded_limit(st.st_size), expect)
-                fmt.verify_header(header, key)
+                                              fmt.decoded_limit(st.st_size), expect, key)
             except (OSError, ValueError) as exc:
                 reason = str(exc)
         if reason is not None:
