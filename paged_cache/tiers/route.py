@@ -14,7 +14,7 @@ lookup's cost grow with the blocks held. What a fetch or a store can use of them
 With each parent's children ordered by their token ids (``ids_key``: 4 bytes big-endian per
 token, so children sharing leading tokens are adjacent), those are the prefixes found by walking
 down from the request's tokens (``prefix_walk``) and the ``NEIGHBORS`` children on each side of
-them, or only the nearest one where the request's own block is there (``keep``): a handful of
+them, or only the nearest one where the request's own block is there (``select``): a handful of
 ordered look-ups whatever the number of children. The hot tier and the SSD write queue keep a
 ``ChildIndex``; the SSD manifest indexes (parent, first token) and the remote tier lists whole:
 both read the children starting with the request's token there, ``trim`` them as the index
@@ -203,47 +203,32 @@ class ChildIndex:
 
 
 def select(entries: list[tuple[bytes, str]], request: bytes) -> set[int]:
-    """Indices of the ``entries`` (sorted (ids, key)) a lookup with ``request`` lists
-    (``keep``), the prefixes found by a walk over them: ordered look-ups and the entries next to
-    the request's tokens, never a pass over every entry."""
-    def first_at(ids: bytes) -> int:
-        return bisect.bisect_left(entries, ids, key=lambda e: e[0])
+    """Indices of the ``entries`` (a parent's children, sorted (ids, key)) a lookup with
+    ``request`` lists: every child whose tokens are a prefix of the request's (its own block
+    included; found by ``prefix_walk``) and the ``NEIGHBORS`` on each side of the request's
+    tokens, or only the nearest other one when a child holds the request's very tokens (the
+    others share fewer: its own block is better than any of them, and one is witness enough).
+    Ordered look-ups only, never a pass over every entry."""
+    def run(ids: bytes) -> range:   # the entries holding exactly ``ids``
+        start = stop = bisect.bisect_left(entries, ids, key=lambda e: e[0])
+        while stop < len(entries) and entries[stop][0] == ids:
+            stop += 1
+        return range(start, stop)
 
     def below(q: bytes) -> bytes | None:
         i = bisect.bisect_right(entries, q, key=lambda e: e[0]) - 1
         return entries[i][0] if i >= 0 else None
 
-    prefixes = set(prefix_walk(request, below))
-    at = first_at(request)
-    hi = at
-    while hi < len(entries) and entries[hi][0] == request:
-        hi += 1   # the request's very tokens, then one past them (keep's nearest other)
-    near = set(range(max(0, at - NEIGHBORS), min(len(entries), max(at + NEIGHBORS, hi + 1))))
-    for ids in prefixes:
-        i = first_at(ids)
-        while i < len(entries) and entries[i][0] == ids:
-            near.add(i)
-            i += 1
-    window = sorted(near)
-    return {window[j] for j in keep([entries[i] for i in window], request, prefixes)}
-
-
-def keep(entries: Sequence[tuple[bytes, str]], request: bytes, prefixes: set[bytes]) -> set[int]:
-    """Of ``entries`` (sorted (ids, key): the run of a parent's children around ``request``
-    and its prefixes), the indices a lookup lists: the ones in ``prefixes`` (prefixes of the
-    request's tokens, its own block included) and the ``NEIGHBORS`` on each side of
-    ``request``, or only the nearest other one when a child holds the request's very tokens
-    (the others share fewer: its own block is better than any of them, and one is witness
-    enough)."""
-    at = bisect.bisect_left(entries, request, key=lambda e: e[0])
-    past = at
-    while past < len(entries) and entries[past][0] == request:
-        past += 1
-    if past > at:
-        near = [at - 1] if at else ([past] if past < len(entries) else [])
+    own = run(request)
+    at = own.start
+    if own:
+        near = [at - 1] if at else ([own.stop] if own.stop < len(entries) else [])
     else:
         near = range(max(0, at - NEIGHBORS), min(len(entries), at + NEIGHBORS))
-    return set(near) | {i for i, (ids, _) in enumerate(entries) if ids in prefixes}
+    out = set(near)
+    for ids in prefix_walk(request, below):
+        out.update(run(ids))
+    return out
 
 
 def trim(rows: list[NodeRow], request: bytes) -> list[NodeRow]:
