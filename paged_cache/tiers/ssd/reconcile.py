@@ -182,9 +182,7 @@ class Reconciliation:
             if not stat.S_ISREG(st.st_mode):
                 raise fmt.BlockFileError("not a regular file")
             header = fmt.read_header_only(lambda off, n: os.pread(fd, n, off), st.st_size,
-                                          fmt.decoded_limit(st.st_size))
-            if header.meta.get(fmt.META_KEY) != key:
-                raise fmt.BlockFileError("file name does not match the block key inside")
+                                          fmt.decoded_limit(st.st_size), key=key)
             if (comp == "lz4") != (os.pread(fd, 4, 0) == fmt.LZ4_MAGIC):
                 raise fmt.BlockFileError("file suffix does not match its compression")
         except (OSError, ValueError) as exc:
