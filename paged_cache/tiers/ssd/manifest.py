@@ -311,9 +311,11 @@ class Manifest:
             need = used + row.file_bytes - max_bytes
             victims: list[tuple[str, int]] = []
             if need > 0:
-                evictable = self._db.execute("SELECT COALESCE(SUM(file_bytes), 0) FROM blocks "
-                                             "WHERE state = ?", (COMPLETE,)).fetchone()[0]
-                if need > evictable:
+                # complete = all - reserved: the few reservations are found on blocks_lru, where
+                # summing the complete rows read every row's pages (~2.5 ms at 2,000 rows)
+                reserved = self._db.execute("SELECT COALESCE(SUM(file_bytes), 0) FROM blocks "
+                                            "WHERE state = ?", (RESERVED,)).fetchone()[0]
+                if need > used - reserved:
                     return "full", []
                 victims = self._evict(need, remove_file)
             self._db.execute(f"INSERT INTO blocks({','.join(_COLUMNS)}) VALUES "

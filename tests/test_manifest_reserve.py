@@ -1,0 +1,42 @@
+"""The manifest's reservation: room is made from complete rows only, and a reservation that cannot
+get room evicts nothing ("full")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from paged_cache.tiers.ssd.manifest import COMPLETE, RESERVED, Deferred, Manifest, Row
+
+pytestmark = pytest.mark.unit
+
+
+def row(key: str, state: int, size: int, when: float, writer: str = "w1") -> Row:
+    return Row(key=key, state=state, compression="none", file_bytes=size, raw_bytes=size,
+               tokens=None, fingerprint=None, parent=None, layers=None, start=None,
+               token_ids=None, checkpoint=None, restorable=None, created=when,
+               last_access=when, writer=writer, first_token=None)
+
+
+def reserve(m: Manifest, r: Row, max_bytes: int, removed: list[str]):
+    return m.reserve(r, max_bytes, Deferred({}, set()), lambda k: removed.append(k) or True,
+                     lambda k: k not in removed)
+
+
+def test_reservations_in_flight_are_not_room(tmp_path: Path):
+    m = Manifest(tmp_path / "manifest.sqlite")
+    try:
+        m.adopt([row("done", COMPLETE, 100, 1.0)])
+        assert reserve(m, row("flight", RESERVED, 300, 2.0, writer="w2"), 1000, [])[0] == "reserved"
+        removed: list[str] = []
+        # 400 used + 800 is 200 over: the complete row's 100 would not be enough and the
+        # reservation's 300 cannot be evicted: refused, and nothing is evicted for it
+        assert reserve(m, row("big", RESERVED, 800, 3.0), 1000, removed) == ("full", [])
+        assert removed == [] and m.totals() == (2, 400)
+        # 650 is 50 over: it fits once the complete row goes
+        assert reserve(m, row("fits", RESERVED, 650, 4.0), 1000, removed) == \
+            ("reserved", [("done", 100)])
+        assert removed == ["done"] and m.totals() == (2, 950)
+    finally:
+        m.close()
