@@ -16,11 +16,15 @@ time is filed under the blocks held when it started. The time is the calling thr
 its waits for a core); the wall-clock figures are in each figure's details.
 
 Configurations: ``hot`` (RAM only), ``ssd`` (an SSD tier behind a RAM tier of 64 blocks),
-``hot+ssd`` (2,000 blocks of RAM in front of the SSD tier). Figures, per configuration and
+``hot+ssd`` (2,000 blocks of RAM in front of the SSD tier), ``ssd full`` (as ``ssd``, its SSD
+tier holding a ``FULL_SHARE`` of the blocks the replay stores: past them every write evicts). Figures, per configuration and
 blocks held: the median per request against the median at 10k blocks held (goal <= 2x) and
 the p99 (goal <= 10 ms); the SSD tier's open time on everything the replay left (goal <= 1 s)
 and the memory each block held costs the index (process RSS growth per block minus the
-payload; the manifest's file bytes per row).
+payload; the manifest's file bytes per row). The SSD writer's work (block files, manifest rows,
+the evictions that make room) is on its own thread, outside a request's time: ``ssd full``
+waits for it after each request and files its CPU time (``writer_cpu_seconds``) per block
+written under the blocks held, against the same at 10k, before the tier is full (goal <= 2x).
 """
 
 from __future__ import annotations
@@ -54,8 +58,9 @@ FINGERPRINT = "7" * 64         # a model fingerprint (the remote tier wants 64 h
 VOCAB = 32_000
 HELD = (10_000, 30_000, 100_000, 300_000)  # blocks held at which the cost is read
 WINDOW = 200                   # requests read after the blocks held reach a mark
-CONFIGS = ("hot", "ssd", "hot+ssd")
-RAM_BLOCKS = {"hot": None, "ssd": 64, "hot+ssd": 2_000}
+CONFIGS = ("hot", "ssd", "hot+ssd", "ssd full")
+RAM_BLOCKS = {"hot": None, "ssd": 64, "hot+ssd": 2_000, "ssd full": 64}
+FULL_SHARE = 3                 # "ssd full": its SSD tier holds 1/3 of the replay's blocks
 
 
 class Chains:
@@ -108,6 +113,10 @@ class Replay:
     open_empty_s: float | None = None
     manifest_per_block: float | None = None
     counters: dict[str, Any] = field(default_factory=dict)
+    # "ssd full": the blocks its SSD tier holds; after each request, the SSD writer's CPU
+    # seconds, blocks written and evictions so far
+    full_blocks: int | None = None
+    writer: list[tuple[float, int, int]] = field(default_factory=list)
 
     def window(self, mark: int, size: int, wall: bool = False) -> list[float] | None:
         """The CPU seconds (``wall``: wall-clock) of the ``size`` requests from the first one
@@ -119,14 +128,34 @@ class Replay:
         return (self.wall if wall else self.seconds)[start:start + size]
 
 
-def config_for(name: str, scratch: Path, total_blocks: int) -> CacheConfig:
-    """The configuration ``name``, every tier sized to keep ``total_blocks`` blocks."""
+def config_for(name: str, scratch: Path, total_blocks: int,
+               ssd_bytes: int | None = None) -> CacheConfig:
+    """The configuration ``name``, every tier sized to keep ``total_blocks`` blocks (the SSD
+    tier ``ssd_bytes`` when given)."""
     ram = RAM_BLOCKS[name]
     every = max(1 << 20, 4 * total_blocks * PAYLOAD)
     if ram is None:
         return CacheConfig(block_size=BLOCK, hot_cache_only=True, hot_cache_max_bytes=every)
     return CacheConfig(block_size=BLOCK, hot_cache_max_bytes=ram * PAYLOAD, ssd_dir=scratch,
-                       ssd_max_bytes=64 * total_blocks * 4096, queue_full_policy="write-on-caller")
+                       ssd_max_bytes=ssd_bytes or 64 * total_blocks * 4096,
+                       queue_full_policy="write-on-caller")
+
+
+def file_bytes(requests: Sequence[TraceRequest], chains: Chains, scratch: Path) -> float:
+    """Mean bytes of a block file of the replay (payload, header, meta), from the first
+    ``requests``' blocks: what the "ssd full" budget in blocks is scaled by."""
+    root = scratch / "trace-cost-calibrate"
+    shutil.rmtree(root, ignore_errors=True)
+    try:
+        with PagedSSDCacheManager(config_for("ssd", root, 1_000)) as manager:
+            for request in requests[:20]:
+                for key, meta in chains.of(request):
+                    manager.put(Block(key, {"kv": mx.zeros((PAYLOAD,), dtype=mx.uint8)}, meta))
+            manager.flush()
+            ssd = manager.stats()["ssd"]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return ssd["bytes"] / ssd["blocks"]
 
 
 def rss() -> int:
@@ -139,9 +168,12 @@ def replay(name: str, requests: Sequence[TraceRequest], chains: Chains, scratch:
            total_blocks: int) -> Replay:
     """Replay ``requests`` through a manager configured as ``name`` (see the module doc)."""
     out = Replay(name)
-    ssd_dir = scratch / f"trace-cost-{name.replace('+', '-')}"
+    ssd_dir = scratch / f"trace-cost-{name.replace('+', '-').replace(' ', '-')}"
     shutil.rmtree(ssd_dir, ignore_errors=True)
-    config = config_for(name, ssd_dir, total_blocks)
+    full = name == "ssd full"
+    out.full_blocks = total_blocks // FULL_SHARE if full else None
+    config = config_for(name, ssd_dir, total_blocks, ssd_bytes=int(
+        out.full_blocks * file_bytes(requests, chains, scratch)) if full else None)
     held: set[str] = set()
     gc.collect()
     rss_before = rss()
@@ -161,6 +193,8 @@ def replay(name: str, requests: Sequence[TraceRequest], chains: Chains, scratch:
             out.hits += len(got)
             out.requested += len(keys)
             held.update(keys)
+            if full:
+                out.writer.append(_writer_work(manager))
         manager.flush()
         gc.collect()
         out.rss_per_block = (rss() - rss_before) / max(1, len(held)) - PAYLOAD
@@ -175,6 +209,14 @@ def replay(name: str, requests: Sequence[TraceRequest], chains: Chains, scratch:
         shutil.rmtree(empty, ignore_errors=True)
         shutil.rmtree(ssd_dir, ignore_errors=True)
     return out
+
+
+def _writer_work(manager: PagedSSDCacheManager) -> tuple[float, int, int]:
+    """Wait for the SSD writer; its CPU seconds, blocks written and evictions so far."""
+    ssd = manager.tier("ssd")
+    ssd.flush()
+    stats = ssd.stats()
+    return stats["writer_cpu_seconds"], stats["writes"], stats["evictions"]
 
 
 def serve(manager: PagedSSDCacheManager, nodes: list[tuple[str, dict[str, str]]],
@@ -196,6 +238,31 @@ def serve(manager: PagedSSDCacheManager, nodes: list[tuple[str, dict[str, str]]]
         if tier is None or tier in OUT_OF_RAM:
             manager.put(block(key))
     return got
+
+
+def writer_figures(run: Replay, marks: Sequence[int], window: int) -> list[Figure]:
+    """The "ssd full" writer's CPU seconds per block written over ``window`` requests from each
+    mark of blocks held, against the same at the first mark (the tier not full yet)."""
+    def per_block(mark: int) -> tuple[float, int, int] | None:
+        start = next((i for i, h in enumerate(run.held) if h >= mark), None)
+        if not start or start + window > len(run.writer):
+            return None
+        (cpu0, w0, e0), (cpu1, w1, e1) = run.writer[start - 1], run.writer[start + window - 1]
+        return (cpu1 - cpu0) / max(1, w1 - w0), w1 - w0, e1 - e0
+
+    base = per_block(marks[0])
+    out = []
+    for mark in marks:
+        got = per_block(mark)
+        if base is None or got is None:
+            continue
+        out.append(figure(FAMILY, f"SSD writer CPU per block written, ssd full, {mark:,} blocks "
+                          "held", measured=got[0], baseline=base[0], goal=2.0, goal_op="<=",
+                          meaning=f"per block written / per block written at {marks[0]:,} blocks "
+                                  "held", unit="s", config=run.config, blocks_held=mark,
+                          full_blocks=run.full_blocks, requests=window, blocks_written=got[1],
+                          evictions=got[2], clock="writer thread CPU"))
+    return out
 
 
 def _open_time(config: CacheConfig) -> float:
@@ -283,7 +350,7 @@ def figures(ctx: Context, requests: Sequence[TraceRequest]) -> list[Figure]:
     total = len({k for r in requests for k, _ in chains.of(r)})
     for name in CONFIGS:
         run = replay(name, requests, chains, ctx.scratch, total)
-        out += cost_figures(run, marks, window)
+        out += cost_figures(run, marks, window) + writer_figures(run, marks, window)
         held = len(set(run.held)) and max(run.held)
         common = dict(config=name, blocks_held=held, block_size=BLOCK,
                       hit_ratio=run.hits / max(1, run.requested), counters=run.counters)

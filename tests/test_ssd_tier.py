@@ -142,6 +142,19 @@ def test_write_on_caller_policy(tmp_path: Path) -> None:
         assert put(t, b) and not t.has_pending(b.key)
         assert file_of(tmp_path / "c", b.key).exists()  # written before enqueue returned
         assert t.stats()["write_on_caller"] == 1
+        assert t.stats()["writer_cpu_seconds"] == 0.0   # the caller wrote it, not the writer
+
+
+def test_writer_cpu_seconds_count_the_writer_threads_writes(tmp_path: Path) -> None:
+    with tier(tmp_path / "c") as t:
+        assert t.stats()["writer_cpu_seconds"] == 0.0
+        for i in range(50):
+            assert put(t, stored_block(i))
+        t.flush()
+        first = t.stats()["writer_cpu_seconds"]
+        assert first > 0.0 and t.stats()["writes"] == 50
+        t.flush()   # nothing written: nothing counted
+        assert t.stats()["writer_cpu_seconds"] == first
 
 
 def test_discard_cancels_and_removes(tmp_path: Path) -> None:

@@ -76,6 +76,8 @@ TIER = {
     "open_seconds": "Seconds the SSD tier took to open (its reconciliation follows).",
     "reconcile_seconds": "Seconds the reconciliation after open took (absent until done).",
     "chain_lookups": "Manifest queries of chain lookups.",
+    "writer_cpu_seconds": "CPU seconds the tier's writer thread spent writing (files, manifest, "
+                          "evictions; values sent).",
     "sealed_refused": "Sealed remote values refused by a host without the secret.",
     "errors": "Network or server errors.",
     "skipped": "Requests not sent during an outage.",

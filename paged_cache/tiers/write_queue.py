@@ -42,6 +42,7 @@ class WriteBehind:
         self._queue: deque[Write] = deque()
         self._queue_bytes = 0
         self._sending = 0                 # items taken off the queue and not yet settled
+        self.writer_cpu_seconds = 0.0     # the writer thread's CPU time in _write_batch (stats)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
 
@@ -96,7 +97,9 @@ class WriteBehind:
                 self._idle()
                 continue
             histograms.observe_queue_wait(self.name, (item.queued for item in batch))
+            cpu = time.thread_time()
             self._write_batch(batch)
+            self.writer_cpu_seconds += time.thread_time() - cpu
             with self._cond:
                 self._settle(batch)
                 self._cond.notify_all()

@@ -189,5 +189,6 @@ class RemoteTier(RemoteReads, RemoteWriter, Tier):
             out: dict[str, Any] = dict(self._counts)
             out["read_seconds_max"] = self._read_seconds_max
         out.update(self._queue_gauges(), available=not self._down,
-                   queue_max_bytes=self.queue_max_bytes, ttl=self.ttl, url=shown(self.url))
+                   queue_max_bytes=self.queue_max_bytes, ttl=self.ttl, url=shown(self.url),
+                   writer_cpu_seconds=self.writer_cpu_seconds)
         return out

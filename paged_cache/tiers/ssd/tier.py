@@ -289,7 +289,8 @@ class SSDTier(WriteBehind, Tier):
         out.update(max_bytes=self.max_bytes, queue_max_bytes=self.queue_max_bytes,
                    compression=self.compression, open_seconds=self.open_seconds,
                    reconcile_seconds=self._manifests.reconcile_seconds,
-                   chain_lookups=self._manifest.queries)
+                   chain_lookups=self._manifest.queries,
+                   writer_cpu_seconds=self.writer_cpu_seconds)
         return out
 
     # ---- chain lookup --------------------------------------------------------------------

@@ -1,0 +1,27 @@
+"""The trace's cost replay with a full SSD tier (benchmarks/trace_cost.py, ``ssd full``): past a
+third of the replay's blocks every write evicts, the writer's CPU time and writes are filed per
+request, and its figures compare a window of writes that evict with one before the tier is full."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks import trace_cost, trace_stream
+
+REQUESTS = 80
+
+
+def test_a_full_ssd_tier_evicts_and_its_writer_is_measured(tmp_path: Path) -> None:
+    requests = trace_stream.load(limit=REQUESTS)
+    chains = trace_cost.Chains()
+    total = len({k for r in requests for k, _ in chains.of(r)})
+    run = trace_cost.replay("ssd full", requests, chains, tmp_path, total)
+    assert run.full_blocks == total // trace_cost.FULL_SHARE
+    assert len(run.writer) == REQUESTS
+    cpu, written, evicted = zip(*run.writer)
+    assert list(cpu) == sorted(cpu) and list(written) == sorted(written)   # totals so far
+    assert written[-1] >= total and evicted[-1] >= total - run.full_blocks
+    marks = [run.held[1], run.held[REQUESTS - 10]]   # after the first request, near the end
+    (before, after) = trace_cost.writer_figures(run, marks, window=5)
+    assert before.details["evictions"] == 0 and after.details["evictions"] > 0
+    assert before.measured > 0 and after.ratio == after.measured / before.measured
