@@ -12,9 +12,10 @@ from paged_cache.tiers.ssd.manifest import COMPLETE, RESERVED, Deferred, Manifes
 pytestmark = pytest.mark.unit
 
 
-def row(key: str, state: int, size: int, when: float, writer: str = "w1") -> Row:
+def row(key: str, state: int, size: int, when: float, writer: str = "w1",
+        parent: str | None = None) -> Row:
     return Row(key=key, state=state, compression="none", file_bytes=size, raw_bytes=size,
-               tokens=None, fingerprint=None, parent=None, layers=None, start=None,
+               tokens=None, fingerprint=None, parent=parent, layers=None, start=None,
                token_ids=None, checkpoint=None, restorable=None, created=when,
                last_access=when, writer=writer, first_token=None)
 
@@ -67,3 +68,27 @@ def test_a_write_to_a_full_tier_costs_the_same_however_many_rows_it_holds(tmp_pa
     small = steps_of_a_full_reserve(tmp_path / "small.sqlite", 500)
     large = steps_of_a_full_reserve(tmp_path / "large.sqlite", 5_000)
     assert large < 1.2 * small, (small, large)
+
+
+def test_a_block_never_evicts_its_own_ancestors_and_is_refused_when_only_they_are_left(
+        tmp_path: Path):
+    m = Manifest(tmp_path / "manifest.sqlite")
+    try:
+        # a chain a <- b <- c and an older lone leaf x fill the budget
+        m.adopt([row("x", COMPLETE, 100, 0.5), row("a", COMPLETE, 100, 1.0),
+                 row("b", COMPLETE, 100, 2.0, parent="a"),
+                 row("c", COMPLETE, 100, 3.0, parent="b")])
+        removed: list[str] = []
+        # c's child: the other leaf goes, never c (the tip, its parent, and the only leaf next)
+        assert reserve(m, row("d", RESERVED, 100, 4.0, parent="c"), 400, removed) == \
+            ("reserved", [("x", 100)])
+        m.mark_complete(["d"])
+        # d's child: only its ancestors are left, so it is refused and the chain stays whole
+        assert reserve(m, row("e", RESERVED, 100, 5.0, parent="d"), 400, removed) == \
+            ("full", [])
+        assert removed == ["x"] and m.totals() == (4, 400)
+        # a block of another chain still evicts this one from its tip
+        assert reserve(m, row("y", RESERVED, 100, 6.0), 400, removed) == \
+            ("reserved", [("d", 100)])
+    finally:
+        m.close()

@@ -61,7 +61,8 @@ TIER = {
     "write_drops": "Writes not queued: the queue was full (or the server was out).",
     "write_on_caller": "Writes done on the caller's thread because the queue was full.",
     "write_too_large": "Blocks larger than the SSD budget (never written).",
-    "write_budget_full": "Writes refused because nothing could be evicted to make room.",
+    "write_budget_full": "Writes refused: nothing but the block's own ancestors could be "
+                         "evicted to make room.",
     "adopted": "Valid block files found without a manifest row, indexed by the reconciliation.",
     "rows_dropped": "Manifest rows whose block file was missing, dropped by the reconciliation.",
     "temps_removed": "Temporary files of unfinished writes removed by the reconciliation.",

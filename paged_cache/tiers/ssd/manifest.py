@@ -317,7 +317,9 @@ class Manifest:
                                             "WHERE state = ?", (RESERVED,)).fetchone()[0]
                 if need > used - reserved:
                     return "full", []
-                victims = self._evict(need, remove_file)
+                victims = self._evict(need, remove_file, row.parent)
+                if sum(size for _, size in victims) < need:   # only its ancestors were left
+                    return "full", victims
             self._db.execute(f"INSERT INTO blocks({','.join(_COLUMNS)}) VALUES "
                              f"({','.join('?' * len(_COLUMNS))})", _values(row))
         return "reserved", victims
@@ -402,19 +404,24 @@ class Manifest:
                             "DELETE FROM blocks WHERE key = ? AND state = ?", (key, COMPLETE)).rowcount:
                         evicted.append((key, size))
 
-    def _evict(self, need: int, remove_file: Callable[[str], bool]) -> list[tuple[str, int]]:
-        """Free ``need`` bytes inside the caller's transaction, file first, then row, in the
-        eviction order (tiers/eviction.py) of the complete rows.
+    def _evict(self, need: int, remove_file: Callable[[str], bool],
+               parent: str | None) -> list[tuple[str, int]]:
+        """Free up to ``need`` bytes inside the caller's transaction, file first, then row, in
+        the eviction order (tiers/eviction.py) of the complete rows, for a block whose parent is
+        ``parent``: it counts as that row's child, so its own ancestors are never evicted for it
+        (the caller refuses it when only they are left).
 
         The rows are read least recently used first, in windows (each row with its number of
         children), until the window holds a leaf: the least recently used leaf is always in it,
         and a parent evicted there becomes a leaf when its last child goes. A row whose file could
         not be removed stays (the bytes are still on disk) and the next candidate is taken.
         Without any leaf (parent links in a cycle, or every leaf's file kept) the least recently
-        used rows go.
+        used rows that are not the incoming block's ancestors go.
         """
         evicted: list[tuple[str, int]] = []
         order = LeavesFirst()
+        if parent is not None:
+            order.pin(parent)
         sizes: dict[str, int] = {}
         parents: dict[str, str | None] = {}
         after: tuple[float, str] | None = None   # the last row read
@@ -424,15 +431,16 @@ class Manifest:
             if key is None and not complete:
                 rows = self._db.execute(_LRU_ROWS if after is None else _LRU_ROWS_AFTER,
                                         (COMPLETE, *(after or ()), window)).fetchall()
-                for key, parent, size, last, children in rows:
-                    sizes[key], parents[key] = size, parent
-                    order.add(key, parent, last, children=children)
+                for key, up, size, last, children in rows:
+                    sizes[key], parents[key] = size, up
+                    order.add(key, up, last, children=children)
                 complete = len(rows) < window
                 after = (rows[-1][3], rows[-1][0]) if rows else after
                 window *= 2
                 continue
             if key is None:
-                left = order.by_use()
+                kept = _ancestors(parent, parents)
+                left = [k for k in order.by_use() if k not in kept]
                 if not left:
                     break
                 key = left[0]
@@ -458,6 +466,15 @@ class Manifest:
         if deferred.written:
             self._db.execute("UPDATE info SET value = CAST(value AS INTEGER) + ? WHERE name = ?",
                              (deferred.written, WRITTEN))
+
+
+def _ancestors(key: str | None, parents: dict[str, str | None]) -> set[str]:
+    """``key`` and the keys up its parent links in ``parents`` (a cycle ends the walk)."""
+    out: set[str] = set()
+    while key is not None and key not in out:
+        out.add(key)
+        key = parents.get(key)
+    return out
 
 
 _LRU_WINDOW = 64  # complete rows read at first by an eviction (doubled while no leaf is in them)
