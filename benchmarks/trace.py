@@ -30,7 +30,7 @@ from typing import Any
 
 from benchmarks import trace_cost, trace_remote
 from benchmarks.common import Context, bar_plot, figure, fmt_value, line_plot
-from benchmarks.trace_replay import (TOKEN_BYTES, Replay, config_for, ssd_file_bytes)
+from benchmarks.trace_replay import TOKEN_BYTES, Replay, config_for, ssd_files
 from benchmarks.trace_sim import Blocks, belady, documented, infinite, through_hot_tier
 from benchmarks.trace_stream import TRACE_BLOCK, load, trace_path
 
@@ -41,6 +41,7 @@ WEAR_RAM, WEAR_SSD = 250_000, 3_000_000
 WEAR_SETTINGS = (("all", "write-through"), ("reused", "write-through"), ("all", "write-back"),
                  ("reused", "write-back"))
 WORKERS = int(os.environ.get("PAGED_CACHE_TRACE_WORKERS", 3))   # replays at once
+CALIBRATE = 20             # requests whose block files weigh an SSD budget in tokens
 
 
 def tokens_label(tokens: int) -> str:
@@ -56,8 +57,8 @@ def _replay(kind: str, capacity: int, limit: int, scratch: str, fields: dict) ->
     try:
         extra: dict[str, Any] = {}
         if kind == "ram+ssd":
-            per_block = ssd_file_bytes(requests[:20], scratch_dir)
-            extra["ssd_bytes"] = int(capacity / TRACE_BLOCK * per_block)
+            per_block = ssd_files(requests[:CALIBRATE], scratch_dir).mean
+            extra["ssd_bytes"] = ssd_budget(capacity, per_block)
         if kind == "remote":
             server, extra["remote_url"], per_block = _bounded_server(capacity, requests[:20],
                                                                      scratch_dir)
@@ -79,6 +80,11 @@ def _replay(kind: str, capacity: int, limit: int, scratch: str, fields: dict) ->
         if server is not None:
             server.stop()
         shutil.rmtree(scratch_dir, ignore_errors=True)
+
+
+def ssd_budget(capacity: int, per_block: float) -> int:
+    """The SSD budget (bytes) holding ``capacity`` tokens of full blocks of ``per_block`` bytes."""
+    return int(capacity / TRACE_BLOCK * per_block)
 
 
 def _bounded_server(capacity: int, sample: list, scratch: Path) -> tuple[Any, str, float]:
@@ -111,12 +117,22 @@ def _orders(limit: int) -> dict[str, list[float]]:
             for name, make in ORDERS.items()}
 
 
-def _bounds(limit: int) -> dict[str, Any]:
-    blocks = Blocks.of(load(limit=limit))
-    return dict(infinite=infinite(blocks), requests=len(blocks.requests),
-                blocks_requested=blocks.requested,
-                min=[belady(blocks, c) for c in CAPACITIES],
-                order_sim=[documented(blocks, c) for c in CAPACITIES])
+def _bounds(limit: int, scratch: str | None = None) -> dict[str, Any]:
+    """The bounds and the documented order's simulation of the first ``limit`` requests; with
+    ``scratch`` (the tiered replays'), also the order simulated on the SSD tier's own weights
+    (``order_sim_ssd``: each block its file's bytes, the budget as ``_replay`` sets it)."""
+    requests = load(limit=limit)
+    blocks = Blocks.of(requests)
+    out = dict(infinite=infinite(blocks), requests=len(blocks.requests),
+               blocks_requested=blocks.requested,
+               min=[belady(blocks, c) for c in CAPACITIES],
+               order_sim=[documented(blocks, c) for c in CAPACITIES])
+    if scratch is not None:
+        files = ssd_files(requests[:CALIBRATE], Path(scratch) / f"bounds-{limit}")
+        on_files = blocks.weighed(files.bytes)
+        out["order_sim_ssd"] = [documented(on_files, ssd_budget(c, files.mean))
+                                for c in CAPACITIES]
+    return out
 
 
 def run(ctx: Context) -> dict:
@@ -127,7 +143,8 @@ def run(ctx: Context) -> dict:
     jobs: dict[tuple, Any] = {}
     with ProcessPoolExecutor(WORKERS, mp_context=get_context("spawn")) as pool:
         orders = pool.submit(_orders, whole)
-        bounds = {n: pool.submit(_bounds, n) for n in {whole, tiered}}
+        bounds = {n: pool.submit(_bounds, n, scratch if n == tiered else None)
+                  for n in {whole, tiered}}
         for kind, limit in (("ram", whole), ("ram+ssd", tiered), ("remote", tiered)):
             for c in CAPACITIES:
                 jobs[(kind, c)] = pool.submit(_replay, kind, c, limit, scratch, {})
@@ -160,12 +177,14 @@ def _hit_figures(results: dict, bounds: dict, whole: int, tiered: int) -> list:
             r = results[(kind, c)]
             hit = r["blocks_served"] / r["blocks_requested"]
             goal = dict(goal=0.99, goal_op=">=") if kind != "remote" else {}
+            # the SSD budget counts file bytes: the order simulated on them is the comparison
+            sim = b["order_sim_ssd"][i] if kind == "ram+ssd" else b["order_sim"][i]
             out.append(figure(
                 FAMILY, f"hit ratio, {kind}, {tokens_label(c)}", measured=hit,
-                baseline=b["order_sim"][i], unit="",
+                baseline=sim, unit="",
                 meaning="blocks served / the documented order's simulation on the same requests",
                 capacity_tokens=c, configuration=kind, min=b["min"][i], infinite=b["infinite"],
-                order_sim=b["order_sim"][i], requests=r["requests"],
+                order_sim=sim, order_sim_tokens=b["order_sim"][i], requests=r["requests"],
                 blocks_requested=r["blocks_requested"], blocks_served=r["blocks_served"],
                 tokens_checked=r["tokens_checked"], by_tier=r["by_tier"],
                 ram_tokens=r["ram_tokens"], replay_seconds=r["seconds"], **goal))

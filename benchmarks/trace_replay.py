@@ -12,7 +12,9 @@ whole is served whole; blocks served are the request's leading trace blocks the 
 from __future__ import annotations
 
 import shutil
+import sqlite3
 import time
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -22,6 +24,7 @@ import numpy as np
 
 from benchmarks.trace_stream import TRACE_BLOCK, TraceRequest
 from paged_cache import BlockAwarePrefixCache, CacheConfig, PagedSSDCacheManager
+from paged_cache.tiers.ssd.files import MANIFEST_NAME
 
 HEAD_DIM = 2                  # the smallest KV row a llama layer takes
 VOCAB = 256                   # the tiny models' vocabulary (paged_cache.testing.models)
@@ -174,15 +177,36 @@ def config_for(kind: str, capacity_tokens: int, scratch: Path, *, ram_tokens: in
     raise ValueError(f"configuration {kind!r}: expected one of {', '.join(CONFIGS)}")
 
 
-def ssd_file_bytes(requests: list[TraceRequest], scratch: Path) -> float:
-    """Mean bytes of a block file of this layout (payload, header, meta), from ``requests``
-    stored on an SSD tier with room for all: what an SSD budget in tokens is scaled by."""
-    replay = Replay(config_for("ram+ssd", 0, scratch / "calibrate", ram_tokens=TRACE_BLOCK,
-                               ssd_bytes=2**30))
+@dataclass(frozen=True)
+class SSDFiles:
+    """What the block files of this layout weigh on an SSD tier: their mean (what an SSD budget
+    in tokens is scaled by) and a line through each file's bytes against its tokens (the header
+    and meta make a partial block weigh more than its share of a full one's)."""
+
+    mean: float
+    overhead: float
+    per_token: float
+
+    def bytes(self, tokens: int) -> float:
+        """The bytes of a block file holding ``tokens`` tokens."""
+        return self.overhead + self.per_token * tokens
+
+
+def ssd_files(requests: list[TraceRequest], scratch: Path) -> SSDFiles:
+    """``SSDFiles`` from ``requests`` stored on an SSD tier with room for all (the line fitted
+    to the manifest's rows: tokens and file bytes, docs/file-format.md)."""
+    root = scratch / "calibrate"
+    replay = Replay(config_for("ram+ssd", 0, root, ram_tokens=TRACE_BLOCK, ssd_bytes=2**30))
     try:
         replay.run(requests)
         ssd = replay.manager.stats()["ssd"]
     finally:
         replay.close()
-        shutil.rmtree(scratch / "calibrate", ignore_errors=True)
-    return ssd["bytes"] / ssd["blocks"]
+    try:
+        with closing(sqlite3.connect(root / f"trace-ssd-0/{MANIFEST_NAME}")) as db:
+            rows = np.array(db.execute("SELECT tokens, file_bytes FROM blocks").fetchall(),
+                            dtype=np.float64)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    per_token, overhead = np.polyfit(rows[:, 0], rows[:, 1], 1)
+    return SSDFiles(ssd["bytes"] / ssd["blocks"], float(overhead), float(per_token))

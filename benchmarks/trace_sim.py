@@ -47,6 +47,12 @@ class Blocks:
                                      f"parent or length in an earlier request")
         return cls([r.hash_ids for r in requests], tokens, parent)
 
+    def weighed(self, weight: Callable[[int], float]) -> "Blocks":
+        """The same blocks, each weighing ``weight(its tokens)`` (a tier counting bytes with a
+        fixed cost per block, as an SSD file's header and meta are), capacities in that unit."""
+        return Blocks(self.requests, {h: weight(t) for h, t in self.tokens.items()},
+                      self.parent)
+
     @property
     def requested(self) -> int:
         """Blocks requested over the whole stream."""
@@ -154,6 +160,8 @@ def documented(blocks: Blocks, capacity_tokens: int) -> float:
             if used + blocks.tokens[h] > capacity_tokens:   # only its ancestors left
                 if up is not None:
                     kids[up] -= 1
+                    if not kids[up] and up in last:   # a leaf again (victim() dropped it)
+                        heapq.heappush(leaves, (last[up], up))
                 break
             last[h] = tick
             used += blocks.tokens[h]
