@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Callable, Iterable, NamedTuple, Sequence
 
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.eviction import LeavesFirst, eviction_order
+from paged_cache.tiers.eviction import eviction_order
 from paged_cache.tiers.route import Route, first_token
 from paged_cache.tiers.ssd.child_rows import routed_rows
+from paged_cache.tiers.ssd.eviction_window import EvictionWindow
 from paged_cache.tiers.ssd.wal_meter import WalMeter
 
 SCHEMA_VERSION = "3"  # 2: chain columns (start, token ids, node flags); 3: first_token
@@ -300,16 +301,21 @@ class Manifest:
         without rows. Returns ("reserved" | "exists" |
         "full", [(victim, bytes)]).
         """
+        window = self._local.__dict__.pop("window", None)  # kept only if this one commits
         with self._txn():
+            if deferred.touches or deferred.forgets:
+                window = None   # rows it read moved or went
             self._apply(deferred, file_exists)
             found = self._db.execute("SELECT state FROM blocks WHERE key = ?", (row.key,)).fetchone()
             if found is not None:
                 if found[0] == RESERVED or file_exists(row.key):
                     return "exists", []
                 self._db.execute("DELETE FROM blocks WHERE key = ?", (row.key,))
+                window = None
             used = self._db.execute("SELECT bytes FROM totals WHERE id = 0").fetchone()[0]
             need = used + row.file_bytes - max_bytes
             victims: list[tuple[str, int]] = []
+            status = "reserved"
             if need > 0:
                 # complete = all - reserved: the few reservations are found on blocks_lru, where
                 # summing the complete rows read every row's pages (~2.5 ms at 2,000 rows)
@@ -317,15 +323,26 @@ class Manifest:
                                             "WHERE state = ?", (RESERVED,)).fetchone()[0]
                 if need > used - reserved:
                     return "full", []
-                victims = self._evict(need, remove_file, row.parent)
+                version = self._db.execute("PRAGMA data_version").fetchone()[0]
+                if window is None or window.version != version or window.skipped:
+                    window = EvictionWindow(version, COMPLETE)
+                victims = window.evict(self._db, need, remove_file, row.parent)
                 if sum(size for _, size in victims) < need:   # only its ancestors were left
-                    return "full", victims
-            self._db.execute(f"INSERT INTO blocks({','.join(_COLUMNS)}) VALUES "
-                             f"({','.join('?' * len(_COLUMNS))})", _values(row))
-        return "reserved", victims
+                    status = "full"
+            if status == "reserved":
+                self._db.execute(f"INSERT INTO blocks({','.join(_COLUMNS)}) VALUES "
+                                 f"({','.join('?' * len(_COLUMNS))})", _values(row))
+                if window is not None:
+                    window.added(row.parent)
+        if window is not None:
+            self._local.window = window
+        return status, victims
 
     def complete(self, key: str, writer: str) -> bool:
         """Mark a reservation complete after the rename; False if the row was dropped meanwhile."""
+        window = getattr(self._local, "window", None)
+        if window is not None and window.complete:   # it would have to hold this row too
+            self._drop_window()
         with self._txn():
             cur = self._db.execute("UPDATE blocks SET state = ? WHERE key = ? AND writer = ? AND state = ?",
                                    (COMPLETE, key, writer, RESERVED))
@@ -333,12 +350,14 @@ class Manifest:
 
     def abandon(self, key: str, writer: str) -> None:
         """Drop this writer's reservation (the write failed)."""
+        self._drop_window()
         with self._txn():
             self._db.execute("DELETE FROM blocks WHERE key = ? AND writer = ? AND state = ?",
                              (key, writer, RESERVED))
 
     def remove(self, keys: Iterable[str], *, states: tuple[int, ...] = (COMPLETE,)) -> None:
         """Delete rows of ``keys`` in the given states."""
+        self._drop_window()
         marks = ",".join("?" * len(states))
         with self._txn():
             self._db.executemany(f"DELETE FROM blocks WHERE key = ? AND state IN ({marks})",
@@ -347,6 +366,7 @@ class Manifest:
     def adopt(self, rows: Iterable[Row], file_exists: Callable[[str], bool] | None = None) -> int:
         """Insert rows for complete files found on disk (kept if a row already exists; with
         ``file_exists``, only for files still there inside the transaction); the rows inserted."""
+        self._drop_window()
         with self._txn():
             return self._db.executemany(
                 f"INSERT INTO blocks({','.join(_COLUMNS)}) VALUES "
@@ -355,6 +375,7 @@ class Manifest:
 
     def mark_complete(self, keys: Iterable[str]) -> None:
         """Turn reservations of dead writers whose file was renamed into complete rows."""
+        self._drop_window()
         with self._txn():
             self._db.executemany("UPDATE blocks SET state = ? WHERE key = ? AND state = ?",
                                  [(COMPLETE, k, RESERVED) for k in keys])
@@ -363,6 +384,7 @@ class Manifest:
         """Record batched access times, drop the complete rows of ``forgets`` whose files are
         still gone (a key stored again meanwhile, by any process, keeps its new row) and add
         ``written`` to the directory's tally."""
+        self._drop_window()
         if deferred.touches or deferred.forgets or deferred.written:
             with self._txn():
                 self._apply(deferred, file_exists)
@@ -382,6 +404,7 @@ class Manifest:
         """
         if self.totals()[1] <= max_bytes:  # within budget (every open but a shrunk budget's)
             return []
+        self._drop_window()
         cur = self._db.execute("SELECT key, parent, file_bytes, last_access FROM blocks "
                                "WHERE state = ?", (COMPLETE,))
         order = iter(eviction_order(cur.fetchall()))
@@ -404,56 +427,9 @@ class Manifest:
                             "DELETE FROM blocks WHERE key = ? AND state = ?", (key, COMPLETE)).rowcount:
                         evicted.append((key, size))
 
-    def _evict(self, need: int, remove_file: Callable[[str], bool],
-               parent: str | None) -> list[tuple[str, int]]:
-        """Free up to ``need`` bytes inside the caller's transaction, file first, then row, in
-        the eviction order (tiers/eviction.py) of the complete rows, for a block whose parent is
-        ``parent``: it counts as that row's child, so its own ancestors are never evicted for it
-        (the caller refuses it when only they are left).
-
-        The rows are read least recently used first, in windows (each row with its number of
-        children), until the window holds a leaf: the least recently used leaf is always in it,
-        and a parent evicted there becomes a leaf when its last child goes. A row whose file could
-        not be removed stays (the bytes are still on disk) and the next candidate is taken.
-        Without any leaf (parent links in a cycle, or every leaf's file kept) the least recently
-        used rows that are not the incoming block's ancestors go.
-        """
-        evicted: list[tuple[str, int]] = []
-        order = LeavesFirst()
-        if parent is not None:
-            order.pin(parent)
-        sizes: dict[str, int] = {}
-        parents: dict[str, str | None] = {}
-        after: tuple[float, str] | None = None   # the last row read
-        window, complete = _LRU_WINDOW, False
-        while need > 0:
-            key = order.victim()
-            if key is None and not complete:
-                rows = self._db.execute(_LRU_ROWS if after is None else _LRU_ROWS_AFTER,
-                                        (COMPLETE, *(after or ()), window)).fetchall()
-                for key, up, size, last, children in rows:
-                    sizes[key], parents[key] = size, up
-                    order.add(key, up, last, children=children)
-                complete = len(rows) < window
-                after = (rows[-1][3], rows[-1][0]) if rows else after
-                window *= 2
-                continue
-            if key is None:
-                kept = _ancestors(parent, parents)
-                left = [k for k in order.by_use() if k not in kept]
-                if not left:
-                    break
-                key = left[0]
-            if not remove_file(key):
-                order.skip(key)
-                continue
-            self._db.execute("DELETE FROM blocks WHERE key = ?", (key,))
-            order.remove(key)
-            if parents[key] in order:  # its count, read with the window, included this row
-                order.release(parents[key])
-            need -= sizes[key]
-            evicted.append((key, sizes[key]))
-        return evicted
+    def _drop_window(self) -> None:
+        """Forget this connection's eviction window (its other writes change what it read)."""
+        self._local.__dict__.pop("window", None)
 
     def _apply(self, deferred: Deferred, file_exists: Callable[[str], bool]) -> None:
         forgets = [k for k in deferred.forgets if not file_exists(k)]  # decided inside the lock
@@ -466,23 +442,6 @@ class Manifest:
         if deferred.written:
             self._db.execute("UPDATE info SET value = CAST(value AS INTEGER) + ? WHERE name = ?",
                              (deferred.written, WRITTEN))
-
-
-def _ancestors(key: str | None, parents: dict[str, str | None]) -> set[str]:
-    """``key`` and the keys up its parent links in ``parents`` (a cycle ends the walk)."""
-    out: set[str] = set()
-    while key is not None and key not in out:
-        out.add(key)
-        key = parents.get(key)
-    return out
-
-
-_LRU_WINDOW = 64  # complete rows read at first by an eviction (doubled while no leaf is in them)
-# Complete rows least recently used first, each with its number of children (any state).
-_LRU_SELECT = ("SELECT key, parent, file_bytes, last_access, "
-               "(SELECT COUNT(*) FROM blocks c WHERE c.parent = b.key) FROM blocks b WHERE state = ?")
-_LRU_ROWS = _LRU_SELECT + " ORDER BY last_access, key LIMIT ?"
-_LRU_ROWS_AFTER = _LRU_SELECT + " AND (last_access, key) > (?, ?) ORDER BY last_access, key LIMIT ?"
 
 
 def _inode(path: Path) -> int | None:
