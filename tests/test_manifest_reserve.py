@@ -92,3 +92,49 @@ def test_a_block_never_evicts_its_own_ancestors_and_is_refused_when_only_they_ar
             ("reserved", [("d", 100)])
     finally:
         m.close()
+
+
+def chain_manifest(path: Path, n: int) -> Manifest:
+    """A manifest holding one chain of ``n`` rows c0 <- c1 <- ..., touched root first, full at
+    ``n * 10`` bytes."""
+    m = Manifest(path)
+    m.adopt([row(f"c{i:04d}", COMPLETE, 10, 1.0 + i, parent=f"c{i - 1:04d}" if i else None)
+             for i in range(n)])
+    return m
+
+
+def test_a_long_chain_is_read_once_while_its_tip_goes_write_after_write(tmp_path: Path):
+    m = chain_manifest(tmp_path / "manifest.sqlite", 200)
+    try:
+        steps = [0]
+
+        def count() -> int:
+            steps[0] += 1
+            return 0
+        m._db.set_progress_handler(count, 1)
+        spent = []
+        for i in range(4):
+            before = steps[0]
+            status, victims = reserve(m, row(f"new{i}", RESERVED, 10, 500.0 + i), 2000, [])
+            spent.append(steps[0] - before)
+            assert (status, victims) == ("reserved", [(f"c{199 - i:04d}", 10)])
+        m._db.set_progress_handler(None, 1)
+        # the first reads the chain (200 rows, their child counts), the others only evict
+        assert max(spent[1:]) * 5 < spent[0], spent
+    finally:
+        m.close()
+
+
+def test_another_connection_s_write_is_seen_by_the_next_eviction(tmp_path: Path):
+    m = chain_manifest(tmp_path / "manifest.sqlite", 100)
+    other = Manifest(tmp_path / "manifest.sqlite")   # as another process would
+    try:
+        assert reserve(m, row("a", RESERVED, 10, 500.0), 1000, []) == \
+            ("reserved", [("c0099", 10)])
+        other.adopt([row("old", COMPLETE, 10, 0.5)])   # the least recently used leaf now
+        assert reserve(m, row("b", RESERVED, 10, 501.0), 1000, [])[1] == \
+            [("old", 10), ("c0098", 10)]
+        assert reserve(m, row("c", RESERVED, 10, 502.0), 1000, [])[1] == [("c0097", 10)]
+    finally:
+        other.close()
+        m.close()
