@@ -369,7 +369,8 @@ def figures(ctx: Context, requests: Sequence[TraceRequest]) -> list[Figure]:
 def tables(data: dict) -> dict[str, str]:
     """``cost``: per blocks held, each configuration's median (p99) cost per request and the
     median's ratio to the one at the first mark, from a stored run (``trace`` family figures,
-    kept apart in results/trace_cost.json when the replays ran on their own)."""
+    kept apart in results/trace_cost.json when the replays ran on their own); ``writer``: the
+    ``ssd full`` writer's CPU per block written at each mark."""
     figures = data["figures"]
     figs = {f["name"]: f for f in figures}
     marks = sorted({f["details"]["blocks_held"] for f in figures
@@ -384,4 +385,11 @@ def tables(data: dict) -> dict[str, str]:
                          f"{got['measured'] * 1e3:.2f} ms ({got['details']['p99_s'] * 1e3:.1f} ms)"
                          f", {got['ratio']:.2f}x")
         lines.append(f"| {mark:,} | " + " | ".join(cells) + " |")
-    return {"cost": "\n".join(lines) + "\n"}
+    writer = ["| blocks held | writer CPU per block written | vs the first mark | blocks "
+              "written | evictions |", "|---|---|---|---|---|"]
+    for f in figures:
+        if f["name"].startswith("SSD writer CPU per block written"):
+            d = f["details"]
+            writer.append(f"| {d['blocks_held']:,} | {f['measured'] * 1e6:.0f} us | "
+                          f"{f['ratio']:.2f}x | {d['blocks_written']:,} | {d['evictions']:,} |")
+    return {"cost": "\n".join(lines) + "\n", "writer": "\n".join(writer) + "\n"}
