@@ -104,7 +104,7 @@ def test_a_routed_lookup_lists_the_request_s_children_and_its_neighbours(tmp_pat
                                                                          tier: str) -> None:
     """Given the request's tokens, a lookup lists of a parent's children those that are
     prefixes of the request's tokens there (its own block, a partial tail of it) and a few
-    neighbours in token order (one when its own block is there), not every child; the
+    neighbours in token order (one a side when its own block is there), not every child; the
     request's blocks are found as an unrouted lookup finds them."""
     config = CacheConfig(block_size=BS, hot_cache_only=True, hot_cache_max_bytes="1MiB") \
         if tier == "hot" else CacheConfig(block_size=BS, hot_cache_max_bytes="1KiB",
@@ -181,3 +181,18 @@ def test_order_keys_and_the_prefix_walk() -> None:
         return max((s for s in stored if s <= q), default=None)
 
     assert prefix_walk(request, below) == [ids_key(np.array([1, 2])), ids_key(np.array([1]))]
+
+
+def test_a_child_holding_the_request_s_tokens_still_lists_the_next_one_going_on() -> None:
+    """A parent's child with exactly the request's tokens there may be a checkpoint (state, no
+    rows of the layers a block holds): the shortest child going on past those tokens holds the
+    rows, so it is listed beside it (a gemma3 request that was a prefix of an earlier prompt got
+    one token fewer than LRUPromptCache without it)."""
+    from paged_cache.tiers.route import ids_key, select
+
+    request = ids_key(np.array([1, 2, 3]))
+    entries = sorted([(ids_key(np.array(ids)), key) for ids, key in (
+        ([0, 9], "before"), ([1, 2, 3], "own"), ([1, 2, 3, 4, 5], "longer"),
+        ([1, 2, 3, 7, 7, 7], "longest"), ([5], "after"))])
+    listed = {entries[i][1] for i in select(entries, request)}
+    assert listed == {"before", "own", "longer"}

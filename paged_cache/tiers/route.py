@@ -14,8 +14,8 @@ lookup's cost grow with the blocks held. What a fetch or a store can use of them
 With each parent's children ordered by their token ids (``ids_key``: 4 bytes big-endian per
 token, so children sharing leading tokens are adjacent), those are the prefixes found by walking
 down from the request's tokens (``prefix_walk``) and the ``NEIGHBORS`` children on each side of
-them, or only the nearest one where the request's own block is there (``select``): a handful of
-ordered look-ups whatever the number of children. The hot tier and the SSD write queue keep a
+them, or only the nearest one on each side where the request's own tokens are there
+(``select``): a handful of ordered look-ups whatever the number of children. The hot tier and the SSD write queue keep a
 ``ChildIndex``; the SSD manifest indexes (parent, first token) and the remote tier lists whole:
 both read the children starting with the request's token there, ``trim`` them as the index
 would list them and add one other (``routed``, tiers/ssd/child_rows.py). A child whose ids
@@ -206,9 +206,10 @@ def select(entries: list[tuple[bytes, str]], request: bytes) -> set[int]:
     """Indices of the ``entries`` (a parent's children, sorted (ids, key)) a lookup with
     ``request`` lists: every child whose tokens are a prefix of the request's (its own block
     included; found by ``prefix_walk``) and the ``NEIGHBORS`` on each side of the request's
-    tokens, or only the nearest other one when a child holds the request's very tokens (the
-    others share fewer: its own block is better than any of them, and one is witness enough).
-    Ordered look-ups only, never a pass over every entry."""
+    tokens, or only the nearest other one on each side when a child holds the request's very
+    tokens (the one after is the shortest that goes on past them: the request's tokens may be
+    held there with the rows a checkpoint of them lacks; the one before is a witness). Ordered
+    look-ups only, never a pass over every entry."""
     def run(ids: bytes) -> range:   # the entries holding exactly ``ids``
         start = stop = bisect.bisect_left(entries, ids, key=lambda e: e[0])
         while stop < len(entries) and entries[stop][0] == ids:
@@ -222,7 +223,7 @@ def select(entries: list[tuple[bytes, str]], request: bytes) -> set[int]:
     own = run(request)
     at = own.start
     if own:
-        near = [at - 1] if at else ([own.stop] if own.stop < len(entries) else [])
+        near = [i for i in (at - 1, own.stop) if 0 <= i < len(entries)]
     else:
         near = range(max(0, at - NEIGHBORS), min(len(entries), at + NEIGHBORS))
     out = set(near)
