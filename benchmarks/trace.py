@@ -41,7 +41,7 @@ WEAR_RAM, WEAR_SSD = 250_000, 3_000_000
 WEAR_SETTINGS = (("all", "write-through"), ("reused", "write-through"), ("all", "write-back"),
                  ("reused", "write-back"))
 WORKERS = int(os.environ.get("PAGED_CACHE_TRACE_WORKERS", 3))   # replays at once
-CALIBRATE = 20             # requests whose block files weigh an SSD budget in tokens
+CALIBRATE = 20             # requests stored first to weigh a block (an SSD file, server memory)
 
 
 def tokens_label(tokens: int) -> str:
@@ -60,8 +60,8 @@ def _replay(kind: str, capacity: int, limit: int, scratch: str, fields: dict) ->
             per_block = ssd_files(requests[:CALIBRATE], scratch_dir).mean
             extra["ssd_bytes"] = ssd_budget(capacity, per_block)
         if kind == "remote":
-            server, extra["remote_url"], per_block = _bounded_server(capacity, requests[:20],
-                                                                     scratch_dir)
+            server, extra["remote_url"], per_block = _bounded_server(
+                capacity, requests[:CALIBRATE], scratch_dir)
         replay = Replay(config_for(kind, capacity, scratch_dir, ram_tokens=ram, **extra,
                                    **fields))
         try:

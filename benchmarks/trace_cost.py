@@ -17,11 +17,11 @@ its waits for a core); the wall-clock figures are in each figure's details.
 
 Configurations: ``hot`` (RAM only), ``ssd`` (an SSD tier behind a RAM tier of 64 blocks),
 ``hot+ssd`` (2,000 blocks of RAM in front of the SSD tier), ``ssd full`` (as ``ssd``, its SSD
-tier holding a ``FULL_SHARE`` of the blocks the replay stores: past them every write evicts). Figures, per configuration and
-blocks held: the median per request against the median at 10k blocks held (goal <= 2x) and
-the p99 (goal <= 10 ms); the SSD tier's open time on everything the replay left (goal <= 1 s)
-and the memory each block held costs the index (process RSS growth per block minus the
-payload; the manifest's file bytes per row). The SSD writer's work (block files, manifest rows,
+tier holding 1 / ``FULL_SHARE`` of the blocks the replay stores: past them every write
+evicts). Figures, per configuration and blocks held: the median per request against the
+median at 10k blocks held (goal <= 2x) and the p99 (goal <= 10 ms); the SSD tier's open time
+on everything the replay left (goal <= 1 s) and the memory each block held costs the index
+(process RSS growth per block minus the payload; the manifest's file bytes per row). The SSD writer's work (block files, manifest rows,
 the evictions that make room) is on its own thread, outside a request's time: ``ssd full``
 waits for it after each request and files its CPU time (``writer_cpu_seconds``) per block
 written under the blocks held, against the same at 10k, before the tier is full (goal <= 2x).

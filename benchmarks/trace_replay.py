@@ -203,7 +203,7 @@ def ssd_files(requests: list[TraceRequest], scratch: Path) -> SSDFiles:
     finally:
         replay.close()
     try:
-        with closing(sqlite3.connect(root / f"trace-ssd-0/{MANIFEST_NAME}")) as db:
+        with closing(sqlite3.connect(replay.config.ssd_dir / MANIFEST_NAME)) as db:
             rows = np.array(db.execute("SELECT tokens, file_bytes FROM blocks").fetchall(),
                             dtype=np.float64)
     finally:

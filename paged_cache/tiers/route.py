@@ -15,8 +15,8 @@ With each parent's children ordered by their token ids (``ids_key``: 4 bytes big
 token, so children sharing leading tokens are adjacent), those are the prefixes found by walking
 down from the request's tokens (``prefix_walk``) and the ``NEIGHBORS`` children on each side of
 them, or only the nearest one on each side where the request's own tokens are there
-(``select``): a handful of ordered look-ups whatever the number of children. The hot tier and the SSD write queue keep a
-``ChildIndex``; the SSD manifest indexes (parent, first token) and the remote tier lists whole:
+(``select``): a handful of ordered look-ups whatever the number of children. The hot tier and
+the SSD write queue keep a ``ChildIndex``; the SSD manifest indexes (parent, first token) and the remote tier lists whole:
 both read the children starting with the request's token there, ``trim`` them as the index
 would list them and add one other (``routed``, tiers/ssd/child_rows.py). A child whose ids
 cannot be ordered (none, or an id outside 0..2**32-1) is always listed.
