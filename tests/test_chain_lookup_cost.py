@@ -196,3 +196,80 @@ def test_a_child_holding_the_request_s_tokens_still_lists_the_next_one_going_on(
         ([1, 2, 3, 7, 7, 7], "longest"), ([5], "after"))])
     listed = {entries[i][1] for i in select(entries, request)}
     assert listed == {"before", "own", "longer"}
+
+
+def test_a_parent_s_only_child_is_indexed_without_decoding_its_ids() -> None:
+    """The RAM index keeps a parent's only child with its token id text (a lookup lists it
+    whatever the request), so a chain of single children costs no decoding; a second child
+    orders both. Through any adds and removes it lists what ordering every child lists."""
+    from paged_cache.tiers.route import ChildIndex, _text_key, ids_key, select, text_key
+
+    rng = np.random.default_rng(7)
+    parents = [f"{i:064x}" for i in range(6)]
+    index, held = ChildIndex(), {p: {} for p in parents}
+    _text_key.cache_clear()
+    for i, parent in enumerate(parents):  # one child each: nothing decoded
+        index.add(parent, encode_token_ids(np.full(BS, i)), f"{i:02x}" * 32)
+        held[parent][f"{i:02x}" * 32] = encode_token_ids(np.full(BS, i))
+    assert _text_key.cache_info().misses == 0
+    for step in range(400):
+        parent = parents[int(rng.integers(len(parents)))]
+        if held[parent] and rng.random() < 0.4:
+            key = list(held[parent])[int(rng.integers(len(held[parent])))]
+            index.remove(parent, held[parent].pop(key), key)
+        else:
+            ids = rng.integers(0, 4, size=int(rng.integers(1, BS + 1)))
+            text = "malformed" if rng.random() < 0.1 else encode_token_ids(ids)
+            key = f"{step:064x}"
+            index.add(parent, text, key)
+            held[parent][key] = text
+        request = ids_key(rng.integers(0, 4, size=BS))
+        for p in parents:
+            odd = [k for k, t in held[p].items() if text_key(t) is None]
+            entries = sorted((text_key(t), k) for k, t in held[p].items()
+                             if text_key(t) is not None)
+            want = [k for k in held[p]] if len(held[p]) == 1 else \
+                odd + [entries[i][1] for i in sorted(select(entries, request))]
+            assert sorted(index.keys([p], {p: request})) == sorted(want), (step, p)
+            assert sorted(index.keys([p], None)) == sorted(held[p]), (step, p)
+
+
+def test_the_manifest_makes_the_request_s_own_rows_from_its_route(tmp_path: Path) -> None:
+    """A routed manifest lookup reads the route index alone for the request's own blocks (their
+    keys commit to the request's fingerprint, parent and tokens) and the rows of the others: the
+    rows it makes are the stored ones. A stored row's fingerprint and ids altered since are not
+    read where the key says what it holds (as the manager knows the request's own node by its
+    key); a row whose token count does not fit the request's block is read."""
+    from paged_cache.tiers.route import route_of
+
+    config = CacheConfig(block_size=BS, hot_cache_max_bytes="1KiB", ssd_dir=tmp_path,
+                         ssd_max_bytes="64MiB")
+    with PagedSSDCacheManager(config) as manager:
+        tokens = np.arange(6 * BS, dtype=np.int64) + 70_000   # i4 ids: the text's widest form
+        chain, parent = [], ROOT_PARENT
+        for d in range(6):
+            chain.append(node_block(parent, d * BS, tokens[d * BS:(d + 1) * BS]))
+            parent = chain[-1].key
+        sibling = node_block(chain[2].key, 3 * BS, tokens[3 * BS:4 * BS - 1])  # a tail
+        for block in [*chain, sibling]:
+            assert manager.put(block)
+        manager.flush()
+        keys = [b.key for b in chain]
+        parents = [ROOT_PARENT, *keys]
+        route = route_of(parents, tokens, BS)
+        manifest = manager.tier("ssd")._manifest
+        routed = manifest.child_rows(parents, FP, route)
+        stored = manifest.child_rows(parents, FP)
+        assert sorted(routed) == sorted(stored) and len(routed) == 7
+        with sqlite3.connect(tmp_path / "manifest.sqlite") as db:
+            for block, column, value in ((chain[1], "token_ids", encode_token_ids(
+                    np.full(BS, 5))), (chain[1], "fingerprint", "ef" * 32),
+                    (chain[4], "tokens", BS - 1)):
+                db.execute(f"UPDATE blocks SET {column} = ? WHERE key = ?", (value, block.key))
+        routed = {row[0]: row for row in manifest.child_rows(parents, FP, route)}
+        assert routed[chain[1].key] == next(r for r in stored if r[0] == chain[1].key)
+        assert routed[chain[4].key][4] == BS - 1   # read: the stored count
+        assert routed[chain[4].key][5] == next(r for r in stored if r[0] == chain[4].key)[5]
+        tiers, nodes = manager.chain(keys, FP, tokens=tokens)
+        assert None not in tiers and chain[1].key in {n.key for n in nodes[chain[0].key]}
+        assert manager.stats()["nodes_rejected"] == 0

@@ -380,16 +380,21 @@ def test_chain_listing_uses_the_parent_index(tmp_path: Path) -> None:
                           {"state": 0, "fp": "m1", "parents": "[]"}).fetchall()
         assert any("INDEX blocks_route (parent=?)" in row[-1] for row in plan), plan
         assert not any("blocks_lru" in row[-1] for row in plan), plan
-        # a routed lookup (tiers/ssd/child_rows.py) probes both columns of the same index
-        for sql in (child_rows.ROUTED_ROWS_SQL, child_rows.WITNESS_ROWS_SQL):
+        # a routed lookup (tiers/ssd/child_rows.py) probes the same index: the route's
+        # children from the index alone, the others' rows by key
+        for sql in (child_rows.ROUTED_KEYS_SQL, child_rows.WITNESS_ROWS_SQL):
             plan = db.execute("EXPLAIN QUERY PLAN " + sql, {"state": 0, "fp": "m1",
                                                             "route": "[]"}).fetchall()
             assert any("INDEX blocks_route (parent=?" in row[-1] for row in plan), plan
             assert not any(row[-1].startswith("SCAN b") or "blocks_lru" in row[-1]
                            for row in plan), plan
-        plan = db.execute("EXPLAIN QUERY PLAN " + child_rows.ROUTED_ROWS_SQL,
-                          {"state": 0, "fp": "m1", "route": "[]"}).fetchall()
-        assert any("(parent=? AND first_token=?)" in row[-1] for row in plan), plan
+        plan = db.execute("EXPLAIN QUERY PLAN " + child_rows.ROUTED_KEYS_SQL,
+                          {"state": 0, "route": "[]"}).fetchall()
+        assert any("COVERING INDEX blocks_route (parent=? AND first_token=? AND state=?)"
+                   in row[-1] for row in plan), plan
+        plan = db.execute("EXPLAIN QUERY PLAN " + child_rows.ROWS_BY_KEY_SQL,
+                          {"state": 0, "fp": "m1", "keys": "[]"}).fetchall()
+        assert any("PRIMARY KEY (key=?)" in row[-1] for row in plan), plan
 
 
 CHILD = textwrap.dedent("""

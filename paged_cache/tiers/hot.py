@@ -29,7 +29,7 @@ from paged_cache.tiers.base import Tier
 from paged_cache.tiers.eviction import LeavesFirst
 from paged_cache.tiers.format import (META_FINGERPRINT, META_PARENT, META_TOKEN_IDS, NodeRow,
                                       RawTensors, node_row)
-from paged_cache.tiers.route import ChildIndex, Route, text_key
+from paged_cache.tiers.route import ChildIndex, Route
 
 log = logging.getLogger("paged_cache.tiers.hot")
 
@@ -46,7 +46,7 @@ class _Entry:
     nbytes: int
     persisted: bool   # True when an SSD copy exists or is queued: evicting it loses nothing
     parent: str | None   # meta["parent"] (None for a root or a block without one)
-    ids: bytes | None = None   # its token ids' order key (the children index's key)
+    ids_text: object = None   # meta["token_ids"] as the children index was given it
 
 
 EvictCallback = Callable[[Block, bool], None]   # (block, persisted)
@@ -157,8 +157,9 @@ class HotTier(Tier):
         key = entry.block.key
         self._entries[key] = entry
         self._bytes += entry.nbytes
-        entry.ids = text_key(entry.block.meta.get(META_TOKEN_IDS))
-        self._children.add(entry.block.meta.get(META_PARENT, ""), entry.ids, key)
+        meta = entry.block.meta
+        entry.ids_text = meta.get(META_TOKEN_IDS)
+        self._children.add(meta.get(META_PARENT, ""), entry.ids_text, key)
         self._tick += 1
         self._order.add(key, entry.parent, self._tick)
 
@@ -202,7 +203,7 @@ class HotTier(Tier):
         if entry is not None:
             self._bytes -= entry.nbytes
             self._order.remove(key)
-            self._children.remove(entry.block.meta.get(META_PARENT, ""), entry.ids, key)
+            self._children.remove(entry.block.meta.get(META_PARENT, ""), entry.ids_text, key)
             if entry.parent is not None:
                 self._remember(key, self._anchor(entry.parent) or entry.parent)
         return entry

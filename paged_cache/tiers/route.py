@@ -151,21 +151,42 @@ def prefix_walk(request: bytes, below: Callable[[bytes], bytes | None]) -> list[
 
 
 class ChildIndex:
-    """Held keys by parent, ordered by (``ids_key``, key); the caller's lock guards it."""
+    """Held keys by parent, ordered by (``ids_key``, key); the caller's lock guards it. A
+    parent's only child is kept with its token id text, unordered: a lookup lists a lone child
+    whatever the request (``select``), and most blocks of a chain have one child, so its ids are
+    decoded (``text_key``, a few microseconds a block) only once a second child comes."""
 
     def __init__(self) -> None:
         self._by: dict[str, list[tuple[bytes, str]]] = {}
         self._odd: dict[str, dict[str, None]] = {}   # parent -> keys with no order key
+        self._lone: dict[str, tuple[str, object]] = {}  # parent -> (its only key, its ids text)
 
-    def add(self, parent: str, ids: bytes | None, key: str) -> None:
-        """Index ``key`` under ``parent`` and its order key ``ids``."""
+    def add(self, parent: str, text: object, key: str) -> None:
+        """Index ``key`` under ``parent`` with its token id text (``hashing.encode_token_ids``
+        form; anything else: a child with no order key)."""
+        lone = self._lone.pop(parent, None)
+        if lone is None and parent not in self._by and parent not in self._odd:
+            self._lone[parent] = (key, text)
+            return
+        if lone is not None and lone[0] != key:
+            self._order(parent, *lone)
+        self._order(parent, key, text)
+
+    def _order(self, parent: str, key: str, text: object) -> None:
+        ids = text_key(text)
         if ids is None:
             self._odd.setdefault(parent, {})[key] = None
         else:
             bisect.insort(self._by.setdefault(parent, []), (ids, key))
 
-    def remove(self, parent: str, ids: bytes | None, key: str) -> None:
+    def remove(self, parent: str, text: object, key: str) -> None:
         """Forget ``key`` (as added); nothing when it is not indexed."""
+        lone = self._lone.get(parent)
+        if lone is not None:
+            if lone[0] == key:
+                del self._lone[parent]
+            return
+        ids = text_key(text)
         if ids is None:
             odd = self._odd.get(parent, {})
             odd.pop(key, None)
@@ -186,6 +207,10 @@ class ChildIndex:
         the parent, else those it leads to (module doc)."""
         out: list[str] = []
         for parent in parents:
+            lone = self._lone.get(parent)
+            if lone is not None:
+                out.append(lone[0])
+                continue
             out += self._odd.get(parent, ())
             entries = self._by.get(parent)
             if not entries:
@@ -200,6 +225,7 @@ class ChildIndex:
         """Forget every key."""
         self._by.clear()
         self._odd.clear()
+        self._lone.clear()
 
 
 def select(entries: list[tuple[bytes, str]], request: bytes) -> set[int]:

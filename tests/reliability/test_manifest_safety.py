@@ -392,9 +392,15 @@ def test_the_manifest_size_is_reported_and_bounded_per_row(tmp_path: Path, recor
 
 def _schema_one(root: Path, variant: str) -> None:
     """Turn the manifest into what paged-cache wrote before the chain columns (schema 1), whole
-    ("proper": its info row says 1) or damaged / partial (no info row, no info table)."""
+    ("proper": its info row says 1) or damaged / partial (no info row, no info table), or
+    ("3") into schema 3, whose route index held (parent, first_token) only."""
     db = sqlite3.connect(root / MANIFEST_NAME, isolation_level=None)
     try:
+        db.execute("DROP INDEX blocks_route")
+        if variant == "3":
+            db.execute("CREATE INDEX blocks_route ON blocks(parent, first_token)")
+            db.execute("UPDATE info SET value = '3' WHERE name = 'schema'")
+            return
         for column in ("start", "token_ids", "checkpoint", "restorable"):
             db.execute(f"ALTER TABLE blocks DROP COLUMN {column}")
         db.execute({"proper": "UPDATE info SET value = '1' WHERE name = 'schema'",
@@ -404,7 +410,7 @@ def _schema_one(root: Path, variant: str) -> None:
         db.close()
 
 
-@pytest.mark.parametrize("variant", ["proper", "no-info-row", "no-info-table"])
+@pytest.mark.parametrize("variant", ["proper", "no-info-row", "no-info-table", "3"])
 def test_an_older_manifest_is_migrated_never_taken_for_a_new_one(
         tmp_path: Path, variant: str, caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,6 +8,15 @@ request's token there (every one that can be a prefix of the request's tokens or
 tokens with them) and one other (a witness, the first the index holds); ``route.trim`` then trims
 them as the RAM index would list them. A parent whose children all start with the same token (a
 shared prompt ending a few tokens into a block) is read whole.
+
+The first statement reads the index alone: it holds a child's key, state, start, token count and
+node flags, but not its fingerprint and token ids, which lie in its row (with 512-byte pages, in
+overflow pages: a row read cost ~14 us, twice the index probe). A route lists its parents in
+chain order (``route_of``), so the child of each one holding the request's own block there is the
+next parent: that child's key is the hash of the request's fingerprint, parent and those very
+tokens, so its row is made from the route (the request's tokens) without being read, as the
+manager knows such a node by its key (``ChainNode.unfit``). Only the other children's rows are
+read, by key.
 """
 
 from __future__ import annotations
@@ -16,6 +25,9 @@ import json
 import sqlite3
 from typing import Sequence
 
+import numpy as np
+
+from paged_cache.hashing import encode_token_ids
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.route import Route, first_of, trim
 
@@ -23,10 +35,14 @@ _FIELDS = ",".join(f"b.{name}" for name in fmt.NODE_FIELDS)
 _PAIRS = ("(SELECT json_extract(value, '$[0]') p, json_extract(value, '$[1]') t "
           "FROM json_each(:route)) r")
 _KEEP = "+{t}.state = :state AND {t}.fingerprint = :fp"   # complete rows of the model
-# the children starting with the route's token (CROSS JOIN: the pairs outer, each one probe of
-# both index columns), then one other child per parent
-ROUTED_ROWS_SQL = (f"SELECT {_FIELDS} FROM {_PAIRS} CROSS JOIN blocks b ON b.parent = r.p AND "
-                   "b.first_token = r.t WHERE " + _KEEP.format(t="b"))
+# the complete children starting with the route's token, from the index alone (CROSS JOIN: the
+# pairs outer, each one probe of the index's first three columns)
+ROUTED_KEYS_SQL = ("SELECT b.key, b.parent, b.start, b.tokens, b.checkpoint, b.restorable FROM "
+                   f"{_PAIRS} CROSS JOIN blocks b INDEXED BY blocks_route ON b.parent = r.p AND "
+                   "b.first_token = r.t WHERE b.state = :state")
+ROWS_BY_KEY_SQL = (f"SELECT {_FIELDS} FROM blocks b WHERE b.key IN (SELECT value FROM "
+                   "json_each(:keys)) AND " + _KEEP.format(t="b"))
+# then one other child per parent
 # (a parent with no child starting with another token, the chain's own most often, is passed
 # over on the covering index alone: the row look-ups of ``_KEEP`` cost several times more)
 WITNESS_ROWS_SQL = (f"SELECT {_FIELDS} FROM blocks b WHERE b.key IN (SELECT (SELECT c.key FROM "
@@ -41,9 +57,22 @@ def routed_rows(db: sqlite3.Connection, parents: Sequence[str], route: Route,
     leads to; ``args``: the ``state`` and ``fp`` (fingerprint) parameters."""
     pairs = json.dumps([[parent, first_of(route[parent])] for parent in parents])
     out = db.execute(WITNESS_ROWS_SQL, dict(args, route=pairs)).fetchall()
+    order = list(route)
+    path = dict(zip(order, order[1:]))  # parent -> the key of the request's block under it
+    rows, others = [], []
+    for key, parent, start, tokens, checkpoint, restorable in db.execute(
+            ROUTED_KEYS_SQL, dict(args, route=pairs)).fetchall():
+        ids = route[parent]
+        if key == path.get(parent) and tokens == len(ids) // 4:
+            text = encode_token_ids(np.frombuffer(ids, dtype=">u4"))
+            rows.append((key, parent, args["fp"], start, tokens, text, checkpoint, restorable))
+        else:
+            others.append(key)
+    if others:
+        rows += db.execute(ROWS_BY_KEY_SQL, dict(args, keys=json.dumps(others))).fetchall()
     bucket: dict[str, list[tuple]] = {}
-    for row in db.execute(ROUTED_ROWS_SQL, dict(args, route=pairs)).fetchall():
+    for row in rows:
         bucket.setdefault(row[1], []).append(row)
-    for parent, rows in bucket.items():
-        out += trim(rows, route[parent])
+    for parent, found in bucket.items():
+        out += trim(found, route[parent])
     return out

@@ -23,7 +23,9 @@ from paged_cache.tiers.ssd.child_rows import routed_rows
 from paged_cache.tiers.ssd.eviction_window import EvictionWindow
 from paged_cache.tiers.ssd.wal_meter import WalMeter
 
-SCHEMA_VERSION = "3"  # 2: chain columns (start, token ids, node flags); 3: first_token
+# 2: chain columns (start, token ids, node flags); 3: first_token; 4: the route index covers the
+# chain fields a lookup reads of the request's own blocks (tiers/ssd/child_rows.py)
+SCHEMA_VERSION = "4"
 RESERVED, COMPLETE = 0, 1
 BUSY_TIMEOUT_SECONDS = 10.0  # how long one statement waits for another process's write lock
 WAL_LIMIT_BYTES = 4 << 20    # the WAL is truncated back to this after a checkpoint
@@ -62,7 +64,8 @@ CREATE TABLE IF NOT EXISTS blocks(
     first_token INTEGER
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS blocks_lru ON blocks(state, last_access);
-CREATE INDEX IF NOT EXISTS blocks_route ON blocks(parent, first_token);
+CREATE INDEX IF NOT EXISTS blocks_route ON blocks(parent, first_token, state, start, tokens,
+                                                 checkpoint, restorable);
 CREATE TABLE IF NOT EXISTS totals(id INTEGER PRIMARY KEY CHECK (id = 0),
                                   blocks INTEGER NOT NULL, bytes INTEGER NOT NULL);
 INSERT OR IGNORE INTO totals VALUES (0, 0, 0);

@@ -10,12 +10,12 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.route import ChildIndex, Route, text_key
+from paged_cache.tiers.route import ChildIndex, Route
 from paged_cache.tiers.write_queue import Write
 
 
-def _place(item: Write) -> tuple[str, bytes | None]:
-    return item.meta.get(fmt.META_PARENT, ""), text_key(item.meta.get(fmt.META_TOKEN_IDS))
+def _place(item: Write) -> tuple[str, object]:
+    return item.meta.get(fmt.META_PARENT, ""), item.meta.get(fmt.META_TOKEN_IDS)
 
 
 class PendingWrites(dict):
