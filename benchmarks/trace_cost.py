@@ -5,8 +5,8 @@ blocks are ~365k cache blocks). A request is replayed through the manager as the
 drives it (``serve``): the fetch's ``manager.chain`` lookup of the request's chain (every tier's
 child listing, the SSD manifest's query), a ``get(take=True, in_place=True)`` of each block of
 the leading held run (a hot block handed over, an SSD block's header verified, its payload left
-on disk), then the store's lookup and a ``put`` of each block no tier holds in RAM (the taken
-ones back, the new ones stored: admission, write queue, evictions, manifest rows). The payloads
+on disk), then the store's lookup and a ``put_many`` of the blocks no tier holds in RAM (the
+taken ones back, the new ones stored: admission, write queue, evictions, manifest rows). The payloads
 are 64 bytes, so what is timed is the cache's bookkeeping, not the copy of KV bytes; keys, token
 ids and payload arrays are made before the clock starts. The SSD directory is on tmpfs when the
 runner is given one (the block files' fsyncs are the KV bytes' cost, not the cache's). Every
@@ -223,8 +223,8 @@ def serve(manager: PagedSSDCacheManager, nodes: list[tuple[str, dict[str, str]]]
           block: Callable[[str], Block], tokens: np.ndarray) -> list[Any]:
     """One request as the prefix cache drives the manager: the fetch's chain lookup (routed by
     the request's ``tokens``) and takes of the leading held run (returned, until the first that
-    is gone), then the store's lookup and a put of each block (``block(key)``) no tier holds in
-    RAM."""
+    is gone), then the store's lookup and one ``put_many`` of the blocks (``block(key)``) no
+    tier holds in RAM, as the store puts them."""
     keys = [k for k, _ in nodes]
     tiers, _ = manager.chain(keys, FINGERPRINT, tokens=tokens)
     got = []
@@ -234,9 +234,8 @@ def serve(manager: PagedSSDCacheManager, nodes: list[tuple[str, dict[str, str]]]
             break  # listed, then gone (a shared server evicted it meanwhile)
         got.append(taken)
     tiers, _ = manager.chain(keys, FINGERPRINT, tokens=tokens)
-    for key, tier in zip(keys, tiers):
-        if tier is None or tier in OUT_OF_RAM:
-            manager.put(block(key))
+    manager.put_many([block(key) for key, tier in zip(keys, tiers)
+                      if tier is None or tier in OUT_OF_RAM])
     return got
 
 

@@ -104,7 +104,30 @@ class PagedSSDCacheManager:
         finally:
             self._after()
 
-    def _put(self, block: Block, raw: RawTensors, deferred: bool) -> bool:
+    def put_many(self, blocks: Sequence[Block]) -> int:
+        """``put`` each of ``blocks`` (none deferred; a store's blocks of one chain), the tiers
+        below RAM asked once for all of them (``Tier.listing``: one manifest query rather than a
+        file look-up a block; a block whose file the manifest does not list yet is queued as
+        new, and the writer finds its file). Returns how many are now held as new."""
+        if not isinstance(blocks, (list, tuple)):
+            raise TypeError(f"blocks: expected a list of paged_cache.Block, got {type(blocks).__name__}")
+        for block in blocks:
+            self._checked(block)
+        mx.eval(*[a for block in blocks for a in block.arrays.values()])  # one call for all
+        raws = [raw_tensors(block) for block in blocks]
+        try:
+            with self._lock:
+                self._check_open()
+            keys = [block.key for block in blocks]
+            listed = {tier: tier.listing(keys) for tier in self._lower if not tier.shared}
+            return sum(self._put(block, raw, False, listed) for block, raw in zip(blocks, raws))
+        finally:
+            self._after()
+
+    def _put(self, block: Block, raw: RawTensors, deferred: bool,
+             listed: dict[Tier, set[str]] | None = None) -> bool:
+        """``put`` under the lock; ``listed``: what each tier below RAM listed of the block (held
+        where its key is there), else each is asked."""
         with self._lock:
             self._check_open()
             if self._hot.holds([block.key])[0] is not None:
@@ -112,7 +135,10 @@ class PagedSSDCacheManager:
                 self.counters["puts_existing"] += 1
                 return False
             for tier in self._lower:
-                if not tier.shared and tier.holds([block.key])[0] is not None:
+                if tier.shared:
+                    continue
+                if (block.key in listed[tier] if listed is not None
+                        else tier.holds([block.key])[0] is not None):
                     # the live arrays are right here: hold them in RAM too (no read needed later)
                     tier.touch(block.key)
                     self.counters["puts_existing"] += 1
@@ -148,12 +174,17 @@ class PagedSSDCacheManager:
     @staticmethod
     def _validated(block: Block) -> RawTensors:
         """Check the block (key, arrays, storable dtypes, meta) and return its raw buffers."""
+        PagedSSDCacheManager._checked(block)
+        mx.eval(*block.arrays.values())
+        return raw_tensors(block)
+
+    @staticmethod
+    def _checked(block: Block) -> None:
+        """Check the block's key, arrays and meta (its dtypes: ``raw_tensors``)."""
         if not isinstance(block, Block):
             raise TypeError(f"block: expected a paged_cache.Block, got {type(block).__name__}")
         Block(block.key, block.arrays, block.meta)  # re-runs Block's own validation
         check_meta(block.meta)
-        mx.eval(*block.arrays.values())
-        return raw_tensors(block)
 
     def _after(self) -> None:
         """Work for when no lock is held (``Tier.settle``): the tiers' writes left to this thread

@@ -97,17 +97,21 @@ def store_chain(pc: Any, tokens: np.ndarray, cache: list, snaps: dict, consume: 
             cache[i] = None
     if not consume:  # every cut at once: one evaluation, not one per block
         evaluate([a for cuts in block_cuts + ckpt_cuts for arrays, _ in cuts for a in arrays.values()])
-    written = 0
-    for pos, j in enumerate(offered):
-        s, e = spans[j]
-        written += _put(pc, keys[j], ChainNode(keys[j], parents[j], fp, s, ids[s:e]),
-                        block_cuts, pos, types, grid)
-    done = 0
+    blocks = [_block(pc, keys[j], ChainNode(keys[j], parents[j], fp, spans[j][0],
+                                            ids[spans[j][0]:spans[j][1]]),
+                     block_cuts, pos, types, grid) for pos, j in enumerate(offered)]
+    checkpoints = []
     for pos, (p, j) in enumerate(ckpts):
         s = spans[j][0]
         key = checkpoint_key(fp, pc.namespace, parents[j], tokens[s:p])
-        done += _put(pc, key, ChainNode(key, parents[j], fp, s, ids[s:p], checkpoint=True),
-                     ckpt_cuts, pos, types, grid)
+        checkpoints.append(_block(pc, key, ChainNode(key, parents[j], fp, s, ids[s:p],
+                                                     checkpoint=True),
+                                  ckpt_cuts, pos, types, grid))
+    # a partial tail waits in RAM: the next store of the conversation usually supersedes it
+    tail = {pos for pos, j in enumerate(offered) if spans[j][1] - spans[j][0] < bs}
+    written = manager.put_many([b for pos, b in enumerate(blocks) if pos not in tail])
+    written += sum(int(bool(manager.put(blocks[pos], deferred=True))) for pos in tail)
+    done = manager.put_many(checkpoints)
     return StoreResult(written, done, len(keys) - len(new))
 
 
@@ -133,15 +137,14 @@ def put_back(pc: Any, layers: list, lent: list) -> int:
     return back
 
 
-def _put(pc: Any, key: str, node: ChainNode, cuts: list[list], pos: int, types: list[str],
-         grid: tuple[int, int] | None) -> int:
-    """Assemble one node's block from every layer's cut ``pos`` and put it; 1 if new."""
+def _block(pc: Any, key: str, node: ChainNode, cuts: list[list], pos: int, types: list[str],
+           grid: tuple[int, int] | None) -> Block:
+    """One node's block from every layer's cut ``pos`` (``node_block``), with the ``grid`` it
+    was prefilled on."""
     block = node_block(pc, key, node, cuts, pos, types)
     if grid is not None:
         block.meta[META_GRID] = f"{grid[0]}:{grid[1]}"
-    # a partial tail waits in RAM: the next store of the conversation usually supersedes it
-    partial = not node.checkpoint and node.ntokens < pc.block_size
-    return int(bool(pc.manager.put(block, deferred=partial)))
+    return block
 
 
 def node_block(pc: Any, key: str, node: ChainNode, cuts: list[list], pos: int,

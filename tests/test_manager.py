@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import sqlite3
 import shutil
 import subprocess
 import sys
@@ -128,6 +129,72 @@ def test_invalid_input_raises_and_keeps_what_is_stored():
         assert same_block(manager.get(good.key), good)
         with pytest.raises(TypeError, match="config"):
             PagedSSDCacheManager({"hot_cache_only": True})
+
+
+def _tiers_stats(manager: PagedSSDCacheManager, keys: list[str]) -> tuple:
+    stats = manager.stats()
+    return ([manager.tier_of(k) for k in keys],
+            {k: stats[k] for k in ("puts", "puts_existing", "promotions", "puts_dropped")},
+            stats["ssd"]["blocks"])
+
+
+def test_put_many_stores_what_a_put_of_each_stores(tmp_path):
+    """A batch (blocks in RAM, only on SSD, new, a key twice) leaves the tiers, counters and
+    bytes as one put a block does, and every block reads back."""
+    runs = []
+    for name, many in (("each", False), ("many", True)):
+        with new_manager(tmp_path / name, hot_cache_max_bytes=4096,
+                         write_policy="write-back") as manager:
+            old = [make_block(i) for i in range(8)]   # 8 KiB: the first ones go to SSD
+            for block in old:
+                manager.put(block)
+            manager.flush()
+            batch = [make_block(i) for i in (0, 1, 6, 7)] + [make_block(i) for i in (20, 21, 20)]
+            got = manager.put_many(batch) if many else sum(manager.put(b) for b in batch)
+            manager.flush()
+            keys = [b.key for b in old + batch]
+            runs.append((got, _tiers_stats(manager, keys)))
+            assert all(same_block(manager.get(b.key), b) for b in old + batch)
+    assert runs[0] == runs[1] and runs[0][0] == 2
+
+
+def test_put_many_checks_every_block_before_storing_any(tmp_path):
+    with new_manager(tmp_path / "c") as manager:
+        good = [make_block(i) for i in range(3)]
+        bad_dtype = Block(key_of(9), {"c": mx.array([1 + 2j], dtype=mx.complex64)})
+        for bad, error in (({"key": key_of(8)}, TypeError), (bad_dtype, ValueError)):
+            with pytest.raises(error):
+                manager.put_many([*good, bad])
+        with pytest.raises(TypeError, match="blocks"):
+            manager.put_many(b for b in good)
+        assert manager.stats()["puts"] == 0
+        assert [manager.tier_of(b.key) for b in good] == [None] * 3
+
+
+def test_put_many_trusts_the_manifest_where_put_looks_at_the_file(tmp_path):
+    """A block file whose row the manifest lacks (found on disk, not adopted yet) is held for
+    ``put`` (its file is looked at) and, for ``put_many`` (the manifest asked once for the
+    batch), a new block the writer finds on disk (not written again); a block whose file this
+    process removed is written again."""
+    root = tmp_path / "c"
+    with new_manager(root, hot_cache_max_bytes=1024) as manager:
+        blocks = [make_block(i) for i in range(4)]
+        for block in blocks:
+            manager.put(block)
+        manager.flush()
+        with sqlite3.connect(root / "manifest.sqlite") as db:
+            db.execute("DELETE FROM blocks WHERE key IN (?, ?)", (blocks[0].key, blocks[1].key))
+        assert manager.put(make_block(0)) is False                  # its file: held
+        assert manager.put_many([make_block(1)]) == 1               # unlisted: queued
+        manager.flush()
+        assert manager.tier("ssd").discard(blocks[2].key)
+        assert manager.put_many([make_block(2), make_block(3)]) == 1  # removed: written again
+        manager.flush()
+        with sqlite3.connect(root / "manifest.sqlite") as db:
+            rows = {r[0] for r in db.execute("SELECT key FROM blocks WHERE state = 1")}
+        assert {b.key for b in blocks[2:]} <= rows and set(block_files(root)) >= rows
+        assert blocks[1].key in block_files(root) and manager.stats()["ssd"]["writes"] == 5
+        assert all(same_block(manager.get(b.key), b) for b in blocks)
 
 
 def test_closed_manager_refuses_work_and_close_is_idempotent():

@@ -46,6 +46,12 @@ class Tier:
         ``stop_at_miss``: the keys after the first one not held are not looked up (None)."""
         raise NotImplementedError
 
+    def listing(self, keys: Sequence[str]) -> set[str]:
+        """The keys among ``keys`` this tier's own index lists as held, in one look-up for all
+        and no file looked at (what a chain lookup trusts of ``children``): what a batch of
+        puts asks (``PagedSSDCacheManager.put_many``). A tier without I/O: what ``holds`` says."""
+        return {key for key, label in zip(keys, self.holds(keys)) if label is not None}
+
     def children(self, parents: Sequence[str], fingerprint: str,
                  route: Route | None = None) -> list[NodeRow]:
         """The node rows of the blocks held here whose parent is one of ``parents`` and whose

@@ -86,6 +86,10 @@ _COLUMNS = ("key", "state", "compression", "file_bytes", "raw_bytes", "tokens", 
 CHILD_ROWS_SQL = (f"SELECT {','.join(fmt.NODE_FIELDS)} FROM blocks WHERE +state = :state AND "
                   "fingerprint = :fp AND parent IN (SELECT value FROM json_each(:parents))")
 
+# (``+state``: the keys' own probes, never the state index's scan of every complete row)
+COMPLETE_AMONG_SQL = ("SELECT key FROM blocks WHERE key IN (SELECT value FROM json_each(?)) AND "
+                      "+state = ?")
+
 
 @dataclass
 class Row:
@@ -263,9 +267,13 @@ class Manifest:
         return 0 if self._wal is None else self._wal.take()
 
     # ---- queries -------------------------------------------------------------------------
-    def complete_keys(self) -> set[str]:
-        """Keys of every complete row (answered from the LRU index alone: startup's fast path)."""
-        cur = self._db.execute("SELECT key FROM blocks WHERE state = ?", (COMPLETE,))
+    def complete_keys(self, among: Sequence[str] | None = None) -> set[str]:
+        """Keys of every complete row (answered from the LRU index alone: startup's fast path),
+        or of those among ``among`` (one statement, a probe of each key)."""
+        if among is None:
+            cur = self._db.execute("SELECT key FROM blocks WHERE state = ?", (COMPLETE,))
+        else:
+            cur = self._db.execute(COMPLETE_AMONG_SQL, (json.dumps(list(among)), COMPLETE))
         return {r[0] for r in cur.fetchall()}
 
     def reservations(self) -> dict[str, tuple[str, float]]:

@@ -314,6 +314,26 @@ class SSDTier(WriteBehind, Tier):
                       if row[0] not in gone or self._files.compression_of(row[0]) is not None]
 
     # ---- the tier interface (tiers/base.py) ----------------------------------------------
+    def listing(self, keys: Sequence[str]) -> set[str]:
+        """The keys among ``keys`` queued or with a complete manifest row (one query, no stat),
+        those of files this process removed or found missing left out unless the file is back
+        (a stat each, as ``children``). A file the manifest does not list yet (adoption at open)
+        is not in it: a put queues it and the writer finds the file (touched, not written). The
+        manifest unreadable: ``holds``."""
+        with self._cond:
+            out = {key for key in keys if key in self._pending}
+        rest = [key for key in keys if key not in out]
+        if not rest:
+            return out
+        gone = self._updates.gone()  # taken before the query, as ``children`` takes it
+        try:
+            rows = self._manifest.complete_keys(rest)
+        except sqlite3.Error as exc:
+            log.warning("listing %d keys failed: %s", len(rest), exc)
+            return out | super().listing(rest)
+        return out | {key for key in rows
+                      if key not in gone or self._files.compression_of(key) is not None}
+
     def holds(self, keys: Sequence[str], *, listed: AbstractSet[str] = frozenset(),
               stop_at_miss: bool = False) -> list[str | None]:
         """"pending" for a key in the write queue, "ssd" for one with a file (a key in
