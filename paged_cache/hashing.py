@@ -89,6 +89,10 @@ def token_bytes(tokens: Sequence[int] | np.ndarray) -> memoryview:
 
 def token_array(tokens: Sequence[int]) -> np.ndarray:
     """Token ids as the narrowest of uint16 / int32 / int64 (little-endian) that holds them all."""
+    given = np.asarray(tokens)
+    if given.dtype.kind == "u" and given.dtype.itemsize <= 4:  # none negative: one reduction
+        hi = int(given.max()) if given.size else 0
+        return given.astype("<u2" if hi <= 0xFFFF else "<i4" if hi <= 0x7FFFFFFF else "<i8")
     wide = np.asarray(tokens, dtype="<i8")
     lo, hi = (int(wide.min()), int(wide.max())) if wide.size else (0, 0)
     for dtype in ("<u2", "<i4"):

@@ -273,3 +273,22 @@ def test_the_manifest_makes_the_request_s_own_rows_from_its_route(tmp_path: Path
         tiers, nodes = manager.chain(keys, FP, tokens=tokens)
         assert None not in tiers and chain[1].key in {n.key for n in nodes[chain[0].key]}
         assert manager.stats()["nodes_rejected"] == 0
+
+
+def test_token_ids_take_the_narrowest_text_form_whatever_their_array_type() -> None:
+    """A route's ids (unsigned, big-endian) and a request's (int64) give the same text form: the
+    narrowest of u2 / i4 / i8 holding them, decoded back to the same ids."""
+    from paged_cache.hashing import decode_token_ids
+
+    for top, code in ((0, "u2"), (65535, "u2"), (65536, "i4"), (2**31 - 1, "i4"),
+                      (2**31, "i8"), (2**32 - 1, "i8")):
+        ids = np.array([0, 7, top], dtype=np.int64)
+        want = encode_token_ids(ids)
+        assert want.startswith(code + ":")
+        for dtype in (">u4", "<u4", "<u2", "<u1", "<i8", "<i4"):
+            if np.iinfo(np.dtype(dtype)).max < top:
+                continue
+            assert encode_token_ids(ids.astype(dtype)) == want, (top, dtype)
+        assert encode_token_ids(ids.tolist()) == want
+        assert decode_token_ids(want).tolist() == ids.tolist()
+    assert encode_token_ids(np.zeros(0, dtype=">u4")) == encode_token_ids([])

@@ -442,6 +442,9 @@ def split_file(data: Any, *, max_bytes: int, admit: Callable[[Header], None] | N
     return h, view[8 + n:]
 
 
+HEAD_READ_BYTES = 1 << 16  # a header is read with the file's first bytes, in one read
+
+
 def read_header_only(read_at: Callable[[int, int], bytes], file_size: int,
                      max_bytes: int, expect: Expected | None = None,
                      key: str | None = None) -> Header:
@@ -450,7 +453,7 @@ def read_header_only(read_at: Callable[[int, int], bytes], file_size: int,
     when given), and checked against ``expect`` when given."""
     limit = expected_limit(max_bytes, expect)
     most = MAX_HEADER_BYTES if expect is None else expect.header_bytes
-    head = read_at(0, min(file_size, 1 << 16))
+    head = read_at(0, min(file_size, HEAD_READ_BYTES))
     if bytes(head[:4]) == LZ4_MAGIC:  # the whole file, once (a view when the caller holds it)
         whole = head if len(head) == file_size else read_at(0, file_size)
         read = _lz4_reader(memoryview(whole))

@@ -143,11 +143,11 @@ class BlockFiles:
             st = os.fstat(fd)
             reason = self._unreadable(st, expect)
             if reason is None:
-                head = os.pread(fd, min(st.st_size, 4), 0)
-                whole = read_exact(fd, st.st_size) if head == fmt.LZ4_MAGIC else None
-                in_memory = memoryview(whole) if whole is not None else None  # sliced, not copied
-                read_at = ((lambda off, n: in_memory[off:off + n]) if in_memory is not None
-                           else (lambda off, n: os.pread(fd, n, off)))
+                first = os.pread(fd, min(st.st_size, fmt.HEAD_READ_BYTES), 0)  # the header's
+                whole = read_exact(fd, st.st_size) if first[:4] == fmt.LZ4_MAGIC else None
+                in_memory = memoryview(whole if whole is not None else first)  # sliced, not copied
+                read_at = (lambda off, n: in_memory[off:off + n] if off + n <= len(in_memory)
+                           else os.pread(fd, n, off))
         except OSError as exc:
             os.close(fd)
             return self._read_error(key, exc)
