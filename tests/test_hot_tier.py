@@ -277,7 +277,8 @@ def test_matches_a_leaves_first_lru_model(budget, ops):
     """Every operation sequence on blocks with parent links leaves what a slow reference model of
     the policy predicts: evict the least recently used block with no held child, where a block
     counts as a child of its nearest held ancestor (parent, or remembered ancestors of blocks that
-    left) and the incoming block counts too; none left: refuse the incoming block if that ancestor
+    left: each remembers its parent if held, else its parent's remembered one) and the incoming
+    block counts too; none left: refuse the incoming block if that ancestor
     is held, else plain LRU. Sizes in units of 256 bytes."""
     unit = 256
     hot = HotTier(budget * unit)
@@ -295,8 +296,8 @@ def test_matches_a_leaves_first_lru_model(budget, ops):
         if key not in model:
             return False
         parent = model.pop(key)[1]
-        if parent is not None:
-            ghosts[key] = anchor(parent) or parent
+        if parent is not None:  # its parent if held, else what its parent was remembered by
+            ghosts[key] = parent if parent in model else ghosts.get(parent, parent)
         return True
 
     def victim(protected: str | None) -> str | None:

@@ -205,7 +205,11 @@ class HotTier(Tier):
             self._order.remove(key)
             self._children.remove(entry.block.meta.get(META_PARENT, ""), entry.ids_text, key)
             if entry.parent is not None:
-                self._remember(key, self._anchor(entry.parent) or entry.parent)
+                # the parent if held, else what it was remembered by (one step, not a walk: a
+                # chain taken root first would walk every ancestor already taken, each block)
+                parent = entry.parent
+                self._remember(key, parent if parent in self._entries
+                               else self._ghosts.get(parent, parent))
         return entry
 
     def _evicted(self, entries: list[_Entry], *, demoted: bool = False) -> None:
