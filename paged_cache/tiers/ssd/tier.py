@@ -1,7 +1,7 @@
 """SSD tier: one safetensors file per block, a SQLite manifest, a byte-bounded writer thread.
 
-The manager uses it through the tier interface (tiers/base.py: holds / children / read / write /
-settle / discard / touch / flush / close / stats), built on the tier's own primitives (enqueue /
+The manager uses it through the tier interface (tiers/base.py: holds / listing / children / read /
+write / settle / discard / touch / flush / close / stats), built on the tier's own primitives (enqueue /
 write_item / write_sync / release_written / read / open_stored / has_pending / read_pending /
 contains). The writer thread neither calls MLX nor drops the last reference to a block's buffers
 (``release_written`` does, on a caller thread, through ``settle``). Notes: a ``read`` or
@@ -14,7 +14,8 @@ Layout under ``directory`` (0700, files 0600): ``manifest.sqlite`` (+ WAL), ``bl
 Its parts, beside it in tiers/ssd/: the block files and their damage (``block_files``), the
 manifest (``manifest``), its open, recovery and reconciliation with the files (``manifest_open``,
 ``reconcile``: a background pass, ``wait_reconciled``), the updates kept
-for its next transaction (``deferred``), file helpers (``files``); the queue is tiers/write_queue.
+for its next transaction (``deferred``), file helpers (``files``), what it lists without looking
+at files (``listings``); the queue is tiers/write_queue.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from paged_cache.block import Block, check_key
 from paged_cache.config import QUEUE_DEFAULT
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.base import Tier
-from paged_cache.tiers.route import Route
 from paged_cache.tiers.ssd.arguments import check_arguments, check_size
 from paged_cache.tiers.ssd.block_files import BlockFiles
 from paged_cache.tiers.ssd.deferred import DeferredUpdates
@@ -41,6 +41,7 @@ from paged_cache.tiers.ssd.files import LIVE_WRITERS, unlink_quiet
 from paged_cache.tiers.ssd.manifest import (BUSY_TIMEOUT_SECONDS, RESERVED, Manifest, ManifestError,
                                             now, row_from_meta)
 from paged_cache.tiers.ssd.manifest_open import OpenManifest
+from paged_cache.tiers.ssd.listings import Listings
 from paged_cache.tiers.ssd.pending import PendingWrites
 from paged_cache.tiers.write_queue import Write, WriteBehind
 
@@ -49,7 +50,7 @@ log = logging.getLogger("paged_cache.ssd")
 TOUCH_FLUSH_SECONDS = 1.0  # removed rows wait in memory at most this long (deferred.py)
 
 
-class SSDTier(WriteBehind, Tier):
+class SSDTier(WriteBehind, Listings, Tier):
     """Block files under ``directory`` with a byte budget shared by every process and model using
     it. ``writes_new``: every new block is written at put (write-through), else only once the
     RAM tier evicts it (write-back). ``busy_timeout_s``: how long a manifest statement waits
@@ -293,47 +294,7 @@ class SSDTier(WriteBehind, Tier):
                    writer_cpu_seconds=self.writer_cpu_seconds)
         return out
 
-    # ---- chain lookup --------------------------------------------------------------------
-    def children(self, parents: Sequence[str], fingerprint: str,
-                 route: Route | None = None) -> list[fmt.NodeRow]:
-        """Node rows of the blocks under ``parents`` for ``fingerprint`` (those ``route`` leads to:
-        tiers/route.py): in the write queue, then the manifest's complete rows (one query).
-        Rows of files this process removed or found missing (deletion deferred) are left out
-        unless the file is back (one stat each); none if the manifest cannot be read (logged)."""
-        with self._cond:
-            out = self._pending.rows(parents, fingerprint, route)
-        # Taken before the query: a removal committing while the query reads an older snapshot
-        # is still in ``_applying`` now (taken after, it could be missed).
-        gone = self._updates.gone()
-        try:
-            rows = self._manifest.child_rows(parents, fingerprint, route)
-        except sqlite3.Error as exc:
-            log.warning("chain lookup of %d parents failed: %s", len(parents), exc)
-            return out
-        return out + [row for row in rows
-                      if row[0] not in gone or self._files.compression_of(row[0]) is not None]
-
-    # ---- the tier interface (tiers/base.py) ----------------------------------------------
-    def listing(self, keys: Sequence[str]) -> set[str]:
-        """The keys among ``keys`` queued or with a complete manifest row (one query, no stat),
-        those of files this process removed or found missing left out unless the file is back
-        (a stat each, as ``children``). A file the manifest does not list yet (adoption at open)
-        is not in it: a put queues it and the writer finds the file (touched, not written). The
-        manifest unreadable: ``holds``."""
-        with self._cond:
-            out = {key for key in keys if key in self._pending}
-        rest = [key for key in keys if key not in out]
-        if not rest:
-            return out
-        gone = self._updates.gone()  # taken before the query, as ``children`` takes it
-        try:
-            rows = self._manifest.complete_keys(rest)
-        except sqlite3.Error as exc:
-            log.warning("listing %d keys failed: %s", len(rest), exc)
-            return out | super().listing(rest)
-        return out | {key for key in rows
-                      if key not in gone or self._files.compression_of(key) is not None}
-
+    # ---- the tier interface (tiers/base.py; children, listing: tiers/ssd/listings.py) ---
     def holds(self, keys: Sequence[str], *, listed: AbstractSet[str] = frozenset(),
               stop_at_miss: bool = False) -> list[str | None]:
         """"pending" for a key in the write queue, "ssd" for one with a file (a key in
