@@ -6,14 +6,15 @@ drives it (``serve``): the fetch's ``manager.chain`` lookup of the request's cha
 child listing, the SSD manifest's query), a ``get(take=True, in_place=True)`` of each block of
 the leading held run (a hot block handed over, an SSD block's header verified, its payload left
 on disk), then the store's lookup and a ``put_many`` of the blocks no tier holds in RAM (the
-taken ones back, the new ones stored: admission, write queue, evictions, manifest rows). The payloads
-are 64 bytes, so what is timed is the cache's bookkeeping, not the copy of KV bytes; keys, token
-ids and payload arrays are made before the clock starts. The SSD directory is on tmpfs when the
-runner is given one (the block files' fsyncs are the KV bytes' cost, not the cache's). Every
-tier is sized to keep every block, so the blocks held grow with the stream, and each request's
-time is filed under the blocks held when it started. The time is the calling thread's CPU time
-(``time.thread_time``: on a machine shared with other jobs a request's wall-clock time is mostly
-its waits for a core); the wall-clock figures are in each figure's details.
+taken ones back, the new ones stored: admission, write queue, evictions, manifest rows). The
+payloads are 64 bytes, so what is timed is the cache's bookkeeping, not the copy of KV bytes;
+keys, token ids and payload arrays are made before the clock starts. The SSD directory is on
+tmpfs when the runner is given one (the block files' fsyncs are the KV bytes' cost, not the
+cache's). Every tier is sized to keep every block, so the blocks held grow with the stream, and
+each request's time is filed under the blocks held when it started. The time is the calling
+thread's CPU time (``time.thread_time``: on a machine shared with other jobs a request's
+wall-clock time is mostly its waits for a core); the wall-clock figures are in each figure's
+details.
 
 Configurations: ``hot`` (RAM only), ``ssd`` (an SSD tier behind a RAM tier of 64 blocks),
 ``hot+ssd`` (2,000 blocks of RAM in front of the SSD tier), ``ssd full`` (as ``ssd``, its SSD
@@ -21,10 +22,11 @@ tier holding 1 / ``FULL_SHARE`` of the blocks the replay stores: past them every
 evicts). Figures, per configuration and blocks held: the median per request against the
 median at 10k blocks held (goal <= 2x) and the p99 (goal <= 10 ms); the SSD tier's open time
 on everything the replay left (goal <= 1 s) and the memory each block held costs the index
-(process RSS growth per block minus the payload; the manifest's file bytes per row). The SSD writer's work (block files, manifest rows,
-the evictions that make room) is on its own thread, outside a request's time: ``ssd full``
-waits for it after each request and files its CPU time (``writer_cpu_seconds``) per block
-written under the blocks held, against the same at 10k, before the tier is full (goal <= 2x).
+(process RSS growth per block minus the payload; the manifest's file bytes per row). The SSD
+writer's work (block files, manifest rows, the evictions that make room) is on its own thread,
+outside a request's time: ``ssd full`` waits for it after each request and files its CPU time
+(``writer_cpu_seconds``) per block written under the blocks held, against the same at 10k,
+before the tier is full (goal <= 2x).
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ class PagedSSDCacheManager(ChainLookup):
 
         ``deferred=True`` (a partial tail the conversation's next store usually discards): see
         the module doc (0 ``tail_write_delay_s``: written now, whatever the policy)."""
-        raw = self._validated(block)
+        raw, = self._validated([block])
         try:
             return self._put(block, raw, deferred)
         finally:
@@ -108,10 +108,7 @@ class PagedSSDCacheManager(ChainLookup):
         new, and the writer finds its file). Returns how many are now held as new."""
         if not isinstance(blocks, (list, tuple)):
             raise TypeError(f"blocks: expected a list of paged_cache.Block, got {type(blocks).__name__}")
-        for block in blocks:
-            self._checked(block)
-        mx.eval(*[a for block in blocks for a in block.arrays.values()])  # one call for all
-        raws = [raw_tensors(block) for block in blocks]
+        raws = self._validated(blocks)
         try:
             with self._lock:
                 self._check_open()
@@ -169,19 +166,16 @@ class PagedSSDCacheManager(ChainLookup):
             return False
 
     @staticmethod
-    def _validated(block: Block) -> RawTensors:
-        """Check the block (key, arrays, storable dtypes, meta) and return its raw buffers."""
-        PagedSSDCacheManager._checked(block)
-        mx.eval(*block.arrays.values())
-        return raw_tensors(block)
-
-    @staticmethod
-    def _checked(block: Block) -> None:
-        """Check the block's key, arrays and meta (its dtypes: ``raw_tensors``)."""
-        if not isinstance(block, Block):
-            raise TypeError(f"block: expected a paged_cache.Block, got {type(block).__name__}")
-        Block(block.key, block.arrays, block.meta)  # re-runs Block's own validation
-        check_meta(block.meta)
+    def _validated(blocks: Sequence[Block]) -> list[RawTensors]:
+        """Check every block (key, arrays, storable dtypes, meta), evaluate all their arrays in
+        one call, and return each one's raw buffers; nothing is stored when one fails."""
+        for block in blocks:
+            if not isinstance(block, Block):
+                raise TypeError(f"block: expected a paged_cache.Block, got {type(block).__name__}")
+            Block(block.key, block.arrays, block.meta)  # re-runs Block's own validation
+            check_meta(block.meta)
+        mx.eval(*[a for block in blocks for a in block.arrays.values()])
+        return [raw_tensors(block) for block in blocks]
 
     def _after(self) -> None:
         """Work for when no lock is held (``Tier.settle``): the tiers' writes left to this thread

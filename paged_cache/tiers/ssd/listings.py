@@ -34,8 +34,7 @@ class Listings:
         except sqlite3.Error as exc:
             log.warning("chain lookup of %d parents failed: %s", len(parents), exc)
             return out
-        return out + [row for row in rows
-                      if row[0] not in gone or self._files.compression_of(row[0]) is not None]
+        return out + [row for row in rows if self._still_there(row[0], gone)]
 
     def listing(self, keys: Sequence[str]) -> set[str]:
         """The keys among ``keys`` queued or with a complete manifest row (one query, no stat),
@@ -54,5 +53,9 @@ class Listings:
         except sqlite3.Error as exc:
             log.warning("listing %d keys failed: %s", len(rest), exc)
             return out | super().listing(rest)
-        return out | {key for key in rows
-                      if key not in gone or self._files.compression_of(key) is not None}
+        return out | {key for key in rows if self._still_there(key, gone)}
+
+    def _still_there(self, key: str, gone: set[str]) -> bool:
+        """Whether a listed key's file may be used: any key but one of ``gone`` (files this
+        process removed or found missing, their rows maybe still listed), whose file is back."""
+        return key not in gone or self._files.compression_of(key) is not None
