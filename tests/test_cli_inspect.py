@@ -322,6 +322,21 @@ SUMMARY_LABELS = {"requests", "tokens saved", "TTFT", "TTFT p50/p99", "fetch p50
                   "hot tier", "SSD tier", "cache errors"}
 
 
+def test_percentile_rows_give_each_series_its_own_line():
+    """However many tiers a server fetched from, the percentile rows never grow wider: each
+    series is a line of its own under its row's label (one long line wrapped where a terminal
+    ends, mid-series, before)."""
+    from paged_cache.cli.stats_cmd import percentile_rows
+    tiers = ["hot", "ssd", "remote", "mixed", "miss", "peer"]
+    buckets = [[0.001, 0.0], [0.01, 3.0], [0.1, 4.0], [float("inf"), 4.0]]
+    rows = percentile_rows({"fetch_seconds": [{"labels": {"tier": t}, "count": 4.0,
+                                               "buckets": buckets} for t in tiers]})
+    assert [label for label, _ in rows] == ["fetch p50/p99"]
+    lines = rows[0][1].splitlines()
+    p50, p99 = (render.duration(histograms.quantile(q, buckets)) for q in (0.5, 0.99))
+    assert lines == [f"{t} {p50} / {p99} (4)" for t in tiers]
+
+
 def test_stats_of_a_running_server(tmp_path):
     model = tiny_model("llama")
     config = CacheConfig(ssd_dir=tmp_path, ssd_max_bytes="1GB", hot_cache_max_bytes="16KB", block_size=16)
@@ -371,8 +386,11 @@ def test_stats_of_a_running_server(tmp_path):
             assert "50 of 55 prompt tokens came from the cache (90.9%)" in lines[2]
             # one row per summary label, each at most once (the TTFT rows come too when an
             # earlier test in this process observed a first token: the histograms are the
-            # process's), then the footer
+            # process's), then the footer; a row goes on over lines without a label (a
+            # percentile row has a line per series, a long cell wraps)
             labels = [line.split("\u2502")[0].strip() for line in lines[1:-1]]
+            assert labels[0] == "requests" and all("\u2502" in line for line in lines[1:-1])
+            labels = [label for label in labels if label]
             assert set(labels) <= SUMMARY_LABELS and len(labels) == len(set(labels)), labels
             assert {"requests", "tokens saved", "hot tier", "SSD tier"} <= set(labels)
             assert "written" in summary and lines[-1].startswith("every counter:")

@@ -198,7 +198,8 @@ def summary_rows(doc: dict[str, Any]) -> list[list[str]]:
 
 def percentile_rows(histograms: dict[str, list[dict[str, Any]]]) -> list[list[str]]:
     """p50 / p99 of the time to first token by outcome and of a fetch's time by tier, from the
-    document's histograms (as Prometheus's histogram_quantile estimates them)."""
+    document's histograms (as Prometheus's histogram_quantile estimates them): a line per series,
+    so a server that fetched from every tier shows a column of them, not one wrapped line."""
     rows = []
     for name, label, what in (("time_to_first_token_seconds", "TTFT p50/p99", _outcome),
                               ("fetch_seconds", "fetch p50/p99", lambda s: s["labels"]["tier"])):
@@ -206,7 +207,7 @@ def percentile_rows(histograms: dict[str, list[dict[str, Any]]]) -> list[list[st
                  f"{render.duration(quantile(0.99, s['buckets']))} ({s['count']:.0f})"
                  for s in histograms.get(name, [])]
         if parts:
-            rows.append([label, "; ".join(parts)])
+            rows.append([label, "\n".join(parts)])
     return rows
 
 
