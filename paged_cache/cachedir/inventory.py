@@ -19,10 +19,11 @@ import xxhash
 
 from paged_cache.block import HEX, KEY_HEX_LEN, is_key
 from paged_cache.tiers import format as fmt
-from paged_cache.tiers.ssd.manifest import (ManifestDamaged, ManifestError, Row, blocks_columns,
-                                            damage, is_damage, schema_problem, written_tally)
 from paged_cache.tiers.ssd.files import (MANIFEST_NAME, READ_FLAGS, STALE_SECONDS,
                                          SUFFIX_TO_COMPRESSION, pid_alive)
+from paged_cache.tiers.ssd.manifest import (ManifestDamaged, ManifestError, Row, damage, is_damage,
+                                            written_tally)
+from paged_cache.tiers.ssd.schema import blocks_columns, schema_problem
 
 BLOCKS_DIR, TMP_DIR, QUARANTINE_DIR = "blocks", "tmp", "quarantine"
 _COLUMNS = tuple(f.name for f in fields(Row))

@@ -77,6 +77,12 @@ TIER = {
     "open_seconds": "Seconds the SSD tier took to open (its reconciliation follows).",
     "reconcile_seconds": "Seconds the reconciliation after open took (absent until done).",
     "chain_lookups": "Manifest queries of chain lookups.",
+    "manifest_mirror_answers": "Manifest look-ups (a chain lookup's, a batch of puts') answered "
+                               "from the manifest's RAM mirror.",
+    "manifest_mirror_misses": "Manifest look-ups asked of SQLite: the mirror was loading or "
+                              "behind another process's writes.",
+    "manifest_mirror_loads": "Times the manifest's RAM mirror was read whole (first use, and "
+                             "after another process wrote).",
     "writer_cpu_seconds": "CPU seconds the tier's writer thread spent writing (files, manifest, "
                           "evictions; values sent).",
     "sealed_refused": "Sealed remote values refused by a host without the secret.",

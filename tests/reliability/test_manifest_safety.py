@@ -393,9 +393,20 @@ def test_the_manifest_size_is_reported_and_bounded_per_row(tmp_path: Path, recor
 def _schema_one(root: Path, variant: str) -> None:
     """Turn the manifest into what paged-cache wrote before the chain columns (schema 1), whole
     ("proper": its info row says 1) or damaged / partial (no info row, no info table), or
-    ("3") into schema 3, whose route index held (parent, first_token) only."""
+    ("3") into schema 3, whose route index held (parent, first_token) only, or ("4") into schema
+    4, which counted no changes (tiers/ssd/mirror.py)."""
     db = sqlite3.connect(root / MANIFEST_NAME, isolation_level=None)
     try:
+        if variant == "4":
+            for name in ("blocks_chain", "blocks_ins", "blocks_del"):
+                db.execute(f"DROP TRIGGER {name}")
+            db.execute("ALTER TABLE totals DROP COLUMN changes")
+            db.execute("CREATE TRIGGER blocks_ins AFTER INSERT ON blocks BEGIN UPDATE totals SET "
+                       "blocks = blocks + 1, bytes = bytes + NEW.file_bytes WHERE id = 0; END")
+            db.execute("CREATE TRIGGER blocks_del AFTER DELETE ON blocks BEGIN UPDATE totals SET "
+                       "blocks = blocks - 1, bytes = bytes - OLD.file_bytes WHERE id = 0; END")
+            db.execute("UPDATE info SET value = '4' WHERE name = 'schema'")
+            return
         db.execute("DROP INDEX blocks_route")
         if variant == "3":
             db.execute("CREATE INDEX blocks_route ON blocks(parent, first_token)")
@@ -410,7 +421,7 @@ def _schema_one(root: Path, variant: str) -> None:
         db.close()
 
 
-@pytest.mark.parametrize("variant", ["proper", "no-info-row", "no-info-table", "3"])
+@pytest.mark.parametrize("variant", ["proper", "no-info-row", "no-info-table", "3", "4"])
 def test_an_older_manifest_is_migrated_never_taken_for_a_new_one(
         tmp_path: Path, variant: str, caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:

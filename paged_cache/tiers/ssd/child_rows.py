@@ -30,6 +30,7 @@ import numpy as np
 from paged_cache.hashing import encode_token_ids
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.route import Route, first_of, trim
+from paged_cache.tiers.ssd.mirror import ChainMirror
 
 _FIELDS = ",".join(f"b.{name}" for name in fmt.NODE_FIELDS)
 _PAIRS = ("(SELECT json_extract(value, '$[0]') p, json_extract(value, '$[1]') t "
@@ -52,24 +53,31 @@ WITNESS_ROWS_SQL = (f"SELECT {_FIELDS} FROM blocks b WHERE b.key IN (SELECT (SEL
 
 
 def routed_rows(db: sqlite3.Connection, parents: Sequence[str], route: Route,
-                args: dict) -> list[tuple]:
+                args: dict, mirror: ChainMirror | None = None) -> list[tuple]:
     """Node rows of the complete children of ``parents`` (each in ``route``) that ``route``
-    leads to; ``args``: the ``state`` and ``fp`` (fingerprint) parameters."""
+    leads to; ``args``: the ``state`` and ``fp`` (fingerprint) parameters. With a ``mirror``
+    at the manifest's count, what the index would give comes from it and only the rows not made
+    from the route are read (witnesses included)."""
     pairs = json.dumps([[parent, first_of(route[parent])] for parent in parents])
-    out = db.execute(WITNESS_ROWS_SQL, dict(args, route=pairs)).fetchall()
+    if mirror is None:
+        out = db.execute(WITNESS_ROWS_SQL, dict(args, route=pairs)).fetchall()
+        listed, witnesses = db.execute(ROUTED_KEYS_SQL, dict(args, route=pairs)).fetchall(), []
+    else:
+        out, (listed, witnesses) = [], mirror.routed(parents, route, args["fp"])
     order = list(route)
     path = dict(zip(order, order[1:]))  # parent -> the key of the request's block under it
     rows, others = [], []
-    for key, parent, start, tokens, checkpoint, restorable in db.execute(
-            ROUTED_KEYS_SQL, dict(args, route=pairs)).fetchall():
+    for key, parent, start, tokens, checkpoint, restorable in listed:
         ids = route[parent]
         if key == path.get(parent) and tokens == len(ids) // 4:
             text = encode_token_ids(np.frombuffer(ids, dtype=">u4"))
             rows.append((key, parent, args["fp"], start, tokens, text, checkpoint, restorable))
         else:
             others.append(key)
-    if others:
-        rows += db.execute(ROWS_BY_KEY_SQL, dict(args, keys=json.dumps(others))).fetchall()
+    if others or witnesses:
+        witnessed = set(witnesses)
+        for row in db.execute(ROWS_BY_KEY_SQL, dict(args, keys=json.dumps(others + witnesses))):
+            (out if row[0] in witnessed else rows).append(row)
     bucket: dict[str, list[tuple]] = {}
     for row in rows:
         bucket.setdefault(row[1], []).append(row)

@@ -2,12 +2,15 @@
 
 One row per block. ``state`` 0 is a reservation (the file is being written by ``writer``), 1 a
 complete file. Triggers keep a one-row ``totals`` table equal to the sum over all rows, so the
-byte budget is checked in O(1) inside the same transaction that reserves space for a new file.
+byte budget is checked in O(1) inside the same transaction that reserves space for a new file,
+and count the changes of the rows' chain fields, which keeps a RAM copy of them true
+(tiers/ssd/mirror.py).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -21,12 +24,14 @@ from paged_cache.tiers.eviction import eviction_order
 from paged_cache.tiers.route import Route, first_token
 from paged_cache.tiers.ssd.child_rows import routed_rows
 from paged_cache.tiers.ssd.eviction_window import EvictionWindow
+from paged_cache.tiers.ssd.mirror import CHANGES_SQL, LOG, ChainMirror, load_sql, log_statements
+from paged_cache.tiers.ssd.schema import (CHILD_ROWS_SQL, COLUMNS, COMPLETE, COMPLETE_AMONG_SQL,
+                                          RESERVED, SCHEMA, SCHEMA_VERSION, is_new,
+                                          schema_problem, split_sql)
 from paged_cache.tiers.ssd.wal_meter import WalMeter
 
-# 2: chain columns (start, token ids, node flags); 3: first_token; 4: the route index covers the
-# chain fields a lookup reads of the request's own blocks (tiers/ssd/child_rows.py)
-SCHEMA_VERSION = "4"
-RESERVED, COMPLETE = 0, 1
+log = logging.getLogger("paged_cache.ssd")
+
 BUSY_TIMEOUT_SECONDS = 10.0  # how long one statement waits for another process's write lock
 WAL_LIMIT_BYTES = 4 << 20    # the WAL is truncated back to this after a checkpoint
 # A new manifest's page size. SQLite writes every page a transaction changes whole to the WAL (and
@@ -41,55 +46,6 @@ CHECKPOINT_PAGES = WAL_LIMIT_BYTES // PAGE_BYTES  # WAL pages between checkpoint
 PAGE_CACHE_KIB = 16 << 10
 WRITTEN, WRITTEN_SINCE = "written_bytes", "written_since"  # info rows: the directory's write tally
 EVICT_BATCH = 256            # rows per transaction when evicting at open
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS info(name TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS blocks(
-    key TEXT PRIMARY KEY,
-    state INTEGER NOT NULL,
-    compression TEXT NOT NULL,
-    file_bytes INTEGER NOT NULL,
-    raw_bytes INTEGER NOT NULL,
-    tokens INTEGER,
-    fingerprint TEXT,
-    parent TEXT,
-    layers TEXT,
-    start INTEGER,
-    token_ids TEXT,
-    checkpoint INTEGER,
-    restorable INTEGER,
-    created REAL NOT NULL,
-    last_access REAL NOT NULL,
-    writer TEXT NOT NULL,
-    first_token INTEGER
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS blocks_lru ON blocks(state, last_access);
-CREATE INDEX IF NOT EXISTS blocks_route ON blocks(parent, first_token, state, start, tokens,
-                                                 checkpoint, restorable);
-CREATE TABLE IF NOT EXISTS totals(id INTEGER PRIMARY KEY CHECK (id = 0),
-                                  blocks INTEGER NOT NULL, bytes INTEGER NOT NULL);
-INSERT OR IGNORE INTO totals VALUES (0, 0, 0);
-CREATE TRIGGER IF NOT EXISTS blocks_ins AFTER INSERT ON blocks BEGIN
-    UPDATE totals SET blocks = blocks + 1, bytes = bytes + NEW.file_bytes WHERE id = 0; END;
-CREATE TRIGGER IF NOT EXISTS blocks_del AFTER DELETE ON blocks BEGIN
-    UPDATE totals SET blocks = blocks - 1, bytes = bytes - OLD.file_bytes WHERE id = 0; END;
-CREATE TRIGGER IF NOT EXISTS blocks_upd AFTER UPDATE OF file_bytes ON blocks BEGIN
-    UPDATE totals SET bytes = bytes - OLD.file_bytes + NEW.file_bytes WHERE id = 0; END;
-"""
-
-_COLUMNS = ("key", "state", "compression", "file_bytes", "raw_bytes", "tokens", "fingerprint",
-            "parent", "layers", "start", "token_ids", "checkpoint", "restorable", "created",
-            "last_access", "writer", "first_token")
-# The children of a chain's blocks, found through the (parent, first_token) index (``+state``
-# keeps SQLite from choosing the state index instead, which scans every complete row). A routed
-# lookup reads only the children its route leads to (tiers/ssd/child_rows.py).
-CHILD_ROWS_SQL = (f"SELECT {','.join(fmt.NODE_FIELDS)} FROM blocks WHERE +state = :state AND "
-                  "fingerprint = :fp AND parent IN (SELECT value FROM json_each(:parents))")
-
-# (``+state``: the keys' own probes, never the state index's scan of every complete row)
-COMPLETE_AMONG_SQL = ("SELECT key FROM blocks WHERE key IN (SELECT value FROM json_each(?)) AND "
-                      "+state = ?")
-
 
 @dataclass
 class Row:
@@ -185,6 +141,10 @@ class Manifest:
         self._connections_lock = threading.Lock()
         self.queries = 0  # chain lookups answered (child_rows), for tests and stats
         self._wal: WalMeter | None = None
+        self.mirror = ChainMirror()
+        self._logging = False   # connections log their changes for the mirror (once the schema is)
+        self._loader: threading.Thread | None = None
+        self._closing = threading.Event()
         try:
             self.inode = _inode(path)  # before connecting: what a rebuild may remove
             db = self._db
@@ -198,12 +158,14 @@ class Manifest:
                 problem = None if new else schema_problem(db)
                 if problem is not None:  # older or partial: rebuilt from the block files
                     raise ManifestDamaged(f"{path}: {problem}", self.inode)
-                for stmt in _split_sql(_SCHEMA):
+                for stmt in split_sql(SCHEMA):
                     db.execute(stmt)
                 if new:
                     db.execute("INSERT INTO info VALUES ('schema', ?)", (SCHEMA_VERSION,))
                 db.executemany("INSERT OR IGNORE INTO info VALUES (?, ?)",
                                [(WRITTEN, "0"), (WRITTEN_SINCE, repr(now()))])
+            self._logging = True
+            self._local.logs = _log_changes(db)
         except ManifestError:
             self.close()
             raise
@@ -228,6 +190,7 @@ class Manifest:
             db.execute(f"PRAGMA wal_autocheckpoint = {CHECKPOINT_PAGES}")
             db.execute(f"PRAGMA cache_size = -{PAGE_CACHE_KIB}")
             self._local.db = db
+            self._local.logs = self._logging and _log_changes(db)
             with self._connections_lock:
                 for thread in [t for t in self._connections if not t.is_alive()]:
                     self._connections.pop(thread).close()
@@ -253,7 +216,12 @@ class Manifest:
             raise
 
     def close(self) -> None:
-        """Close every thread's connection (the last one out checkpoints the WAL)."""
+        """Stop a mirror load and close every thread's connection (the last one out checkpoints
+        the WAL)."""
+        with self._connections_lock:
+            self._closing.set()
+        if self._loader is not None:
+            self._loader.join()
         with self._connections_lock:
             for db in self._connections.values():
                 db.close()
@@ -272,6 +240,8 @@ class Manifest:
         or of those among ``among`` (one statement, a probe of each key)."""
         if among is None:
             cur = self._db.execute("SELECT key FROM blocks WHERE state = ?", (COMPLETE,))
+        elif self._mirror_now():
+            return self.mirror.complete_among(among)
         else:
             cur = self._db.execute(COMPLETE_AMONG_SQL, (json.dumps(list(among)), COMPLETE))
         return {r[0] for r in cur.fetchall()}
@@ -297,8 +267,49 @@ class Manifest:
         out = self._db.execute(CHILD_ROWS_SQL, dict(args, parents=json.dumps(whole))).fetchall() \
             if whole else []
         if route is not None and len(whole) < len(parents):
-            out += routed_rows(self._db, [p for p in parents if p in route], route, args)
+            out += routed_rows(self._db, [p for p in parents if p in route], route, args,
+                               self.mirror if self._mirror_now() else None)
         return out
+
+    def _mirror_now(self) -> bool:
+        """Whether the mirror answers for the manifest as this thread's connection reads it now
+        (one row read); when it is behind or unloaded, a load may start (``_load``)."""
+        count = self._db.execute(CHANGES_SQL).fetchone()[0]
+        if self.mirror.wanted(count):
+            return True
+        with self._connections_lock:   # never a load started after close
+            if not self._closing.is_set() and self.mirror.should_load():
+                self._loader = threading.Thread(target=self._load, name="paged-cache-mirror",
+                                                daemon=True)
+                self._loader.start()
+        return False
+
+    def _load(self) -> None:
+        """Read the complete rows' chain fields and their count in one snapshot, on a connection
+        of its own, into the mirror (stopped by ``close``; nothing when the file was replaced)."""
+        started = time.monotonic()
+        rows: list[tuple] = []
+        try:
+            db = sqlite3.connect(str(self.path), timeout=self._busy_timeout_s,
+                                 isolation_level=None, check_same_thread=False)
+            try:
+                db.execute("BEGIN")
+                count = db.execute(CHANGES_SQL).fetchone()[0]
+                cur = db.execute(load_sql(COMPLETE))
+                while batch := cur.fetchmany(4096):
+                    if self._closing.is_set():
+                        raise ManifestError("closed while loading")
+                    rows += batch
+                db.execute("COMMIT")
+            finally:
+                db.close()
+            if _inode(self.path) != self.inode:
+                raise ManifestReplaced(f"{self.path}: rebuilt by another process")
+        except (sqlite3.Error, ManifestError, OSError) as exc:
+            log.debug("manifest mirror not loaded: %s", exc)
+            self.mirror.load_failed(time.monotonic() - started)
+            return
+        self.mirror.loaded(count, rows, time.monotonic() - started)
 
     # ---- writes --------------------------------------------------------------------------
     def reserve(self, row: Row, max_bytes: int, deferred: "Deferred",
@@ -343,8 +354,8 @@ class Manifest:
                 if sum(size for _, size in victims) < need:   # only its ancestors were left
                     status = "full"
             if status == "reserved":
-                self._db.execute(f"INSERT INTO blocks({','.join(_COLUMNS)}) VALUES "
-                                 f"({','.join('?' * len(_COLUMNS))})", _values(row))
+                self._db.execute(f"INSERT INTO blocks({','.join(COLUMNS)}) VALUES "
+                                 f"({','.join('?' * len(COLUMNS))})", _values(row))
                 if window is not None:
                     window.added(row.parent)
         if window is not None:
@@ -382,8 +393,8 @@ class Manifest:
         self._drop_window()
         with self._txn():
             return self._db.executemany(
-                f"INSERT INTO blocks({','.join(_COLUMNS)}) VALUES "
-                f"({','.join('?' * len(_COLUMNS))}) ON CONFLICT(key) DO NOTHING",
+                f"INSERT INTO blocks({','.join(COLUMNS)}) VALUES "
+                f"({','.join('?' * len(COLUMNS))}) ON CONFLICT(key) DO NOTHING",
                 [_values(r) for r in rows if file_exists is None or file_exists(r.key)]).rowcount
 
     def mark_complete(self, keys: Iterable[str]) -> None:
@@ -464,32 +475,6 @@ def _inode(path: Path) -> int | None:
         return None
 
 
-def is_new(db: sqlite3.Connection) -> bool:
-    """True when the database has no table yet (a manifest about to be created)."""
-    return db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0] == 0
-
-
-def blocks_columns(db: sqlite3.Connection) -> list[str]:
-    """The columns the ``blocks`` table has (none when there is no such table)."""
-    return [r[1] for r in db.execute("PRAGMA table_info(blocks)")]
-
-
-def schema_problem(db: sqlite3.Connection) -> str | None:
-    """Why ``db`` is not a manifest of this schema, None when it is. Told by the tables and
-    columns present, not by the info row alone: an older manifest that lost its info row or
-    table must never be taken for a new one (``is_new``: no table at all)."""
-    tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-    row = db.execute("SELECT value FROM info WHERE name = 'schema'").fetchone() \
-        if "info" in tables else None
-    if row is None or row[0] != SCHEMA_VERSION:
-        what = f"schema {row[0]!r}" if row else "no schema row (an older or partial manifest)"
-        return f"manifest of {what}, this version uses schema {SCHEMA_VERSION!r}"
-    missing = [c for c in _COLUMNS if c not in blocks_columns(db)]
-    if missing:
-        return f"manifest table blocks lacks {', '.join(missing)}"
-    return None
-
-
 def written_tally(db: sqlite3.Connection) -> tuple[int, float | None]:
     """(bytes, since): what every process recorded writing to the directory (block files, and
     the manifest's own WAL and checkpoint writes) since unix time ``since``, when this version
@@ -532,26 +517,49 @@ class _Txn:
         self._before = None if meter is None else meter.position()
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self._db.execute("ROLLBACK" if exc_type else "COMMIT")
+        if exc_type:
+            self._db.execute("ROLLBACK")   # the change log's rows too
+        else:
+            try:
+                changed = _take_changes(self._db) if self._manifest._local.logs else None
+                if changed:
+                    self._manifest.mirror.commit(lambda: self._db.execute("COMMIT"), *changed)
+                else:
+                    self._db.execute("COMMIT")
+            except BaseException:
+                if self._db.in_transaction:   # never left open on this connection
+                    self._db.execute("ROLLBACK")
+                raise
         meter = self._manifest._wal
         if meter is not None and not exc_type:
             meter.count(self._before)
 
 
+def _log_changes(db: sqlite3.Connection) -> bool:
+    """Make ``db`` log the rows its transactions change (tiers/ssd/mirror.py); False when it
+    cannot (the mirror then falls behind at its first commit and is loaded again)."""
+    try:
+        db.execute("PRAGMA temp_store = MEMORY")
+        for statement in log_statements(COMPLETE):
+            db.execute(statement)
+        return True
+    except sqlite3.Error as exc:
+        log.warning("manifest change log unavailable on this connection: %s", exc)
+        return False
+
+
+def _take_changes(db: sqlite3.Connection) -> tuple[int, list[tuple]] | None:
+    """(the change count, the rows this transaction changed) before its commit, the log emptied;
+    None when it changed none."""
+    changed = db.execute(f"SELECT * FROM {LOG}").fetchall()
+    if not changed:
+        return None
+    db.execute(f"DELETE FROM {LOG}")
+    return db.execute(CHANGES_SQL).fetchone()[0], changed
+
+
 def _values(row: Row) -> tuple:
-    return tuple(getattr(row, c) for c in _COLUMNS)
-
-
-def _split_sql(script: str) -> list[str]:
-    """Split the schema script into statements (triggers contain inner semicolons)."""
-    out, buf = [], []
-    for line in script.strip().splitlines():
-        buf.append(line)
-        text = "\n".join(buf).strip()
-        if text.endswith(";") and (not text.upper().startswith("CREATE TRIGGER") or text.endswith("END;")):
-            out.append(text)
-            buf = []
-    return out
+    return tuple(getattr(row, c) for c in COLUMNS)
 
 
 def now() -> float:

@@ -291,6 +291,9 @@ class SSDTier(WriteBehind, Listings, Tier):
                    compression=self.compression, open_seconds=self.open_seconds,
                    reconcile_seconds=self._manifests.reconcile_seconds,
                    chain_lookups=self._manifest.queries,
+                   manifest_mirror_answers=self._manifest.mirror.answers,
+                   manifest_mirror_misses=self._manifest.mirror.misses,
+                   manifest_mirror_loads=self._manifest.mirror.loads,
                    writer_cpu_seconds=self.writer_cpu_seconds)
         return out
 
