@@ -54,10 +54,7 @@ def conversation(rng: np.random.Generator, fp: str, prompts: list[np.ndarray]
 
 def wait_loaded(manifest: Manifest) -> None:
     """Ask until the mirror answers (a lookup starts its load in the background)."""
-    deadline = time.monotonic() + WAIT_S
-    while not manifest._mirror_now():
-        assert time.monotonic() < deadline, "the mirror never caught up"
-        time.sleep(0.02)
+    assert manifest.wait_mirrored(WAIT_S), "the mirror never caught up"
 
 
 def sql_view(manifest: Manifest) -> tuple[int, dict[str, tuple]]:

@@ -284,6 +284,15 @@ class Manifest:
                 self._loader.start()
         return False
 
+    def wait_mirrored(self, timeout: float) -> bool:
+        """Whether the mirror answers within ``timeout`` seconds (asking starts its load)."""
+        deadline = time.monotonic() + timeout
+        while not self._mirror_now():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
     def _load(self) -> None:
         """Read the complete rows' chain fields and their count in one snapshot, on a connection
         of its own, into the mirror (stopped by ``close``; nothing when the file was replaced)."""

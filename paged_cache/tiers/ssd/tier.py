@@ -102,6 +102,11 @@ class SSDTier(WriteBehind, Listings, Tier):
         """Wait for the reconciliation pass started at open (OpenManifest.wait_reconciled)."""
         return self._manifests.wait_reconciled(timeout)
 
+    def wait_mirrored(self, timeout: float) -> bool:
+        """Start the manifest's RAM mirror loading if it is not, and wait until it answers for
+        the manifest (False after ``timeout`` seconds): tiers/ssd/mirror.py."""
+        return self._manifest.wait_mirrored(timeout)
+
     @property
     def max_bytes(self) -> int:
         """The byte budget (the manager may set it once open: ``ssd_max_bytes="auto"``)."""
