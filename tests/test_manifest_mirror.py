@@ -27,6 +27,7 @@ from paged_cache.tiers.ssd import mirror as mirror_module
 from paged_cache.tiers.ssd.child_rows import routed_rows
 from paged_cache.tiers.ssd.manifest import COMPLETE, Manifest
 from paged_cache.tiers.ssd.mirror import CHANGES_SQL, ChainMirror, load_sql
+from paged_cache.tiers.ssd.mirror_rows import ManyKids, routed_under
 
 BS = 8
 FPS = ("ab" * 32, "cd" * 32)
@@ -120,6 +121,65 @@ def test_rows_of_any_types_are_listed_never_raise() -> None:
     assert [row[0] for row in listed] == ["k1"] and witnesses == ["k4"]   # NULL first
     mirror.loaded(0, rows[1:3], 0.0)
     assert mirror.routed(["p"], route, FPS[0]) == ([], ["k2"])   # text before a blob
+
+
+def test_many_children_in_index_order_list_what_a_pass_over_them_lists() -> None:
+    """A parent's many children kept in the route index's order (bisection) list the same
+    children and witness as a pass over every one, through adds and removes, whatever the values
+    (NULLs, text where a number belongs, another model's children)."""
+    rng = np.random.default_rng(3)
+    rows: dict[str, tuple] = {}
+
+    def value(top: int) -> object:
+        pick = rng.random()
+        return None if pick < 0.1 else "t" if pick < 0.13 else int(rng.integers(top))
+
+    kids = ManyKids([], rows)
+    held: list[str] = []
+    for step in range(3_000):
+        if held and rng.random() < 0.35:
+            key = held.pop(int(rng.integers(len(held))))
+            kids.remove(key, rows.pop(key))
+        else:
+            key = f"{step:064x}"
+            rows[key] = ("p", FPS[int(rng.random() < 0.2)], value(6), value(3), value(3),
+                         value(2), value(2))
+            kids.add(key, rows[key])
+            held.append(key)
+        if step % 37 == 0:
+            for token in (None, 0, 1, 5, 7):
+                for fp in FPS:
+                    fast = routed_under(kids, rows, token, fp)
+                    slow = routed_under(list(held), rows, token, fp)
+                    assert sorted(fast[0]) == sorted(slow[0]) and fast[1] == slow[1]
+    assert len(kids) == len(held) > 100
+
+
+def row(key: str, parent: str = "p", first: int = 1) -> tuple:
+    """A change-log row adding a complete ``key`` (as the temporary trigger writes it)."""
+    return (None, key, 1, parent, FPS[0], first, 0, BS, None, None)
+
+
+def test_hand_overs_out_of_order_and_during_a_load_are_applied_in_count_order() -> None:
+    """Threads commit in one order and hand over in another; a load reads a snapshot while this
+    process goes on committing: the mirror applies each transaction at its own count, drops what
+    the load already read, and stays behind (asking SQLite) where a count never came."""
+    mirror = ChainMirror()
+    assert mirror.should_load()                       # never loaded: a load starts
+    mirror.commit(lambda: None, 11, [row("a")])       # committed after the load's snapshot (10)
+    mirror.commit(lambda: None, 10, [row("old")])     # before it: in what the load read
+    mirror.loaded(10, [("old", "p", FPS[0], 1, 0, BS, None, None)], 0.0)
+    assert mirror.changes == 11 and set(mirror._rows) == {"old", "a"}
+    mirror.commit(lambda: None, 13, [row("c")])       # handed over before the one before it
+    assert mirror.changes == 11 and not mirror.wanted(13)
+    mirror.commit(lambda: None, 12, [row("b")])
+    assert mirror.changes == 13 and mirror.wanted(13)
+    assert set(mirror._rows) == {"old", "a", "b", "c"}
+    mirror.commit(lambda: None, 16, [(None, "d", 1, "a", FPS[0], 1, 0, BS, None, None),
+                                     ("b", None, None, *[None] * 7)])   # another's 14 never comes
+    assert mirror.changes == 13 and not mirror.wanted(16)
+    assert mirror.routed(["a"], {"a": np.full(BS, 1, dtype=">u4").tobytes()}, FPS[0]) == (
+        [], [])   # d is not applied: its count is past a gap
 
 
 def test_a_rolled_back_transaction_leaves_the_mirror_as_it_was(tmp_path: Path) -> None:

@@ -17,6 +17,10 @@ next parent: that child's key is the hash of the request's fingerprint, parent a
 tokens, so its row is made from the route (the request's tokens) without being read, as the
 manager knows such a node by its key (``ChainNode.unfit``). Only the other children's rows are
 read, by key.
+
+When the manifest's RAM mirror is at the manifest's change count (tiers/ssd/mirror.py), it gives
+what both statements would (the same children, the same witness) without a probe; the rows not
+made from the route, witnesses included, are then read by key in one statement.
 """
 
 from __future__ import annotations

@@ -20,16 +20,15 @@ import time
 from typing import Callable, Iterable, Sequence
 
 from paged_cache.tiers.route import Route, first_of
+from paged_cache.tiers.ssd.mirror_rows import CHECKPOINT, FINGERPRINT, FIRST, MIRRORED, \
+    PARENT, RESTORABLE, START, TOKENS, Kids, link, routed_under, unlink
 
-# What the mirror holds of a complete row, in this order after its key.
-MIRRORED = ("parent", "fingerprint", "first_token", "start", "tokens", "checkpoint", "restorable")
 WATCHED = ("key", "state", *MIRRORED)   # a change of one of these columns is counted
-PARENT, FINGERPRINT, FIRST, START, TOKENS, CHECKPOINT, RESTORABLE = range(len(MIRRORED))
 CHANGES_SQL = "SELECT changes FROM totals WHERE id = 0"
 LOG = "paged_cache_changed"
 LAG_SECONDS = 1.0           # behind the count this long with no transaction of ours filling it
 RELOAD_GAP_SECONDS = 5.0    # between loads at least this, and ten times the last load's time
-WAITING_MAX = 4096          # transactions handed over ahead of the mirror's count, at most
+WAITING_ROWS_MAX = 1 << 16  # changed rows handed over ahead of the mirror's count, at most
 BYTES_PER_BLOCK_BOUND = 600  # RAM a block costs the mirror, at most (tests/test_manifest_mirror.py)
 _NEW = ", ".join(f"NEW.{c}" for c in MIRRORED)
 
@@ -54,21 +53,6 @@ def load_sql(complete: int) -> str:
     return f"SELECT key, {', '.join(MIRRORED)} FROM blocks WHERE +state = {complete}"
 
 
-def _index_order(key: str, fields: tuple) -> tuple:
-    """A child's place in the manifest's route index (NULL, then numbers, then text, as SQLite
-    orders them; a row may hold text where a number belongs), for a deterministic witness."""
-    return (*(_sqlite_order(v) for v in (fields[FIRST], fields[START], fields[TOKENS],
-                                         fields[CHECKPOINT], fields[RESTORABLE])), key)
-
-
-def _sqlite_order(value: object) -> tuple:
-    if value is None:
-        return (0, 0)
-    if isinstance(value, (int, float)):
-        return (1, value)
-    return (2, value) if isinstance(value, str) else (3, bytes(value))   # text, then blobs
-
-
 class ChainMirror:
     """The complete rows' ``MIRRORED`` fields by key and their keys by parent, at ``changes``
     (-1: not loaded). Every method takes the mirror's lock; a load builds outside it."""
@@ -76,10 +60,11 @@ class ChainMirror:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._rows: dict[str, tuple] = {}
-        self._children: dict[str, str | list[str]] = {}   # parent -> a key, or several
+        self._children: dict[str, Kids] = {}   # parent -> its children (mirror_rows.py)
         self._fingerprints: dict[str, str] = {}   # one string per model, whatever rows say
         self.changes = -1
         self._waiting: dict[int, tuple[int, list[tuple]]] = {}   # begin -> (end, changed rows)
+        self._waiting_rows = 0
         self._loading = False
         self._lag = (-1, 0.0)       # (changes, when a lookup first found the count past it)
         self._next_load = 0.0       # monotonic: no load starts before
@@ -93,22 +78,29 @@ class ChainMirror:
         the mirror to reach it rather than asking SQLite."""
         with self._lock:
             commit()
-            if len(self._waiting) >= WAITING_MAX:
-                self._waiting.clear()   # far behind: the next load starts afresh
-            self._waiting[end - len(changed)] = (end, changed)
+            begin = end - len(changed)
+            if begin < self.changes or (self.changes < 0 and not self._loading):
+                return   # in what a load read, or nothing to apply it to: a load will read it
+            self._waiting[begin] = (end, changed)
+            self._waiting_rows += len(changed)
+            if self._waiting_rows > WAITING_ROWS_MAX:
+                self._forget_waiting()   # far behind: the next load starts afresh
             self._advance()
+
+    def _forget_waiting(self) -> None:
+        self._waiting.clear()
+        self._waiting_rows = 0
 
     def _advance(self) -> None:
         while self.changes >= 0 and self.changes in self._waiting:
             end, changed = self._waiting.pop(self.changes)
+            self._waiting_rows -= len(changed)
             for gone, key, complete, *fields in changed:
                 if gone is not None:
                     self._remove(gone)
                 if key is not None and complete:
                     self._add(key, self._fields(fields))
             self.changes = end
-        for begin in [b for b in self._waiting if b < self.changes]:
-            del self._waiting[begin]   # already in what a load read
 
     def _fields(self, fields: Sequence) -> tuple:
         fp = fields[FINGERPRINT]
@@ -117,21 +109,12 @@ class ChainMirror:
     def _add(self, key: str, fields: tuple) -> None:
         self._remove(key)
         self._rows[key] = fields
-        kids = self._children.get(fields[PARENT])
-        self._children[fields[PARENT]] = key if kids is None else (
-            [kids, key] if isinstance(kids, str) else [*kids, key])
+        link(self._children, self._rows, key, fields)
 
     def _remove(self, key: str) -> None:
         fields = self._rows.pop(key, None)
-        if fields is None:
-            return
-        kids = self._children[fields[PARENT]]
-        if isinstance(kids, str):
-            del self._children[fields[PARENT]]
-            return
-        kids.remove(key)
-        if len(kids) == 1:
-            self._children[fields[PARENT]] = kids[0]
+        if fields is not None:
+            unlink(self._children, key, fields)
 
     # ---- loading -----------------------------------------------------------------------
     def wanted(self, count: int) -> bool:
@@ -159,21 +142,25 @@ class ChainMirror:
                 if now - self._lag[1] < LAG_SECONDS:
                     return False
             self._loading = True
-            self.changes = -1   # the old rows answer nothing while the new are read
+            self.changes = -1   # the old rows answer nothing while the new are read: gone
+            self._rows, self._children = {}, {}
+            self._forget_waiting()
             return True
 
     def loaded(self, count: int, rows: Iterable[tuple], seconds: float) -> None:
         """Install a load's ``rows`` (key, then ``MIRRORED``), read at count ``count``, and apply
         the transactions handed over since."""
         table: dict[str, tuple] = {}
-        children: dict[str, str | list[str]] = {}
+        children: dict[str, Kids] = {}
         for key, *fields in rows:   # built outside the lock: lookups go on meanwhile
+            if key in table:
+                continue   # a primary key: never twice
             table[key] = fields = self._fields(fields)
-            kids = children.get(fields[PARENT])
-            children[fields[PARENT]] = key if kids is None else (
-                [kids, key] if isinstance(kids, str) else [*kids, key])
+            link(children, table, key, fields)
         with self._lock:
             self._rows, self._children, self.changes = table, children, count
+            for begin in [b for b in self._waiting if b < count]:
+                self._waiting_rows -= len(self._waiting.pop(begin)[1])   # in what it read
             self._advance()
             self._end_load(seconds)
             self.loads += 1
@@ -205,18 +192,14 @@ class ChainMirror:
                 kids = self._children.get(parent)
                 if kids is None:
                     continue
-                token = first_of(route[parent])
-                witness = None
-                for key in (kids,) if isinstance(kids, str) else kids:
+                same, witness = routed_under(kids, self._rows, first_of(route[parent]),
+                                             fingerprint)
+                for key in same:
                     fields = self._rows[key]
-                    if token is not None and fields[FIRST] == token:
-                        listed.append((key, parent, fields[START], fields[TOKENS],
-                                       fields[CHECKPOINT], fields[RESTORABLE]))
-                    elif fields[FINGERPRINT] == fingerprint and fields[FIRST] != token and (
-                            witness is None or _index_order(key, fields) < witness[0]):
-                        witness = (_index_order(key, fields), key)
+                    listed.append((key, parent, fields[START], fields[TOKENS],
+                                   fields[CHECKPOINT], fields[RESTORABLE]))
                 if witness is not None:
-                    witnesses.append(witness[1])
+                    witnesses.append(witness)
         return listed, witnesses
 
     def __len__(self) -> int:
