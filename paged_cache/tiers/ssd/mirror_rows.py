@@ -7,7 +7,7 @@ bisection, not by a pass over them all."""
 from __future__ import annotations
 
 import bisect
-from typing import Any
+from typing import Any, Iterable
 
 # What the mirror holds of a complete row, in this order after its key.
 MIRRORED = ("parent", "fingerprint", "first_token", "start", "tokens", "checkpoint", "restorable")
@@ -107,21 +107,8 @@ def routed_under(kids: Kids, rows: dict[str, tuple], token: int | None, fingerpr
                  ) -> tuple[list[str], str | None]:
     """Of a parent's ``kids``: the keys starting with ``token`` (none when it is None) and the
     witness, the first in index order of the others of ``fingerprint`` (``IS NOT token``)."""
-    if isinstance(kids, ManyKids):
-        return _routed_many(kids, rows, token, fingerprint)
-    same, witness = [], None
-    for key in (kids,) if isinstance(kids, str) else kids:
-        fields = rows[key]
-        if token is not None and fields[FIRST] == token:
-            same.append(key)
-        elif fields[FINGERPRINT] == fingerprint and fields[FIRST] != token and (
-                witness is None or index_order(key, fields) < witness[0]):
-            witness = (index_order(key, fields), key)
-    return same, None if witness is None else witness[1]
-
-
-def _routed_many(kids: ManyKids, rows: dict[str, tuple], token: int | None, fingerprint: str
-                 ) -> tuple[list[str], str | None]:
+    if not isinstance(kids, ManyKids):
+        return _scan((kids,) if isinstance(kids, str) else kids, rows, token, fingerprint, [], None)
     order = kids.order
     mine = NULL if token is None else token
     lo = bisect.bisect_left(order, (mine,))
@@ -140,7 +127,14 @@ def _routed_many(kids: ManyKids, rows: dict[str, tuple], token: int | None, fing
             witness = (index_order(key, rows[key]), key)
             break
         i += 1
-    for key in kids.odd:
+    return _scan(kids.odd, rows, token, fingerprint, same, witness)
+
+
+def _scan(keys: Iterable[str], rows: dict[str, tuple], token: int | None, fingerprint: str,
+          same: list[str], witness: tuple | None) -> tuple[list[str], str | None]:
+    """``same`` and the witness (its ``index_order``, key) so far, with ``keys`` looked at one
+    by one."""
+    for key in keys:
         fields = rows[key]
         if token is not None and fields[FIRST] == token:
             same.append(key)
