@@ -62,6 +62,12 @@ class Block:
     meta: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Raise (ValueError / TypeError naming the field) unless the key is a block key,
+        ``arrays`` maps str -> mx.array and ``meta`` str -> str: at construction, and again
+        where a block is stored (its fields are the caller's to change)."""
         check_key(self.key)
         for name, value in self.arrays.items():
             if not isinstance(name, str) or not isinstance(value, mx.array):

@@ -172,7 +172,7 @@ class PagedSSDCacheManager(ChainLookup):
         for block in blocks:
             if not isinstance(block, Block):
                 raise TypeError(f"block: expected a paged_cache.Block, got {type(block).__name__}")
-            Block(block.key, block.arrays, block.meta)  # re-runs Block's own validation
+            block.check()
             check_meta(block.meta)
         mx.eval(*[a for block in blocks for a in block.arrays.values()])
         return [raw_tensors(block) for block in blocks]

@@ -149,21 +149,25 @@ def raw_tensors(block: Any) -> RawTensors:
 
     Each view keeps its (evaluated, C-contiguous) array alive through ``memoryview.obj``.
     """
-    import mlx.core as mx
-
     out: RawTensors = {}
     for name, array in block.arrays.items():
-        dname = mx_dtype_name(array.dtype)
+        dname = _DTYPE_NAMES.get(array.dtype) or _DTYPE_NAMES.setdefault(
+            array.dtype, mx_dtype_name(array.dtype))
         if dname not in DTYPES:
             raise ValueError(f"block.arrays[{name!r}]: dtype {dname} is not storable; "
                              f"expected one of {sorted(DTYPES)}")
         view = memoryview(array)
         if not view.c_contiguous:
+            import mlx.core as mx
+
             array = mx.contiguous(array)
             mx.eval(array)
             view = memoryview(array)
-        out[name] = (dname, tuple(int(s) for s in array.shape), view)
+        out[name] = (dname, tuple(map(int, array.shape)), view)
     return out
+
+
+_DTYPE_NAMES: dict[Any, str] = {}   # an MLX dtype -> its name (``mx_dtype_name``), once each
 
 
 def layers_summary(meta: dict[str, str]) -> str | None:
