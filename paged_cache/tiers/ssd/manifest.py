@@ -237,7 +237,8 @@ class Manifest:
     # ---- queries -------------------------------------------------------------------------
     def complete_keys(self, among: Sequence[str] | None = None) -> set[str]:
         """Keys of every complete row (answered from the LRU index alone: startup's fast path),
-        or of those among ``among`` (one statement, a probe of each key)."""
+        or of those among ``among`` (from the RAM mirror when it answers, else one statement, a
+        probe of each key)."""
         if among is None:
             cur = self._db.execute("SELECT key FROM blocks WHERE state = ?", (COMPLETE,))
         elif self._mirror_now():
@@ -260,7 +261,8 @@ class Manifest:
         """Chain fields (node rows: tuples in ``format.NODE_FIELDS`` order, as stored: NULL
         where a row has no chain fields) of the complete rows stored under any of ``parents``
         for ``fingerprint``, those ``route`` leads to (tiers/route.py): a query or two whatever
-        the number of parents."""
+        the number of parents (the routed ones listed from the RAM mirror when it answers, only
+        the rows not made from the route read by key)."""
         self.queries += 1
         args = {"state": COMPLETE, "fp": fingerprint}
         whole = [p for p in parents if route is None or p not in route]
