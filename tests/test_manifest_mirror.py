@@ -255,6 +255,71 @@ def test_another_process_s_write_is_seen_and_the_mirror_loaded_again(
         same_answers(manifest, [([ROOT_PARENT, theirs], tokens)])
 
 
+WRITER = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    sys.path.insert(0, {tests!r})
+    from test_manifest_mirror import FPS, BS, conversation
+    from paged_cache import CacheConfig, PagedSSDCacheManager
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, 4, size=n) for n in (3, BS + 5)]
+    config = CacheConfig(block_size=BS, hot_cache_max_bytes="1KiB", ssd_dir={root!r},
+                         ssd_max_bytes="96KiB")
+    with PagedSSDCacheManager(config) as manager:
+        end = time.monotonic() + {seconds}
+        while time.monotonic() < end:
+            for _ in range(5):   # a burst of writes and evictions, then a pause
+                manager.put_many(conversation(rng, FPS[1], prompts)[0])
+            manager.flush()
+            time.sleep(0.15)
+    print("done")
+""")
+
+
+def test_the_mirror_stays_true_beside_another_process_writing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process writes and evicts in bursts while this one writes and looks up: whenever
+    the mirror answers, it holds exactly what the manifest holds in the same snapshot (checked
+    inside one read transaction), and it is reloaded between the other's bursts."""
+    monkeypatch.setattr(mirror_module, "LAG_SECONDS", 0.05)
+    monkeypatch.setattr(mirror_module, "RELOAD_GAP_SECONDS", 0.05)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 4, size=n) for n in (3, BS + 5)]
+    config = CacheConfig(block_size=BS, hot_cache_max_bytes="1KiB", ssd_dir=tmp_path,
+                         ssd_max_bytes="96KiB")
+    with PagedSSDCacheManager(config) as manager:
+        manifest = manager.tier("ssd")._manifest
+        script = WRITER.format(tests=str(Path(__file__).parent), root=str(tmp_path), seconds=6)
+        other = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        checked = 0
+        try:
+            deadline = time.monotonic() + 60
+            while other.poll() is None:
+                assert time.monotonic() < deadline, "the other process did not finish"
+                chain, tokens = conversation(rng, FPS[0], prompts)
+                manager.put_many(chain)
+                manager.chain([b.key for b in chain], FPS[0], tokens=tokens)
+                db = manifest._db
+                db.execute("BEGIN")   # one snapshot for the count, the rows and the mirror
+                try:
+                    count, stored = sql_view(manifest)
+                    with manifest.mirror._lock:
+                        if manifest.mirror.changes == count:
+                            assert dict(manifest.mirror._rows) == stored
+                            checked += 1
+                finally:
+                    db.execute("COMMIT")
+                time.sleep(0.02)
+            out, err = other.communicate(timeout=60)
+        finally:
+            if other.poll() is None:
+                other.kill()
+        assert other.returncode == 0 and "done" in out, err
+        assert checked >= 10, checked
+        assert manifest.mirror.loads >= 2   # behind the other's writes, loaded again
+
+
 def test_a_load_stops_when_the_manifest_closes(tmp_path: Path) -> None:
     """Closing waits for a load in flight (which stops at its next batch of rows)."""
     manifest = Manifest(tmp_path / "m.sqlite")
