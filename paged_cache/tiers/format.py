@@ -7,6 +7,7 @@ file size before anything is allocated, then builds mx.arrays with one copy. See
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -139,8 +140,10 @@ class BlockFileError(ValueError):
     """A block file is damaged, truncated, of another format version, or not the block asked for."""
 
 
+@functools.cache
 def mx_dtype_name(dtype: Any) -> str:
-    """The MLX name of a dtype ("float16", "bfloat16", ...): the names of DTYPES."""
+    """The MLX name of a dtype ("float16", "bfloat16", ...): the names of DTYPES (once per
+    dtype: every block stored asks)."""
     return str(dtype).rsplit(".", 1)[-1]
 
 
@@ -151,8 +154,7 @@ def raw_tensors(block: Any) -> RawTensors:
     """
     out: RawTensors = {}
     for name, array in block.arrays.items():
-        dname = _DTYPE_NAMES.get(array.dtype) or _DTYPE_NAMES.setdefault(
-            array.dtype, mx_dtype_name(array.dtype))
+        dname = mx_dtype_name(array.dtype)
         if dname not in DTYPES:
             raise ValueError(f"block.arrays[{name!r}]: dtype {dname} is not storable; "
                              f"expected one of {sorted(DTYPES)}")
@@ -165,9 +167,6 @@ def raw_tensors(block: Any) -> RawTensors:
             view = memoryview(array)
         out[name] = (dname, tuple(map(int, array.shape)), view)
     return out
-
-
-_DTYPE_NAMES: dict[Any, str] = {}   # an MLX dtype -> its name (``mx_dtype_name``), once each
 
 
 def layers_summary(meta: dict[str, str]) -> str | None:

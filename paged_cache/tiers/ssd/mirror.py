@@ -143,7 +143,7 @@ class ChainMirror:
                     return False
             self._loading = True
             self.changes = -1   # the old rows answer nothing while the new are read: gone
-            self._rows, self._children = {}, {}
+            self._rows, self._children, self._fingerprints = {}, {}, {}
             self._forget_waiting()
             return True
 
@@ -154,7 +154,7 @@ class ChainMirror:
         children: dict[str, Kids] = {}
         for key, *fields in rows:   # built outside the lock: lookups go on meanwhile
             if key in table:
-                continue   # a primary key: never twice
+                continue   # a damaged table may repeat a key: linked once, never twice
             table[key] = fields = self._fields(fields)
             link(children, table, key, fields)
         with self._lock:
