@@ -39,7 +39,7 @@ from paged_cache.rates_file import READ_TIERS
 from paged_cache.tiers.base import Tier
 from paged_cache.tiers.deadlines import Deadlines
 from paged_cache.tiers.ssd.direct import StoredBlock, read_stored
-from paged_cache.tiers.format import Expected, RawTensors, check_meta, raw_tensors
+from paged_cache.tiers.format import Expected, check_meta, raw_tensors, storable_dtype
 from paged_cache.tiers.stack import HIT_LABELS, TIER_GAUGES, open_tiers
 
 log = logging.getLogger("paged_cache.manager")
@@ -95,9 +95,9 @@ class PagedSSDCacheManager(ChainLookup):
 
         ``deferred=True`` (a partial tail the conversation's next store usually discards): see
         the module doc (0 ``tail_write_delay_s``: written now, whatever the policy)."""
-        raw, = self._validated([block])
+        self._validated([block])
         try:
-            return self._put(block, raw, deferred)
+            return self._put(block, deferred)
         finally:
             self._after()
 
@@ -108,20 +108,21 @@ class PagedSSDCacheManager(ChainLookup):
         new, and the writer finds its file). Returns how many are now held as new."""
         if not isinstance(blocks, (list, tuple)):
             raise TypeError(f"blocks: expected a list of paged_cache.Block, got {type(blocks).__name__}")
-        raws = self._validated(blocks)
+        self._validated(blocks)
         try:
             with self._lock:
                 self._check_open()
             keys = [block.key for block in blocks]
             listed = {tier: tier.listing(keys) for tier in self._lower if not tier.shared}
-            return sum(self._put(block, raw, False, listed) for block, raw in zip(blocks, raws))
+            return sum(self._put(block, False, listed) for block in blocks)
         finally:
             self._after()
 
-    def _put(self, block: Block, raw: RawTensors, deferred: bool,
+    def _put(self, block: Block, deferred: bool,
              listed: dict[Tier, set[str]] | None = None) -> bool:
         """``put`` under the lock; ``listed``: what each tier below RAM listed of the block (held
-        where its key is there), else each is asked."""
+        where its key is there), else each is asked. The block's raw buffers are taken only for
+        a write (a block already held needs none)."""
         with self._lock:
             self._check_open()
             if self._hot.holds([block.key])[0] is not None:
@@ -145,10 +146,11 @@ class PagedSSDCacheManager(ChainLookup):
             if self._keeper is not None:
                 waits = ((NEW_TAIL if reused else DEFERRED if delay > 0 else None) if deferred
                          else PROBATION if reused else None)
-            persisted = False
+            persisted, raw = False, None
             for tier in reversed(self._lower):
                 keeps = tier is self._keeper
                 if (tier.writes_new or (keeps and deferred)) and not (waits and keeps):
+                    raw = raw_tensors(block) if raw is None else raw
                     written = tier.write(block, raw)  # a tail with no delay: at once, any policy
                     persisted = persisted or (keeps and written)
             if waits is not None:
@@ -166,16 +168,17 @@ class PagedSSDCacheManager(ChainLookup):
             return False
 
     @staticmethod
-    def _validated(blocks: Sequence[Block]) -> list[RawTensors]:
-        """Check every block (key, arrays, storable dtypes, meta), evaluate all their arrays in
-        one call, and return each one's raw buffers; nothing is stored when one fails."""
+    def _validated(blocks: Sequence[Block]) -> None:
+        """Check every block (key, arrays, storable dtypes, meta) and evaluate all their arrays in
+        one call: nothing is stored when one fails."""
         for block in blocks:
             if not isinstance(block, Block):
                 raise TypeError(f"block: expected a paged_cache.Block, got {type(block).__name__}")
             block.check()
             check_meta(block.meta)
+            for name, array in block.arrays.items():
+                storable_dtype(name, array)
         mx.eval(*[a for block in blocks for a in block.arrays.values()])
-        return [raw_tensors(block) for block in blocks]
 
     def _after(self) -> None:
         """Work for when no lock is held (``Tier.settle``): the tiers' writes left to this thread

@@ -171,6 +171,25 @@ def test_put_many_checks_every_block_before_storing_any(tmp_path):
         assert [manager.tier_of(b.key) for b in good] == [None] * 3
 
 
+def test_a_put_writes_the_values_of_arrays_that_are_not_contiguous(tmp_path):
+    """A block's raw buffers are taken when it is written (not for a block already held): an
+    array that is a transposed view is written as its values, read back the same after a
+    restart, and a put of the block already held writes nothing again."""
+    arrays = {"k": mx.arange(24, dtype=mx.float16).reshape(4, 6).T, "v": mx.ones((3, 2))[:, ::2]}
+    block = Block(key_of(3), arrays, {"tokens": "6"})
+    with new_manager(tmp_path / "c", hot_cache_max_bytes=1 << 20) as manager:
+        assert manager.put_many([block]) == 1
+        assert manager.put_many([block]) == 0 and manager.put(block) is False
+        manager.flush()
+        assert manager.stats()["ssd"]["writes"] == 1
+    with new_manager(tmp_path / "c") as manager:
+        got = manager.get(block.key)
+        assert got is not None and manager.stats()["hits"]["ssd"] == 1
+        for name, array in arrays.items():
+            assert got.arrays[name].shape == array.shape
+            assert mx.array_equal(got.arrays[name], array).item()
+
+
 def test_put_many_trusts_the_manifest_where_put_looks_at_the_file(tmp_path):
     """A block file whose row the manifest lacks (found on disk, not adopted yet) is held for
     ``put`` (its file is looked at) and, for ``put_many`` (the manifest asked once for the

@@ -147,6 +147,16 @@ def mx_dtype_name(dtype: Any) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
 
+def storable_dtype(name: str, array: Any) -> str:
+    """The name of ``block.arrays[name]``'s dtype; ValueError when the block file format cannot
+    store it."""
+    dname = mx_dtype_name(array.dtype)
+    if dname not in DTYPES:
+        raise ValueError(f"block.arrays[{name!r}]: dtype {dname} is not storable; "
+                         f"expected one of {sorted(DTYPES)}")
+    return dname
+
+
 def raw_tensors(block: Any) -> RawTensors:
     """Byte views of a Block's arrays, taken on the caller thread so the writer never calls MLX.
 
@@ -154,10 +164,7 @@ def raw_tensors(block: Any) -> RawTensors:
     """
     out: RawTensors = {}
     for name, array in block.arrays.items():
-        dname = mx_dtype_name(array.dtype)
-        if dname not in DTYPES:
-            raise ValueError(f"block.arrays[{name!r}]: dtype {dname} is not storable; "
-                             f"expected one of {sorted(DTYPES)}")
+        dname = storable_dtype(name, array)
         view = memoryview(array)
         if not view.c_contiguous:
             import mlx.core as mx
@@ -509,13 +516,16 @@ def pending_arrays(raw: RawTensors) -> dict[str, Any]:
     import mlx.core as mx
 
     arrays: dict[str, Any] = {}
+    rebuilt = []
     for name, (dname, shape, buf) in raw.items():
         owner = memoryview(buf).obj
         if isinstance(owner, mx.array) and tuple(owner.shape) == tuple(shape):
-            arrays[name] = owner
+            arrays[name] = owner  # evaluated when its view was taken
             continue
         dtype = DTYPES[dname]
         array = mx.array(np.frombuffer(buf, dtype=np.dtype(dtype.storage)).reshape(shape))
         arrays[name] = array.view(mx.bfloat16) if dname == "bfloat16" else array
-    mx.eval(*arrays.values())
+        rebuilt.append(arrays[name])
+    if rebuilt:  # an eval lets other threads run (it releases the GIL): only when one is due
+        mx.eval(*rebuilt)
     return arrays

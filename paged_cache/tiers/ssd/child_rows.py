@@ -62,8 +62,8 @@ def routed_rows(db: sqlite3.Connection, parents: Sequence[str], route: Route,
     leads to; ``args``: the ``state`` and ``fp`` (fingerprint) parameters. With a ``mirror``
     at the manifest's count, what the index would give comes from it and only the rows not made
     from the route are read (witnesses included)."""
-    pairs = json.dumps([[parent, first_of(route[parent])] for parent in parents])
     if mirror is None:
+        pairs = json.dumps([[parent, first_of(route[parent])] for parent in parents])
         out = db.execute(WITNESS_ROWS_SQL, dict(args, route=pairs)).fetchall()
         listed, witnesses = db.execute(ROUTED_KEYS_SQL, dict(args, route=pairs)).fetchall(), []
     else:

@@ -369,11 +369,11 @@ class SSDTier(WriteBehind, Listings, Tier):
         "write-on-caller" is left for ``settle``), or write it now."""
         raw = raw if raw is not None else fmt.raw_tensors(block)
         if now:
-            return self.write_sync(block.key, raw, dict(block.meta))
+            return self.write_sync(block.key, raw, block.meta)  # _item copies meta
         writes = getattr(self._caller_writes, "items", None)
         if writes is None:
             writes = self._caller_writes.items = []
-        return self.enqueue(block.key, raw, dict(block.meta), overflow=writes)
+        return self.enqueue(block.key, raw, block.meta, overflow=writes)  # _item copies meta
 
     def settle(self) -> tuple[list[str], list[tuple[str, int]]]:
         """This thread's own writes (queue full under "write-on-caller"), then the release of
