@@ -58,3 +58,21 @@ def test_a_trace_replay_under_the_server_s_eviction_counts_stranded_blocks() -> 
         ttls = [c.pttl(block_name(k)) for k in chain]
         assert ttls[0] > aged + 500  # renewed by the lookup
         assert all(a >= b for a, b in zip(ttls, ttls[1:])), ttls
+
+
+def test_a_paced_replay_keeps_the_trace_s_time_between_requests() -> None:
+    """The server's policies are clocked (LRU seconds, LFU decay by the minute), so the shared
+    tier's replays start each request at its time in the trace: the first 12 requests arrive
+    at 0 s (ten) and 3 s (two), so the paced replay of them lasts at least 3 s; unpaced, it is
+    over in well under that."""
+    requests = trace_stream.load(limit=12)
+    assert [r.timestamp_ms for r in requests][-3:] == [0, 3000, 3000]
+    config = CacheConfig(block_size=trace_remote.BLOCK, hot_cache_only=True,
+                         hot_cache_max_bytes=64 * trace_remote.PAYLOAD)
+    timed = []
+    for paced in (True, False):
+        started = time.monotonic()
+        out = trace_remote.replay(config, requests, Chains(), "local", paced=paced)
+        timed.append(time.monotonic() - started)
+        assert out.requested == sum(r.input_length // trace_remote.BLOCK for r in requests)
+    assert timed[0] >= 3.0 > timed[1], timed
