@@ -70,7 +70,7 @@ class Served:
     stranded_bytes: int = 0
     server_blocks: int = 0
     server_bytes: int = 0
-    behind_s: float = 0.0  # paced: how far the latest request started after its time
+    behind_s: float = 0.0  # paced: the most a request started after its time
 
     @property
     def ratio(self) -> float:
