@@ -5,8 +5,10 @@ the bounds and simulations of the same stream beside it (trace_sim.py).
 - hit ratio (blocks served / blocks requested) at 0.25M, 1M, 3M and 10M tokens of capacity,
   configurations ``ram`` (the hot tier alone), ``ram+ssd`` (a small RAM tier in front of an SSD
   tier of the capacity) and ``remote`` (the same RAM in front of a real redis-server whose
-  ``maxmemory`` holds the capacity, ``allkeys-lru``), each against the documented eviction
-  order simulated on the same requests, with the infinite cache and Belady's MIN beside it;
+  ``maxmemory`` holds the capacity, ``allkeys-lru``, replayed as fast as the machine goes:
+  the server's once-a-second LRU clock understates it there, trace_remote.py replays at the
+  trace's pace), each against the documented eviction order simulated on the same requests,
+  with the infinite cache and Belady's MIN beside it;
 - the eviction orders of tiers/eviction.py through the real hot tier, against leaves-first LRU;
 - SSD writes per block served and the hits split RAM / SSD, RAM 0.25M and SSD 3M tokens, under
   each ``ssd_admission`` and write policy;
