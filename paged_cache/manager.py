@@ -39,7 +39,8 @@ from paged_cache.rates_file import READ_TIERS
 from paged_cache.tiers.base import Tier
 from paged_cache.tiers.deadlines import Deadlines
 from paged_cache.tiers.ssd.direct import StoredBlock, read_stored
-from paged_cache.tiers.format import Expected, check_meta, raw_tensors, storable_dtype
+from paged_cache.tiers.format import (Expected, RawTensors, check_meta, raw_tensors,
+                                     storable_dtype)
 from paged_cache.tiers.stack import HIT_LABELS, TIER_GAUGES, open_tiers
 
 log = logging.getLogger("paged_cache.manager")
@@ -114,15 +115,21 @@ class PagedSSDCacheManager(ChainLookup):
                 self._check_open()
             keys = [block.key for block in blocks]
             listed = {tier: tier.listing(keys) for tier in self._lower if not tier.shared}
-            return sum(self._put(block, False, listed) for block in blocks)
+            # the views of the blocks no tier holds, all before the first write wakes a writer
+            # thread (each view evaluates its array with the GIL released: a hand-over to an
+            # awake writer and back)
+            held = [h is not None or any(k in got for got in listed.values())
+                    for k, h in zip(keys, self._hot.holds(keys))]
+            raws = [None if h else raw_tensors(block) for block, h in zip(blocks, held)]
+            return sum(self._put(block, False, listed, raw) for block, raw in zip(blocks, raws))
         finally:
             self._after()
 
-    def _put(self, block: Block, deferred: bool,
-             listed: dict[Tier, set[str]] | None = None) -> bool:
+    def _put(self, block: Block, deferred: bool, listed: dict[Tier, set[str]] | None = None,
+             raw: RawTensors | None = None) -> bool:
         """``put`` under the lock; ``listed``: what each tier below RAM listed of the block (held
-        where its key is there), else each is asked. The block's raw buffers are taken only for
-        a write (a block already held needs none)."""
+        where its key is there), else each is asked. ``raw``: the block's raw buffers, else
+        taken when it is written (a block already held needs none)."""
         with self._lock:
             self._check_open()
             if self._hot.holds([block.key])[0] is not None:
@@ -146,7 +153,7 @@ class PagedSSDCacheManager(ChainLookup):
             if self._keeper is not None:
                 waits = ((NEW_TAIL if reused else DEFERRED if delay > 0 else None) if deferred
                          else PROBATION if reused else None)
-            persisted, raw = False, None
+            persisted = False
             for tier in reversed(self._lower):
                 keeps = tier is self._keeper
                 if (tier.writes_new or (keeps and deferred)) and not (waits and keeps):
