@@ -115,12 +115,14 @@ class PagedSSDCacheManager(ChainLookup):
                 self._check_open()
             keys = [block.key for block in blocks]
             listed = {tier: tier.listing(keys) for tier in self._lower if not tier.shared}
-            # the views of the blocks no tier holds, all before the first write wakes a writer
-            # thread (each view evaluates its array with the GIL released: a hand-over to an
-            # awake writer and back)
+            # the views of the blocks no tier holds, when a put writes them, all before the first
+            # write wakes a writer thread (each view evaluates its array with the GIL released:
+            # a hand-over to an awake writer and back)
+            writes = bool(self._writers(False, self._waits(False)))
             held = [h is not None or any(k in got for got in listed.values())
                     for k, h in zip(keys, self._hot.holds(keys))]
-            raws = [None if h else raw_tensors(block) for block, h in zip(blocks, held)]
+            raws = [raw_tensors(block) if writes and not h else None
+                    for block, h in zip(blocks, held)]
             return sum(self._put(block, False, listed, raw) for block, raw in zip(blocks, raws))
         finally:
             self._after()
@@ -148,22 +150,16 @@ class PagedSSDCacheManager(ChainLookup):
                         self.counters["promotions"] += 1
                     return False
             self.counters["puts"] += 1
-            delay = self.config.tail_write_delay_s
-            reused, waits = self.config.ssd_admission == "reused", None
-            if self._keeper is not None:
-                waits = ((NEW_TAIL if reused else DEFERRED if delay > 0 else None) if deferred
-                         else PROBATION if reused else None)
+            waits = self._waits(deferred)
             persisted = False
-            for tier in reversed(self._lower):
-                keeps = tier is self._keeper
-                if (tier.writes_new or (keeps and deferred)) and not (waits and keeps):
-                    raw = raw_tensors(block) if raw is None else raw
-                    written = tier.write(block, raw)  # a tail with no delay: at once, any policy
-                    persisted = persisted or (keeps and written)
+            for tier in self._writers(deferred, waits):
+                raw = raw_tensors(block) if raw is None else raw
+                written = tier.write(block, raw)  # a tail with no delay: at once, any policy
+                persisted = persisted or (tier is self._keeper and written)
             if waits is not None:
                 self._waiting[block.key] = waits
                 if waits == DEFERRED:
-                    self._tails.add(block.key, delay)
+                    self._tails.add(block.key, self.config.tail_write_delay_s)
             if self._hot.write(block, persisted=persisted):
                 return True
             self._waiting.pop(block.key, None)  # not kept in RAM: written now if it can be
@@ -173,6 +169,23 @@ class PagedSSDCacheManager(ChainLookup):
             log.debug("block %s (%d bytes) dropped: larger than the hot budget, no SSD copy",
                       block.key[:12], block.nbytes)
             return False
+
+    def _waits(self, deferred: bool) -> str | None:
+        """What a new block (a ``deferred`` tail or not) waits for before the tier keeping
+        evicted blocks writes it (module doc), or None: written as the write policy says."""
+        if self._keeper is None:
+            return None
+        reused = self.config.ssd_admission == "reused"
+        if deferred:
+            return NEW_TAIL if reused else DEFERRED if self.config.tail_write_delay_s > 0 else None
+        return PROBATION if reused else None
+
+    def _writers(self, deferred: bool, waits: str | None) -> list[Tier]:
+        """The tiers below RAM a new block is written to as it is put, slowest first (a tail
+        with no delay: at once, any policy; a block that ``waits``: not by the keeper)."""
+        return [tier for tier in reversed(self._lower)
+                if (tier.writes_new or (tier is self._keeper and deferred))
+                and not (waits and tier is self._keeper)]
 
     @staticmethod
     def _validated(blocks: Sequence[Block]) -> None:
