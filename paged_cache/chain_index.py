@@ -75,13 +75,14 @@ class ChainNode:
     @classmethod
     def from_row(cls, row: NodeRow, tier: str | None = None) -> "ChainNode | None":
         """The node of a node row (as a tier lists it), or None when a field is missing or
-        malformed (ids stay in their text form until read; a NULL ``restorable`` reads as 1;
+        malformed (ids stay in their text form until read, or are the array a lookup made the
+        row from: ``child_rows``; a NULL ``restorable`` reads as 1;
         the namespace is None when the row ends before it)."""
         key, parent, fingerprint, start, ntokens, text, checkpoint, restorable = row[:8]
         namespace = row[8] if len(row) > 8 else None
         if (type(start) is not int or type(ntokens) is not int or start < 0 or ntokens < 1
                 or not isinstance(parent, str) or not isinstance(fingerprint, str)
-                or not isinstance(text, str)):
+                or not isinstance(text, (str, np.ndarray))):
             return None
         return cls(key, parent, fingerprint, start, text, bool(checkpoint), restorable != 0,
                    tier, ntokens, namespace if isinstance(namespace, str) else None)

@@ -18,6 +18,8 @@ from paged_cache.chain_index import ChainNode, FitNodes
 from paged_cache.hashing import ROOT_PARENT, block_key, encode_token_ids
 from paged_cache.tiers.route import NEIGHBORS
 
+from helpers.blocks import text_rows
+
 pytestmark = pytest.mark.unit
 
 BS = 16
@@ -258,7 +260,7 @@ def test_the_manifest_makes_the_request_s_own_rows_from_its_route(tmp_path: Path
         parents = [ROOT_PARENT, *keys]
         route = route_of(parents, tokens, BS)
         manifest = manager.tier("ssd")._manifest
-        routed = manifest.child_rows(parents, FP, route)
+        routed = text_rows(manifest.child_rows(parents, FP, route))
         stored = manifest.child_rows(parents, FP)
         assert sorted(routed) == sorted(stored) and len(routed) == 7
         with sqlite3.connect(tmp_path / "manifest.sqlite") as db:
@@ -266,7 +268,7 @@ def test_the_manifest_makes_the_request_s_own_rows_from_its_route(tmp_path: Path
                     np.full(BS, 5))), (chain[1], "fingerprint", "ef" * 32),
                     (chain[4], "tokens", BS - 1)):
                 db.execute(f"UPDATE blocks SET {column} = ? WHERE key = ?", (value, block.key))
-        routed = {row[0]: row for row in manifest.child_rows(parents, FP, route)}
+        routed = {row[0]: row for row in text_rows(manifest.child_rows(parents, FP, route))}
         assert routed[chain[1].key] == next(r for r in stored if r[0] == chain[1].key)
         assert routed[chain[4].key][4] == BS - 1   # read: the stored count
         assert routed[chain[4].key][5] == next(r for r in stored if r[0] == chain[4].key)[5]

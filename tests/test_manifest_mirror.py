@@ -28,6 +28,7 @@ from paged_cache.tiers.ssd.child_rows import routed_rows
 from paged_cache.tiers.ssd.manifest import COMPLETE, Manifest
 from paged_cache.tiers.ssd.mirror import CHANGES_SQL, ChainMirror, load_sql
 from paged_cache.tiers.ssd.mirror_rows import ManyKids, routed_under
+from helpers.blocks import text_rows
 
 BS = 8
 FPS = ("ab" * 32, "cd" * 32)
@@ -75,8 +76,8 @@ def same_answers(manifest: Manifest, routes: list[tuple[list[str], np.ndarray]])
         args = {"state": COMPLETE, "fp": fp}
         for parents, tokens in routes:
             route = route_of(parents, tokens, BS)
-            assert sorted(routed_rows(db, parents, route, args, mirror)) == \
-                sorted(routed_rows(db, parents, route, args, None))
+            assert sorted(text_rows(routed_rows(db, parents, route, args, mirror))) == \
+                sorted(text_rows(routed_rows(db, parents, route, args, None)))
             keys = parents[1:]
             assert mirror.complete_among(keys) == {k for k in keys if k in stored}
     return len(routes)

@@ -58,9 +58,12 @@ def ids_key(tokens: Sequence[int] | np.ndarray) -> bytes | None:
 
 
 def text_key(text: object) -> bytes | None:
-    """``ids_key`` of a token id text form (``hashing.encode_token_ids``); None when malformed.
-    The last ``TEXT_KEYS`` are remembered: a request's blocks are keyed by the RAM index, the
-    write queue's and the manifest's listings, often several times a request."""
+    """``ids_key`` of a token id text form (``hashing.encode_token_ids``), or of the id array a
+    lookup made a row from (tiers/ssd/child_rows.py); None when malformed. The last
+    ``TEXT_KEYS`` texts are remembered: a request's blocks are keyed by the RAM index, the write
+    queue's and the manifest's listings, often several times a request."""
+    if isinstance(text, np.ndarray):
+        return ids_key(text) if text.size else None
     return _text_key(text) if isinstance(text, str) else None
 
 

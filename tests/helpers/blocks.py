@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 
 from paged_cache.block import Block
+from paged_cache.hashing import encode_token_ids
 
 DTYPES = [mx.float32, mx.float16, mx.bfloat16, mx.uint32]
 
@@ -81,3 +82,10 @@ def block_files(root: Path) -> dict[str, Path]:
     return {path.name[:64]: path for path in (blocks.rglob("*") if blocks.is_dir() else ())
             if path.is_file() and not path.is_symlink()}
 
+
+
+def text_rows(rows: list[tuple]) -> list[tuple]:
+    """Node rows with their token ids in text form, as the manifest stores them: a row a lookup
+    made from its route holds them as an array (tiers/ssd/child_rows.py)."""
+    return [row[:5] + (encode_token_ids(row[5]) if isinstance(row[5], np.ndarray) else row[5],)
+            + row[6:] for row in rows]

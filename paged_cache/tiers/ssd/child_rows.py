@@ -14,9 +14,9 @@ node flags, but not its fingerprint and token ids, which lie in its row (with 51
 overflow pages: a row read cost ~14 us, twice the index probe). A route lists its parents in
 chain order (``route_of``), so the child of each one holding the request's own block there is the
 next parent: that child's key is the hash of the request's fingerprint, parent and those very
-tokens, so its row is made from the route (the request's tokens) without being read, as the
-manager knows such a node by its key (``ChainNode.unfit``). Only the other children's rows are
-read, by key.
+tokens, so its row is made from the route (the request's tokens, as an array: put in text form
+only if the node's meta is ever written) without being read, as the manager knows such a node by
+its key (``ChainNode.unfit``). Only the other children's rows are read, by key.
 
 When the manifest's RAM mirror is at the manifest's change count (tiers/ssd/mirror.py), it gives
 what both statements would (the same children, the same witness) without a probe; the rows not
@@ -31,7 +31,6 @@ from typing import Sequence
 
 import numpy as np
 
-from paged_cache.hashing import encode_token_ids
 from paged_cache.tiers import format as fmt
 from paged_cache.tiers.route import Route, first_of, trim
 from paged_cache.tiers.ssd.mirror import ChainMirror
@@ -73,9 +72,9 @@ def routed_rows(db: sqlite3.Connection, parents: Sequence[str], route: Route,
     rows, others = [], []
     for key, parent, start, tokens, checkpoint, restorable in listed:
         ids = route[parent]
-        if key == path.get(parent) and tokens == len(ids) // 4:
-            text = encode_token_ids(np.frombuffer(ids, dtype=">u4"))
-            rows.append((key, parent, args["fp"], start, tokens, text, checkpoint, restorable))
+        if key == path.get(parent) and tokens == len(ids) // 4:  # its ids: the route's own
+            rows.append((key, parent, args["fp"], start, tokens, np.frombuffer(ids, dtype=">u4"),
+                         checkpoint, restorable))
         else:
             others.append(key)
     if others or witnesses:
