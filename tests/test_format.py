@@ -95,6 +95,65 @@ def test_checksums_in_metadata() -> None:
     assert meta[fmt.META_CHECKSUM] == xxhash.xxh3_128_hexdigest(data[8 + n:])
 
 
+def _version_1(arrays: dict[str, mx.array], meta: dict[str, str]) -> bytes:
+    """A block file as format version 1 wrote it (docs/file-format.md): the header checksum of a
+    canonical re-encoding, stored after the rest of the metadata."""
+    import xxhash
+
+    raw = fmt.raw_tensors(Block(KEY, arrays, meta))
+    entries, body, offset = {}, b"", 0
+    for name in sorted(raw):
+        dname, shape, buf = raw[name]
+        data = bytes(memoryview(buf).cast("B"))
+        entries[name] = {"dtype": fmt.DTYPES[dname].code, "shape": list(shape),
+                         "data_offsets": [offset, offset + len(data)]}
+        offset, body = offset + len(data), body + data
+    full = {**meta, "format": fmt.FORMAT_NAME, "format_version": "1", "key": KEY,
+            "checksum": xxhash.xxh3_128_hexdigest(body)}
+    full["header_checksum"] = xxhash.xxh3_64_hexdigest(json.dumps(
+        {"tensors": entries, "meta": full}, sort_keys=True, separators=(",", ":")).encode())
+    header = json.dumps({"__metadata__": full, **entries}, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    return struct.pack("<Q", len(header)) + header + body
+
+
+def test_a_version_1_file_is_still_read_and_its_damage_found() -> None:
+    arrays = {"x": mx.arange(12, dtype=mx.float16).reshape(3, 4), "y": mx.ones((5,))}
+    data = _version_1(arrays, {"tokens": "16", "fingerprint": "m1"})
+    got, meta = fmt.decode(data, KEY, max_bytes=1 << 30)
+    _assert_same(got, arrays)
+    assert meta == {"tokens": "16", "fingerprint": "m1"}
+    n = struct.unpack("<Q", data[:8])[0]
+    head = fmt.read_header_only(lambda at, k: data[at:at + k], len(data), 1 << 30, key=KEY)
+    assert head.meta[fmt.META_VERSION] == "1" and head.header_len == n
+    at = data.index(b'"m1"') + 1
+    flipped = data[:at] + b"n" + data[at + 1:]   # the same length, another fingerprint
+    with pytest.raises(fmt.BlockFileError, match="header checksum"):
+        fmt.decode(flipped, KEY, max_bytes=1 << 30)
+
+
+def test_a_header_s_checksum_is_of_its_own_bytes_at_a_fixed_place() -> None:
+    """Format version 2: the header starts with its checksum, which is of the header's bytes with
+    those 16 characters as zeros; one changed there, elsewhere, or a second checksum key after
+    it (a JSON reader keeps the last) is damage."""
+    import xxhash
+
+    data = _file({"x": mx.ones((4, 4))}, "none")
+    n = struct.unpack("<Q", data[:8])[0]
+    header = data[8:8 + n]
+    at = len(fmt.HEADER_START)
+    assert header.startswith(fmt.HEADER_START)
+    hole = header[:at] + b"0" * 16 + header[at + 16:]
+    assert header[at:at + 16] == xxhash.xxh3_64_hexdigest(hole).encode()
+    assert json.loads(header)["__metadata__"][fmt.META_VERSION] == fmt.FORMAT_VERSION == "2"
+    wrong = header[:at] + (b"1" if header[at:at + 1] == b"0" else b"0") + header[at + 1:]
+    twice = fmt.sealed(hole.rstrip().replace(   # sealed right, but the parsed value is the second
+        b'"format":', b'"header_checksum":"' + b"1" * 16 + b'","format":', 1))
+    for bad in (wrong, twice):
+        with pytest.raises(fmt.BlockFileError, match="header checksum"):
+            fmt.decode(struct.pack("<Q", len(bad)) + bad + data[8 + n:], KEY, max_bytes=1 << 30)
+
+
 def _damaged_variants(data: bytes) -> dict[str, bytes]:
     n = struct.unpack("<Q", data[:8])[0]
     header = data[8:8 + n]

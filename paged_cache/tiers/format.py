@@ -19,7 +19,8 @@ import numpy as np
 import xxhash
 
 FORMAT_NAME = "paged-cache-block"
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
+READ_VERSIONS = ("1", "2")  # version 1 files (their header checksum over a re-encoding) still read
 COMPRESSIONS = ("none", "lz4")
 SUFFIXES = {"none": ".safetensors", "lz4": ".safetensors.lz4"}
 LZ4_MAGIC = b"\x04\x22\x4d\x18"
@@ -33,8 +34,13 @@ META_FORMAT = "format"
 META_VERSION = "format_version"
 META_KEY = "key"
 META_CHECKSUM = "checksum"            # xxh3-128 hex of the tensor bytes (the data section)
-META_HEADER_CHECKSUM = "header_checksum"  # xxh3-64 hex of the canonical header (see docs)
+META_HEADER_CHECKSUM = "header_checksum"  # xxh3-64 hex of the header itself (see docs)
 RESERVED_META = frozenset({META_FORMAT, META_VERSION, META_KEY, META_CHECKSUM, META_HEADER_CHECKSUM})
+# A version 2 header starts with its checksum, so it sits at a fixed place: the checksum is of the
+# header's bytes with those 16 characters as ASCII zeros, and a read checks it without encoding
+# anything again (version 1's was of a canonical re-encoding: a few microseconds a block).
+HEADER_START = b'{"__metadata__":{"' + META_HEADER_CHECKSUM.encode() + b'":"'
+HEADER_CHECKSUM_HOLE = b"0" * 16
 
 # Block meta keys the manifest copies into its columns when present (set by the prefix cache).
 META_FINGERPRINT = "fingerprint"
@@ -232,7 +238,8 @@ def byte_view(buf: Any) -> memoryview:
 
 
 def _canonical(tensors: dict[str, Any], meta: dict[str, str]) -> bytes:
-    """Bytes covered by the header checksum: tensor entries and metadata minus the checksum fields."""
+    """Bytes a version 1 header checksum covers: tensor entries and metadata minus the checksum
+    field, re-encoded."""
     covered = {k: v for k, v in meta.items() if k != META_HEADER_CHECKSUM}
     return json.dumps({"tensors": tensors, "meta": covered}, sort_keys=True,
                       separators=(",", ":")).encode()
@@ -267,12 +274,11 @@ def encode(key: str, raw: RawTensors, meta: dict[str, str], compression: str = "
         offset += view.nbytes
         digest.update(view)
         buffers.append(view)
-    full_meta = dict(meta)
+    full_meta = {META_HEADER_CHECKSUM: HEADER_CHECKSUM_HOLE.decode(), **meta}
     full_meta.update({META_FORMAT: FORMAT_NAME, META_VERSION: FORMAT_VERSION, META_KEY: key,
                       META_CHECKSUM: digest.hexdigest()})
-    full_meta[META_HEADER_CHECKSUM] = xxhash.xxh3_64_hexdigest(_canonical(entries, full_meta))
-    header = json.dumps({"__metadata__": full_meta, **entries}, separators=(",", ":")).encode()
-    header += b" " * (-len(header) % HEADER_ALIGN)
+    header = sealed(json.dumps({"__metadata__": full_meta, **entries},
+                               separators=(",", ":")).encode())
     chunks: list[Any] = [struct.pack("<Q", len(header)) + header, *buffers]
     total = 8 + len(header) + offset
     if compression == "lz4":
@@ -282,14 +288,34 @@ def encode(key: str, raw: RawTensors, meta: dict[str, str], compression: str = "
     return Encoded(chunks, sum(memoryview(c).nbytes for c in chunks), offset, compression)
 
 
+def sealed(header: bytes) -> bytes:
+    """A version 2 header from its JSON (``HEADER_START`` then its checksum's 16 zeros): padded
+    to ``HEADER_ALIGN`` with spaces, its checksum in place."""
+    if not header.startswith(HEADER_START + HEADER_CHECKSUM_HOLE):
+        raise ValueError("header: expected its checksum first, as 16 zeros")
+    header += b" " * (-len(header) % HEADER_ALIGN)
+    at = len(HEADER_START)
+    return header[:at] + xxhash.xxh3_64_hexdigest(header).encode() + header[at + 16:]
+
+
+def _raw_checksum(header: bytes) -> bytes | None:
+    """The checksum of a version 2 ``header`` (see ``sealed``), or None when it does not start
+    as one does."""
+    at = len(HEADER_START)
+    if header[:at] != HEADER_START:
+        return None
+    return xxhash.xxh3_64_hexdigest(header[:at] + HEADER_CHECKSUM_HOLE + header[at + 16:]).encode()
+
+
 @dataclass
 class Header:
-    """A validated safetensors header: tensors in data order and the metadata."""
+    """A validated safetensors header: tensors in data order, the metadata, and its bytes."""
 
     header_len: int
     tensors: list[tuple[str, DType, tuple[int, ...], int, int]]  # name, dtype, shape, begin, end
     meta: dict[str, str]
     entries: dict[str, Any]
+    raw: bytes = b""
 
     @property
     def data_bytes(self) -> int:
@@ -300,10 +326,14 @@ class Header:
         return 8 + self.header_len + self.data_bytes
 
 
-def _int_list(value: Any, what: str) -> list[int]:
-    if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
-        raise BlockFileError(f"{what}: expected a list of non-negative integers")
-    return value
+_ENTRY_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
+_INT = frozenset({int})
+
+
+def _naturals(value: Any) -> bool:
+    """True for a list of non-negative ints (no bools): checked without a Python step per
+    element, since a model's header holds two arrays a layer (60 entries for 30 layers)."""
+    return type(value) is list and set(map(type, value)) <= _INT and min(value, default=0) >= 0
 
 
 class Expected(Protocol):
@@ -353,22 +383,24 @@ def parse_header(header: bytes, *, data_limit: int) -> Header:
     if not isinstance(doc, dict):
         raise BlockFileError("header is not a JSON object")
     meta = doc.pop("__metadata__", {})
-    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                             for k, v in meta.items()):
+    if not isinstance(meta, dict) or not set(map(type, meta.values())) <= {str}:  # keys: str
         raise BlockFileError("__metadata__ is not str -> str")
     tensors = []
     for name, entry in doc.items():
-        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        if not isinstance(entry, dict) or entry.keys() != _ENTRY_FIELDS:
             raise BlockFileError(f"tensor {name!r}: malformed entry")
-        dtype = DTYPES_BY_CODE.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+        code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        dtype = DTYPES_BY_CODE.get(code) if isinstance(code, str) else None
         if dtype is None:
-            raise BlockFileError(f"tensor {name!r}: unsupported dtype {entry['dtype']!r}")
-        shape = tuple(_int_list(entry["shape"], f"tensor {name!r} shape"))
-        offsets = _int_list(entry["data_offsets"], f"tensor {name!r} data_offsets")
+            raise BlockFileError(f"tensor {name!r}: unsupported dtype {code!r}")
+        for what, value in (("shape", shape), ("data_offsets", offsets)):
+            if not _naturals(value):
+                raise BlockFileError(f"tensor {name!r} {what}: expected a list of non-negative "
+                                     "integers")
         if len(offsets) != 2 or offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize:
             raise BlockFileError(f"tensor {name!r}: data_offsets {offsets} do not match "
                                  f"{dtype.code} {list(shape)}")
-        tensors.append((name, dtype, shape, offsets[0], offsets[1]))
+        tensors.append((name, dtype, tuple(shape), offsets[0], offsets[1]))
     tensors.sort(key=lambda t: (t[3], t[4]))
     position = 0
     for name, _, _, begin, end in tensors:
@@ -377,7 +409,7 @@ def parse_header(header: bytes, *, data_limit: int) -> Header:
         position = end
     if position > data_limit:
         raise BlockFileError(f"tensors need {position} data bytes, the file holds {data_limit}")
-    return Header(len(header), tensors, meta, doc)
+    return Header(len(header), tensors, meta, doc, bytes(header))
 
 
 def verify_header(h: Header, key: str | None) -> None:
@@ -385,9 +417,16 @@ def verify_header(h: Header, key: str | None) -> None:
     meta = h.meta
     if meta.get(META_FORMAT) != FORMAT_NAME:
         raise BlockFileError(f"not a {FORMAT_NAME} file")
-    if meta.get(META_VERSION) != FORMAT_VERSION:
-        raise BlockFileError(f"unsupported format version {meta.get(META_VERSION)!r}")
-    if xxhash.xxh3_64_hexdigest(_canonical(h.entries, meta)) != meta.get(META_HEADER_CHECKSUM):
+    version = meta.get(META_VERSION)
+    if version not in READ_VERSIONS:
+        raise BlockFileError(f"unsupported format version {version!r}")
+    if version == "1":
+        expected = xxhash.xxh3_64_hexdigest(_canonical(h.entries, meta))
+    else:  # its own bytes, the checksum where it stands (what was parsed must be that too)
+        got = _raw_checksum(h.raw)
+        at = len(HEADER_START)
+        expected = got.decode() if got is not None and h.raw[at:at + 16] == got else None
+    if expected is None or expected != meta.get(META_HEADER_CHECKSUM):
         raise BlockFileError("header checksum mismatch")
     if key is not None and meta.get(META_KEY) != key:
         raise BlockFileError(f"file holds block {meta.get(META_KEY)!r:.20}, expected {key:.20}...")

@@ -170,14 +170,12 @@ def bomb(key: str, meta: dict[str, str]) -> bytes:
     digest = xxhash.xxh3_128()
     for _ in range(BOMB_CLAIM * 4 // len(chunk)):
         digest.update(chunk)
-    full = {**meta, "format": fmt.FORMAT_NAME, "format_version": fmt.FORMAT_VERSION, "key": key,
-            "checksum": digest.hexdigest()}
+    full = {"header_checksum": "0" * 16, **meta, "format": fmt.FORMAT_NAME,
+            "format_version": fmt.FORMAT_VERSION, "key": key, "checksum": digest.hexdigest()}
     entries = {"l0.keys": {"dtype": "F32", "shape": [1, 2, BOMB_CLAIM // 2],
                            "data_offsets": [0, BOMB_CLAIM * 4]}}
-    full["header_checksum"] = xxhash.xxh3_64_hexdigest(json.dumps(
-        {"tensors": entries, "meta": full}, sort_keys=True, separators=(",", ":")).encode())
-    header = json.dumps({"__metadata__": full, **entries}).encode()
-    header += b" " * (-len(header) % 8)
+    header = fmt.sealed(json.dumps({"__metadata__": full, **entries},
+                                   separators=(",", ":")).encode())   # a valid header checksum
     head = struct.pack("<Q", len(header)) + header
     comp = lz4.frame.LZ4FrameCompressor(content_checksum=False)
     parts = [comp.begin(source_size=len(head) + BOMB_CLAIM * 4), comp.compress(head)]
