@@ -59,8 +59,10 @@ class WriteBehind:
         self._queue_bytes += item.nbytes
         self._cond.notify_all()
 
-    def _drain(self, timeout: float | None = None) -> bool:
-        """Wait until every queued write was done (or failed); False if ``timeout`` ran out."""
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every queued write was done (or failed); False if ``timeout`` ran out.
+        Only the queue: what a tier's ``flush`` adds (the SSD tier's access times, recorded on
+        the calling thread) is left for when the tier does it itself."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._queue or self._sending:

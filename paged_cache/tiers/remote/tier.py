@@ -146,7 +146,7 @@ class RemoteTier(RemoteReads, RemoteWriter, Tier):
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write was sent (or dropped); False if ``timeout`` ran out."""
-        return self._drain(timeout)
+        return self.drain(timeout)
 
     def close(self) -> None:
         """Send what is queued (unless the server is unreachable), stop the writer; idempotent."""

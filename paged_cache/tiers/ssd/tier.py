@@ -255,7 +255,7 @@ class SSDTier(WriteBehind, Listings, Tier):
 
     def flush(self) -> None:
         """Wait until every queued block is written (or failed), then record access times."""
-        self._drain()
+        self.drain()
         if not self._closed:
             self._flush_deferred()
 
