@@ -188,6 +188,7 @@ def replay(name: str, requests: Sequence[TraceRequest], chains: Chains, scratch:
     with inputs_frozen():
         rss_before = rss()
         with PagedSSDCacheManager(config) as manager:
+            ssd = manager.tier("ssd") if RAM_BLOCKS[name] is not None else None
             for request in requests:
                 nodes = chains.of(request)
                 keys = [k for k, _ in nodes]
@@ -203,10 +204,10 @@ def replay(name: str, requests: Sequence[TraceRequest], chains: Chains, scratch:
                 out.hits += len(got)
                 out.requested += len(keys)
                 held.update(keys)
-                if RAM_BLOCKS[name] is not None:  # an SSD tier: its writer caught up
-                    work = _writer_work(manager)
+                if ssd is not None:  # its writer caught up: the queue only (``_writer_work``)
+                    ssd.drain()
                     if full:
-                        out.writer.append(work)
+                        out.writer.append(_writer_work(ssd))
             manager.flush()
             gc.collect()
             out.rss_per_block = (rss() - rss_before) / max(1, len(held)) - PAYLOAD
@@ -214,7 +215,7 @@ def replay(name: str, requests: Sequence[TraceRequest], chains: Chains, scratch:
             out.counters = {k: v for k, v in stats.items() if isinstance(v, (int, float))}
             out.counters.update({f"ssd_{k}": v for k, v in stats.get("ssd", {}).items()
                                  if isinstance(v, (int, float))})
-    if RAM_BLOCKS[name] is not None:  # an SSD tier
+    if ssd is not None:
         manifest = sum(p.stat().st_size for p in ssd_dir.glob("manifest*") if p.is_file())
         out.manifest_per_block = manifest / max(1, len(held))
         out.open_s = _open_time(config)
@@ -239,14 +240,13 @@ def inputs_frozen() -> Iterator[None]:
         gc.unfreeze()
 
 
-def _writer_work(manager: PagedSSDCacheManager) -> tuple[float, int, int]:
-    """Wait for the SSD writer; its CPU seconds, blocks written and evictions so far. Only its
-    queue is waited for (``drain``): a ``flush`` would also record the request's access times,
-    on this thread, which in service the writer records (periodically, or with each write once
-    the tier evicts): flushed here, a window before the tier was full counted none of them and
-    one after it all, and the flushes' commits made the writer read its manifest pages again."""
-    ssd = manager.tier("ssd")
-    ssd.drain()
+def _writer_work(ssd: SSDTier) -> tuple[float, int, int]:
+    """The SSD writer's CPU seconds, blocks written and evictions so far, its queue drained. The
+    replay waits with ``drain``, not ``flush``: a ``flush`` would also record the request's
+    access times, on this thread, which in service the writer records (periodically, or with
+    each write once the tier evicts): flushed, a window before the tier was full counted none of
+    them and one after it all, and the flushes' commits made the writer read its manifest pages
+    again."""
     stats = ssd.stats()
     return stats["writer_cpu_seconds"], stats["writes"], stats["evictions"]
 

@@ -295,12 +295,12 @@ def sealed(header: bytes) -> bytes:
         raise ValueError("header: expected its checksum first, as 16 zeros")
     header += b" " * (-len(header) % HEADER_ALIGN)
     at = len(HEADER_START)
-    return header[:at] + xxhash.xxh3_64_hexdigest(header).encode() + header[at + 16:]
+    return header[:at] + _raw_checksum(header) + header[at + 16:]
 
 
 def _raw_checksum(header: bytes) -> bytes | None:
-    """The checksum of a version 2 ``header`` (see ``sealed``), or None when it does not start
-    as one does."""
+    """The checksum of a version 2 ``header``, the one rule ``sealed`` writes and a read checks,
+    or None when it does not start as one does."""
     at = len(HEADER_START)
     if header[:at] != HEADER_START:
         return None
@@ -315,7 +315,7 @@ class Header:
     tensors: list[tuple[str, DType, tuple[int, ...], int, int]]  # name, dtype, shape, begin, end
     meta: dict[str, str]
     entries: dict[str, Any]
-    raw: bytes = b""
+    raw: bytes
 
     @property
     def data_bytes(self) -> int:
