@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 import mlx.core as mx
 import pytest
@@ -15,6 +16,7 @@ from paged_cache.hashing import chain_keys
 from paged_cache.integrations.mlx_lm import (MAX_DEFERRED, MAX_OPEN_REQUESTS, ModelBinding,
                                              PagedPromptCache, model_id_for)
 from paged_cache.manager import PagedSSDCacheManager
+from paged_cache.metrics import histograms
 from paged_cache.testing import tiny_model, write_model_dir
 
 BLOCK = 16
@@ -245,6 +247,38 @@ def test_one_info_line_per_request_and_stats_sections(tmp_path, model, caplog):
         assert caplog.records[-1].getMessage().startswith(
             "request: 0/3 prompt tokens cached (miss), fetch ")
         assert "not stored (ended without a cache insert)" in caplog.records[-1].getMessage()
+
+
+def test_first_token_counted_after_the_generation_thread_finished_the_request(tmp_path, model):
+    """The server's HTTP thread reads a request's first token after the generation thread may
+    have finished the request (a short reply: its final insert came first): the time to first
+    token still gets the request's tier and gives a prefill-rate sample less its fetch."""
+    manager, cache = make(tmp_path, model, defer_stores=True)
+    with manager:
+        seq, prefilled = tokens_of(70), 0
+        for step, (prompt, tier) in enumerate(((seq[:66], "miss"), (seq + [5] * 70, "hot"))):
+            got, rest = cache.fetch_nearest_cache(KEY, prompt)
+            prefilled += len(rest)
+            reply = prompt + [1, 2]
+            cache.insert_cache(KEY, reply, prefill(model, reply), cache_type="assistant")
+            assert cache.stats()["requests"]["requests_open"] == 0
+            before = first_tokens()
+            submitted = time.perf_counter() - 0.5
+            streamed = cache.time_first_token(prompt, lambda: len(prompt) - len(rest),
+                                              iter("ab"), submitted)
+            assert list(streamed) == ["a", "b"]
+            after = first_tokens()
+            assert {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)} \
+                == {tier: 1}
+            stats = cache.stats()
+            assert stats["prefix"]["prefill_samples"] == step + 1, stats["prefix"]
+            assert stats["requests"]["prefill_tokens"] == prefilled
+
+
+def first_tokens() -> dict[str, float]:
+    """Observations of the time-to-first-token histogram so far, by tier."""
+    return {s["labels"]["tier"] if s["labels"]["outcome"] == "hit" else "miss": s["count"]
+            for s in histograms.summary().get("time_to_first_token_seconds", [])}
 
 
 def test_trim_demotes_without_counting_hits_and_bounds_untracked_blocks(tmp_path, model):

@@ -15,10 +15,11 @@ the time a store takes leaves the requests' prefill and time to first token.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterable, Iterator, Sequence
 
@@ -116,6 +117,9 @@ class PagedPromptCache:
         # Sequences inserted here, least recently used first: chain head key -> type + keys.
         self._sequences = Sequences(manager, self._count_demoted)
         self._open: list[_Request] = []   # fetched, not yet finished, oldest first
+        # The last requests that left ``_open``, oldest first: an HTTP thread counts a request's
+        # first token after the generation thread may have finished it (a short reply).
+        self._closed: deque[_Request] = deque(maxlen=MAX_OPEN_REQUESTS)
         self._lock = threading.RLock()
         tiers = {f"requests_{t}": 0 for t in ("hot", "ssd", "remote", "mixed", "miss")}
         self.counters = dict(requests=0, **tiers, prompt_tokens=0, cached_tokens=0,
@@ -249,7 +253,7 @@ class PagedPromptCache:
             self._salted = True
         self._open.append(_Request(tokens, n if cache is not None else 0, tier, seconds, salt))
         if len(self._open) > MAX_OPEN_REQUESTS:
-            self._finish(self._open.pop(0))
+            self._finish(self._close(self._open[0]))
         if cache is None:
             return None, tokens
         return cache, tokens[n:]
@@ -285,7 +289,7 @@ class PagedPromptCache:
                              "these %d tokens", cache_type, len(tokens))
         finally:
             if request is not None and final:
-                self._open.remove(request)
+                self._close(request)
                 if not deferred:
                     self._finish(request)
         if attributed and self.on_insert is not None:
@@ -495,10 +499,22 @@ class PagedPromptCache:
 
     def tier_of(self, prompt: Sequence[int]) -> str:
         """Where the cached tokens of the open request ``prompt`` came from (``miss``: none;
-        ``unknown``: no open request holds it)."""
+        ``unknown``: no open or recently closed request fetched it)."""
         with self._lock:
-            found = next((r for r in reversed(self._open) if r.covers(list(prompt), True)), None)
+            found = self._fetched(list(prompt))
         return found.tier if found is not None else "unknown"
+
+    def _close(self, request: _Request) -> _Request:
+        """Move ``request`` from the open requests to the closed ones; return it."""
+        self._open.remove(request)
+        self._closed.append(request)
+        return request
+
+    def _fetched(self, prompt: list[int]) -> _Request | None:
+        """The newest request, open or just closed, whose fetch was ``prompt`` (or a prefix of
+        it), or None. Under the lock."""
+        return next((r for r in itertools.chain(reversed(self._open), reversed(self._closed))
+                     if r.covers(prompt, final=True)), None)
 
     def record_first_token(self, tier: str, seconds: float) -> None:
         """A request whose cached tokens came from ``tier`` (``miss``: none) had its first token
@@ -512,7 +528,7 @@ class PagedPromptCache:
         """Give the loaded model's prefix caches a prefill-rate sample: ``prefilled`` tokens in
         ``seconds`` less the fetch of the open request ``prompt`` extends (none found: no
         sample, the fetch's share is unknown). Under the lock."""
-        request = next((r for r in reversed(self._open) if r.covers(prompt, final=True)), None)
+        request = self._fetched(prompt)
         if request is not None:
             self.record_prefill(prefilled, seconds - request.fetch_seconds)
 
