@@ -1,9 +1,10 @@
-"""mlx_lm.server integration: the drop-in prompt cache (``adapter``, its inserts kept whole in
-``deferred``, the sequences it holds in RAM in ``sequences``), how a server model key becomes a
-model binding (``binding``) and the patch point plus ``paged-cache serve`` (``server``). See
-docs/integration.md."""
+"""mlx_lm.server integration: the drop-in prompt cache (``adapter``, the requests it serves in
+``open_requests``, its inserts kept whole in ``deferred``, the sequences it holds in RAM in
+``sequences``), how a server model key becomes a model binding (``binding``) and the patch
+point plus ``paged-cache serve`` (``server``). See docs/integration.md."""
 
-from paged_cache.integrations.mlx_lm.adapter import MAX_OPEN_REQUESTS, PagedPromptCache
+from paged_cache.integrations.mlx_lm.adapter import PagedPromptCache
+from paged_cache.integrations.mlx_lm.open_requests import MAX_OPEN_REQUESTS
 from paged_cache.integrations.mlx_lm.deferred import MAX_DEFERRED
 from paged_cache.integrations.mlx_lm.sequences import CACHE_TYPES
 from paged_cache.integrations.mlx_lm.binding import (ModelBinding, ModelWithDraft, Resolver,

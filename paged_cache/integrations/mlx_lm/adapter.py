@@ -15,12 +15,10 @@ the time a store takes leaves the requests' prefill and time to first token.
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
-from dataclasses import dataclass
+from collections import OrderedDict
 from typing import Any, Callable, Hashable, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -30,6 +28,7 @@ from paged_cache.distributed import WORLD, resolve_group
 from paged_cache.integrations.shared.tenants import salted_namespace
 from paged_cache.integrations.mlx_lm.binding import (ModelBinding, Resolver, plain_layout,
                                                      quantized_layout)
+from paged_cache.integrations.mlx_lm.open_requests import OpenRequests, Request
 from paged_cache.integrations.mlx_lm.sequences import CACHE_TYPES, Sequences
 from paged_cache.integrations.mlx_lm.deferred import (MAX_DEFERRED, Deferred, DeferredInserts,
                                                       copy_of, stored_reach)
@@ -41,9 +40,6 @@ from paged_cache.stats import nested_gauges
 logger = logging.getLogger("paged_cache.integrations.mlx_lm")
 
 MAX_TENANTS = 1024  # salted prefix-cache views kept (cheap: they share the model's layout)
-# Requests fetched and not yet finished by their "assistant" insert (a request the client dropped
-# never gets one): beyond this many, the oldest is logged and forgotten.
-MAX_OPEN_REQUESTS = 256
 # A request prefilling at least this many tokens times the server's prefill rate: below it the
 # time to first token is mostly the first decode step, not prefill.
 PREFILL_SAMPLE_TOKENS = 64
@@ -57,27 +53,6 @@ def _serialized(method: Callable) -> Callable:
         with self._lock:
             return method(self, *args, **kwargs)
     return run
-
-
-@dataclass(eq=False)   # compared by identity: two requests may carry equal fields
-class _Request:
-    """One request between its fetch and its final ("assistant") insert, for its log line."""
-
-    tokens: list[int]
-    cached: int
-    tier: str
-    fetch_seconds: float
-    salt: str | None = None
-    store_seconds: float = 0.0
-    stores: int = 0
-    store_failed: bool = False
-
-    def covers(self, tokens: list[int], final: bool) -> bool:
-        """True when an insert of `tokens` belongs to this request: the final insert extends the
-        prompt (prompt + reply); a segment insert is a prefix of it."""
-        if final:
-            return len(tokens) >= len(self.tokens) and tokens[:len(self.tokens)] == self.tokens
-        return len(tokens) <= len(self.tokens) and self.tokens[:len(tokens)] == tokens
 
 
 class PagedPromptCache:
@@ -116,10 +91,7 @@ class PagedPromptCache:
         self._current: tuple[Hashable, ModelBinding, list[BlockAwarePrefixCache]] | None = None
         # Sequences inserted here, least recently used first: chain head key -> type + keys.
         self._sequences = Sequences(manager, self._count_demoted)
-        self._open: list[_Request] = []   # fetched, not yet finished, oldest first
-        # The last requests that left ``_open``, oldest first: an HTTP thread counts a request's
-        # first token after the generation thread may have finished it (a short reply).
-        self._closed: deque[_Request] = deque(maxlen=MAX_OPEN_REQUESTS)
+        self._open = OpenRequests()
         self._lock = threading.RLock()
         tiers = {f"requests_{t}": 0 for t in ("hot", "ssd", "remote", "mixed", "miss")}
         self.counters = dict(requests=0, **tiers, prompt_tokens=0, cached_tokens=0,
@@ -251,9 +223,10 @@ class PagedPromptCache:
         if salt is not None:
             c["requests_salted"] += 1
             self._salted = True
-        self._open.append(_Request(tokens, n if cache is not None else 0, tier, seconds, salt))
-        if len(self._open) > MAX_OPEN_REQUESTS:
-            self._finish(self._close(self._open[0]))
+        forgotten = self._open.add(Request(tokens, n if cache is not None else 0, tier, seconds,
+                                           salt))
+        if forgotten is not None:
+            self._finish(forgotten)
         if cache is None:
             return None, tokens
         return cache, tokens[n:]
@@ -289,14 +262,14 @@ class PagedPromptCache:
                              "these %d tokens", cache_type, len(tokens))
         finally:
             if request is not None and final:
-                self._close(request)
+                self._open.close(request)
                 if not deferred:
                     self._finish(request)
         if attributed and self.on_insert is not None:
             self.on_insert(tokens[:covered], None if request is None else request.salt)
 
     def _defer(self, model: Hashable, tokens: list[int], prompt_cache: list, cache_type: str,
-               request: _Request | None, finishes: bool, covered: int) -> bool:
+               request: Request | None, finishes: bool, covered: int) -> bool:
         """Keep an insert whole for ``store_deferred``; False when it must be stored now (its
         layout cannot be found: the store reports why). The oldest deferred inserts are stored
         at once beyond MAX_DEFERRED or a quarter of the hot budget's bytes."""
@@ -393,7 +366,7 @@ class PagedPromptCache:
             return 0
 
     def _store(self, locate: Callable[[], BlockAwarePrefixCache | None], tokens: list[int],
-               prompt_cache: list, cache_type: str, request: _Request | None,
+               prompt_cache: list, cache_type: str, request: Request | None,
                covered: int) -> None:
         """Store the first ``covered`` ``tokens`` of an insert into the prefix cache
         ``locate()`` gives (None: not stored)."""
@@ -445,18 +418,18 @@ class PagedPromptCache:
         self.counters["cache_errors"] += 1
         logger.error("%s failed, serving uncached: %s", where, error, exc_info=error)
 
-    def _request_of(self, tokens: list[int], final: bool) -> tuple[_Request | None, bool]:
+    def _request_of(self, tokens: list[int], final: bool) -> tuple[Request | None, bool]:
         """The open request an insert of `tokens` belongs to (the oldest that matches), and
         whether its tenant is known: False when requests of several salts match (concurrent
         tenants sending the same text), or none does while salted requests are served (an
         owner that was forgotten): such an insert is not stored, so it lands in no tenant's
         namespace but its own."""
-        matching = [r for r in self._open if r.covers(tokens, final)]
+        matching = self._open.matching(tokens, final)
         if not matching:
             return None, not self._salted
         return matching[0], len({r.salt for r in matching}) == 1
 
-    def _finish(self, request: _Request) -> None:
+    def _finish(self, request: Request) -> None:
         """The request's one INFO line: cached / prompt tokens, tier, fetch and store times."""
         if request.store_failed:
             stored = f"store failed after {request.store_seconds * 1e3:.1f} ms"
@@ -501,20 +474,8 @@ class PagedPromptCache:
         """Where the cached tokens of the open request ``prompt`` came from (``miss``: none;
         ``unknown``: no open or recently closed request fetched it)."""
         with self._lock:
-            found = self._fetched(list(prompt))
+            found = self._open.fetched(list(prompt))
         return found.tier if found is not None else "unknown"
-
-    def _close(self, request: _Request) -> _Request:
-        """Move ``request`` from the open requests to the closed ones; return it."""
-        self._open.remove(request)
-        self._closed.append(request)
-        return request
-
-    def _fetched(self, prompt: list[int]) -> _Request | None:
-        """The newest request, open or just closed, whose fetch was ``prompt`` (or a prefix of
-        it), or None. Under the lock."""
-        return next((r for r in itertools.chain(reversed(self._open), reversed(self._closed))
-                     if r.covers(prompt, final=True)), None)
 
     def record_first_token(self, tier: str, seconds: float) -> None:
         """A request whose cached tokens came from ``tier`` (``miss``: none) had its first token
@@ -528,7 +489,7 @@ class PagedPromptCache:
         """Give the loaded model's prefix caches a prefill-rate sample: ``prefilled`` tokens in
         ``seconds`` less the fetch of the open request ``prompt`` extends (none found: no
         sample, the fetch's share is unknown). Under the lock."""
-        request = self._fetched(prompt)
+        request = self._open.fetched(prompt)
         if request is not None:
             self.record_prefill(prefilled, seconds - request.fetch_seconds)
 
