@@ -252,7 +252,8 @@ def test_one_info_line_per_request_and_stats_sections(tmp_path, model, caplog):
 def test_first_token_counted_after_the_generation_thread_finished_the_request(tmp_path, model):
     """The server's HTTP thread reads a request's first token after the generation thread may
     have finished the request (a short reply: its final insert came first): the time to first
-    token still gets the request's tier and gives a prefill-rate sample less its fetch."""
+    token still gets the request's tier and gives a prefill-rate sample less its fetch; the
+    request is kept only until then."""
     manager, cache = make(tmp_path, model, defer_stores=True)
     with manager:
         seq, prefilled = tokens_of(70), 0
@@ -273,6 +274,10 @@ def test_first_token_counted_after_the_generation_thread_finished_the_request(tm
             stats = cache.stats()
             assert stats["prefix"]["prefill_samples"] == step + 1, stats["prefix"]
             assert stats["requests"]["prefill_tokens"] == prefilled
+            # counted, the closed request is let go (it held the prompt's tokens)
+            before = first_tokens()
+            list(cache.time_first_token(prompt, lambda: len(prompt), iter("c"), submitted))
+            assert first_tokens().get("unknown", 0) == before.get("unknown", 0) + 1
 
 
 def first_tokens() -> dict[str, float]:

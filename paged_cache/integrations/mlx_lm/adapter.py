@@ -459,20 +459,26 @@ class PagedPromptCache:
                 timed = True
                 seconds = time.perf_counter() - submitted
                 try:  # counted like a fetch: an error here never reaches the request
-                    self.record_first_token(self.tier_of(prompt), seconds)
+                    with self._lock:
+                        request = self._open.first_token(list(prompt))
+                    self.record_first_token("unknown" if request is None else request.tier,
+                                            seconds)
                     prefilled = len(prompt) - max(0, cached())
                     if prefilled >= PREFILL_SAMPLE_TOKENS:
                         with self._lock:
                             self.counters["prefill_tokens"] += prefilled
                             self.counters["prefill_seconds"] += seconds - waited
-                            self._sample_prefill(list(prompt), prefilled, seconds - waited)
+                        if request is not None:  # else the fetch's share is unknown
+                            self.record_prefill(prefilled,
+                                                seconds - waited - request.fetch_seconds)
                 except Exception as error:  # noqa: BLE001
                     self._cache_error("time to first token", error)
             yield response
 
     def tier_of(self, prompt: Sequence[int]) -> str:
         """Where the cached tokens of the open request ``prompt`` came from (``miss``: none;
-        ``unknown``: no open or recently closed request fetched it)."""
+        ``unknown``: no open request fetched it, nor one closed before its first token was
+        counted)."""
         with self._lock:
             found = self._open.fetched(list(prompt))
         return found.tier if found is not None else "unknown"
@@ -484,14 +490,6 @@ class PagedPromptCache:
             self.counters["ttft_requests"] += 1
             self.counters["ttft_seconds"] += seconds
             histograms.observe_first_token(tier, seconds)
-
-    def _sample_prefill(self, prompt: list[int], prefilled: int, seconds: float) -> None:
-        """Give the loaded model's prefix caches a prefill-rate sample: ``prefilled`` tokens in
-        ``seconds`` less the fetch of the open request ``prompt`` extends (none found: no
-        sample, the fetch's share is unknown). Under the lock."""
-        request = self._open.fetched(prompt)
-        if request is not None:
-            self.record_prefill(prefilled, seconds - request.fetch_seconds)
 
     def record_prefill(self, tokens: int, seconds: float) -> None:
         """A sample of the loaded model's prefill rate: it prefilled ``tokens`` (those its

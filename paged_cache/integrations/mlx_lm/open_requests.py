@@ -10,6 +10,10 @@ from dataclasses import dataclass
 # Requests fetched and not yet finished by their "assistant" insert (a request the client dropped
 # never gets one): beyond this many, the oldest is logged and forgotten.
 MAX_OPEN_REQUESTS = 256
+# Requests finished before their first token was counted (a short reply's final insert can come
+# before the server's HTTP thread reads its first token), each kept until it is: at most this
+# many, the oldest forgotten (a client gone before its first token).
+MAX_CLOSED_REQUESTS = 64
 
 
 @dataclass(eq=False)   # compared by identity: two requests may carry equal fields
@@ -24,6 +28,7 @@ class Request:
     store_seconds: float = 0.0
     stores: int = 0
     store_failed: bool = False
+    first_token: bool = False  # its first token was counted
 
     def covers(self, tokens: list[int], final: bool) -> bool:
         """True when an insert of `tokens` belongs to this request: the final insert extends the
@@ -34,14 +39,13 @@ class Request:
 
 
 class OpenRequests:
-    """The open requests, oldest first (at most MAX_OPEN_REQUESTS), and the last as many that
-    closed: a server's HTTP thread counts a request's first token after its generation thread
-    may have finished the request (a short reply's final insert comes first). Not locked: the
-    owner's lock guards it."""
+    """The open requests, oldest first (at most MAX_OPEN_REQUESTS), and those closed before
+    their first token was counted (at most MAX_CLOSED_REQUESTS), each kept until it is. Not
+    locked: the owner's lock guards it."""
 
     def __init__(self) -> None:
         self._open: list[Request] = []
-        self._closed: deque[Request] = deque(maxlen=MAX_OPEN_REQUESTS)
+        self._closed: deque[Request] = deque(maxlen=MAX_CLOSED_REQUESTS)
 
     def __len__(self) -> int:
         return len(self._open)
@@ -54,7 +58,8 @@ class OpenRequests:
     def close(self, request: Request) -> Request:
         """Close the open ``request``; return it."""
         self._open.remove(request)
-        self._closed.append(request)
+        if not request.first_token:
+            self._closed.append(request)
         return request
 
     def matching(self, tokens: list[int], final: bool) -> list[Request]:
@@ -67,3 +72,12 @@ class OpenRequests:
         it), or None."""
         return next((r for r in itertools.chain(reversed(self._open), reversed(self._closed))
                      if r.covers(prompt, final=True)), None)
+
+    def first_token(self, prompt: list[int]) -> Request | None:
+        """``fetched(prompt)``, its first token now counted: a closed one is let go."""
+        found = self.fetched(prompt)
+        if found is not None:
+            found.first_token = True
+            if found in self._closed:
+                self._closed.remove(found)
+        return found
