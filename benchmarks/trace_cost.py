@@ -34,11 +34,17 @@ and takes found most blocks in the queue rather than in files (cheaper than the 
 state), and a full collection of Python's GC, scanning every queued block, took 0.3 s inside
 one request. ``ssd full`` files the writer's CPU time (``writer_cpu_seconds``) per block
 written under the blocks held, against the same at 10k, before the tier is full (goal <= 2x).
+
+What a take from SSD cannot go below: after each SSD replay, a sample of its block files is
+timed through the manager's take and through its read floor (``read_floor``: the directory and
+file opened, fstat, one read, both closed, the header's JSON parsed: what any verified take
+does), and each p99 figure names the blocks its request took from files and their floor.
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import os
 import shutil
 import statistics
@@ -59,6 +65,9 @@ from paged_cache.block import Block
 from paged_cache.chain_index import ChainNode
 from paged_cache.hashing import ROOT_PARENT, block_key
 from paged_cache.store import OUT_OF_RAM
+from paged_cache.tiers import format as fmt
+from paged_cache.tiers.ssd.direct import StoredBlock
+from paged_cache.tiers.ssd.files import DIR_FLAGS, READ_FLAGS
 from paged_cache.tiers.ssd.tier import SSDTier
 
 FAMILY = "trace"
@@ -71,6 +80,8 @@ WINDOW = 200                   # requests read after the blocks held reach a mar
 CONFIGS = ("hot", "ssd", "hot+ssd", "ssd full")
 RAM_BLOCKS = {"hot": None, "ssd": 64, "hot+ssd": 2_000, "ssd full": 64}
 FULL_SHARE = 3                 # "ssd full": its SSD tier holds 1/3 of the replay's blocks
+FLOOR_SAMPLE = 2_000           # block files the read floor and the take are timed on
+FLOOR_ROUNDS = 3               # the best of as many passes over them
 
 
 class Chains:
@@ -118,6 +129,7 @@ class Replay:
     held: list[int] = field(default_factory=list)
     hits: int = 0
     requested: int = 0
+    file_takes: list[int] = field(default_factory=list)  # a request's blocks taken from files
     rss_per_block: float = 0.0
     open_s: float | None = None
     open_empty_s: float | None = None
@@ -127,15 +139,24 @@ class Replay:
     # seconds, blocks written and evictions so far
     full_blocks: int | None = None
     writer: list[tuple[float, int, int]] = field(default_factory=list)
+    # SSD configurations: a block file's take through the manager and its read floor (seconds
+    # of CPU a block: ``read_floor``), and the files they were timed on
+    take_s: float | None = None
+    floor_s: float | None = None
+    floor_files: int = 0
 
     def window(self, mark: int, size: int, wall: bool = False) -> list[float] | None:
         """The CPU seconds (``wall``: wall-clock) of the ``size`` requests from the first one
         that began with ``mark`` blocks held (None when the replay never got there with
         ``size`` requests to go)."""
-        start = next((i for i, h in enumerate(self.held) if h >= mark), None)
-        if start is None or start + size > len(self.held):
-            return None
-        return (self.wall if wall else self.seconds)[start:start + size]
+        at = self.start(mark, size)
+        return None if at is None else (self.wall if wall else self.seconds)[at:at + size]
+
+    def start(self, mark: int, size: int) -> int | None:
+        """The index of the first request that began with ``mark`` blocks held, when ``size``
+        requests follow from it, else None."""
+        at = next((i for i, h in enumerate(self.held) if h >= mark), None)
+        return None if at is None or at + size > len(self.held) else at
 
 
 def config_for(name: str, scratch: Path, total_blocks: int,
@@ -202,6 +223,8 @@ def replay(name: str, requests: Sequence[TraceRequest], chains: Chains, scratch:
                 out.seconds.append(time.thread_time() - cpu)
                 out.wall.append(time.perf_counter() - started)
                 out.hits += len(got)
+                out.file_takes.append(sum(isinstance(b, StoredBlock) for b in got))
+                del got  # its files closed
                 out.requested += len(keys)
                 held.update(keys)
                 if ssd is not None:  # its writer caught up: the queue only (``_writer_work``)
@@ -218,6 +241,8 @@ def replay(name: str, requests: Sequence[TraceRequest], chains: Chains, scratch:
     if ssd is not None:
         manifest = sum(p.stat().st_size for p in ssd_dir.glob("manifest*") if p.is_file())
         out.manifest_per_block = manifest / max(1, len(held))
+        sample = sorted(held)[::max(1, len(held) // FLOOR_SAMPLE)][:FLOOR_SAMPLE]
+        out.take_s, out.floor_s, out.floor_files = read_floor(config, sample)
         out.open_s = _open_time(config)
         empty = scratch / "trace-cost-empty"
         out.open_empty_s = _open_time(config_for(name, empty, total_blocks))
@@ -296,6 +321,46 @@ def writer_figures(run: Replay, marks: Sequence[int], window: int) -> list[Figur
     return out
 
 
+def read_floor(config: CacheConfig, keys: Sequence[str]) -> tuple[float | None, float | None, int]:
+    """Per block file among ``keys`` (this thread's CPU, the best of FLOOR_ROUNDS passes): a
+    take through a manager opened on ``config`` (``get(take=True, in_place=True)``: the header
+    read and verified, the payload left on disk, the manager's and tier's bookkeeping), and its
+    read floor, what any verified take does at least: open the block's directory and file,
+    fstat, one read of its first bytes, close both, parse the header's JSON. Returns (take,
+    floor, files timed); (None, None, 0) when no key has a file."""
+    blocks = Path(config.ssd_dir) / "blocks"
+    files = [k for k in keys if (blocks / fmt.fan_name(k) / (k + fmt.SUFFIXES["none"])).exists()]
+    if not files:
+        return None, None, 0
+
+    def floor(key: str) -> None:
+        fan = os.open(fmt.fan_name(key), DIR_FLAGS, dir_fd=root)
+        fd = os.open(key + fmt.SUFFIXES["none"], READ_FLAGS, dir_fd=fan)
+        os.close(fan)
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, min(size, fmt.HEAD_READ_BYTES), 0)
+        os.close(fd)
+        json.loads(head[8:8 + int.from_bytes(head[:8], "little")])
+
+    def best(one: Callable[[str], Any]) -> float:
+        passes = []
+        for _ in range(FLOOR_ROUNDS):
+            cpu = time.thread_time()
+            for key in files:
+                one(key)
+            passes.append((time.thread_time() - cpu) / len(files))
+        return min(passes)
+
+    root = os.open(blocks, DIR_FLAGS)
+    try:
+        floor_s = best(floor)
+    finally:
+        os.close(root)
+    with PagedSSDCacheManager(config) as manager:
+        take_s = best(lambda key: manager.get(key, take=True, in_place=True))
+    return take_s, floor_s, len(files)
+
+
 def _open_time(config: CacheConfig) -> float:
     """Seconds to open a manager on ``config``'s SSD directory (then closed, untimed)."""
     started = time.perf_counter()
@@ -307,7 +372,12 @@ def _open_time(config: CacheConfig) -> float:
 
 def p99(values: Sequence[float]) -> float:
     """The 99th percentile (nearest rank)."""
-    ordered = sorted(values)
+    return values[p99_rank(values)]
+
+
+def p99_rank(values: Sequence[float]) -> int:
+    """The index in ``values`` of their 99th percentile (nearest rank)."""
+    ordered = sorted(range(len(values)), key=values.__getitem__)
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
@@ -324,9 +394,14 @@ def cost_figures(run: Replay, marks: Sequence[int], window: int) -> list[Figure]
             continue
         median = statistics.median(got)
         wall = run.window(mark, window, wall=True)
+        # the p99 request's blocks taken from files, and what their read floor alone costs
+        at = run.start(mark, window) + p99_rank(got)
+        files = run.file_takes[at]
         details = dict(config=run.config, blocks_held=mark, block_size=BLOCK, requests=window,
                        p99_s=p99(got), median_under_5ms=median < 0.005, clock="thread CPU",
-                       wall_median_s=statistics.median(wall), wall_p99_s=p99(wall))
+                       wall_median_s=statistics.median(wall), wall_p99_s=p99(wall),
+                       p99_file_blocks=files,
+                       p99_floor_s=None if run.floor_s is None else files * run.floor_s)
         out.append(figure(FAMILY, f"cost per request median, {run.config}, {mark:,} blocks held",
                           measured=median, baseline=base_median, goal=2.0, goal_op="<=",
                           meaning=f"median / median at {marks[0]:,} blocks held", **details))
@@ -390,20 +465,34 @@ def figures(ctx: Context, requests: Sequence[TraceRequest]) -> list[Figure]:
     chains = Chains()
     total = len({k for r in requests for k, _ in chains.of(r)})
     for name in CONFIGS:
-        run = replay(name, requests, chains, ctx.scratch, total)
-        out += cost_figures(run, marks, window) + writer_figures(run, marks, window)
-        held = len(set(run.held)) and max(run.held)
-        common = dict(config=name, blocks_held=held, block_size=BLOCK,
-                      hit_ratio=run.hits / max(1, run.requested), counters=run.counters)
-        out.append(figure(FAMILY, f"index memory per block, {name}", measured=run.rss_per_block,
-                          baseline=PAYLOAD, unit="B",
-                          meaning="process RSS growth per block held, less the payload / payload",
-                          manifest_bytes_per_block=run.manifest_per_block, **common))
-        if run.open_s is not None:
-            out.append(figure(FAMILY, f"SSD tier open, {name}, {held:,} blocks",
-                              measured=run.open_s, baseline=run.open_empty_s or 0.0, goal=1.0,
-                              goal_op="<=", goal_on="measured",
-                              meaning="open time / open time of an empty directory", **common))
+        out += replay_figures(replay(name, requests, chains, ctx.scratch, total), marks, window)
+    return out
+
+
+def replay_figures(run: Replay, marks: Sequence[int], window: int) -> list[Figure]:
+    """One configuration's figures: its cost per request and writer at each mark, its index
+    memory per block and, with an SSD tier, a take against its read floor and its open time."""
+    out = cost_figures(run, marks, window) + writer_figures(run, marks, window)
+    name = run.config
+    held = len(set(run.held)) and max(run.held)
+    common = dict(config=name, blocks_held=held, block_size=BLOCK,
+                  hit_ratio=run.hits / max(1, run.requested), counters=run.counters)
+    out.append(figure(FAMILY, f"index memory per block, {name}", measured=run.rss_per_block,
+                      baseline=PAYLOAD, unit="B",
+                      meaning="process RSS growth per block held, less the payload / payload",
+                      manifest_bytes_per_block=run.manifest_per_block, **common))
+    if run.take_s is not None:
+        out.append(figure(FAMILY, f"SSD take per block vs its read floor, {name}",
+                          measured=run.take_s, baseline=run.floor_s, unit="s",
+                          meaning="a take of a block file through the manager (header read and "
+                                  "verified, payload left on disk) / its read floor: open, "
+                                  "fstat, one read, close, the header's JSON parsed",
+                          files=run.floor_files, clock="thread CPU", **common))
+    if run.open_s is not None:
+        out.append(figure(FAMILY, f"SSD tier open, {name}, {held:,} blocks",
+                          measured=run.open_s, baseline=run.open_empty_s or 0.0, goal=1.0,
+                          goal_op="<=", goal_on="measured",
+                          meaning="open time / open time of an empty directory", **common))
     return out
 
 

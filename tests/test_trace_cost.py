@@ -2,7 +2,8 @@
 third of the replay's blocks every write evicts, the writer's CPU time and writes are filed per
 request, and its figures compare a window of writes that evict with one before the tier is full;
 in every configuration with an SSD tier, a request finds the writer caught up (its blocks in
-files, not in the write queue), as at the trace's own pace."""
+files, not in the write queue), as at the trace's own pace, and a take of a block file costs
+more than its read floor."""
 
 from __future__ import annotations
 
@@ -37,3 +38,6 @@ def test_each_request_finds_the_ssd_writer_caught_up(tmp_path: Path) -> None:
     run = trace_cost.replay("ssd", requests, chains, tmp_path, total)
     assert run.counters["ssd_hits"] >= 20            # taken from their files
     assert run.counters["ssd_pending_hits"] == 0     # never from the write queue
+    assert sum(run.file_takes) == run.counters["ssd_hits"] and run.file_takes[-1] > 0
+    # a take through the manager does its read floor's work and more
+    assert run.floor_files > 0 and run.take_s > run.floor_s > 0
