@@ -3,7 +3,7 @@ equals that JSON at the rounding shown (the docs' tables are generated: tests/te
 
 A quoted figure is marked by an HTML comment right after it, naming the family, the figure and
 its field: ``17 MiB<!-- bench peers "resident bytes, ..." measured -->``. The number before the
-comment (with its unit: x, ms, s, KiB, MiB, GiB or none) is compared with
+comment (with its unit: x, us, ms, s, KiB, MiB, GiB or none) is compared with
 ``benchmarks/results/<family>.json``; a marker that names no figure fails, as does a document
 whose markers are gone.
 """
@@ -19,11 +19,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 MARKED = re.compile(
-    r"(?P<number>\d[\d,]*(?:\.\d+)?)\s?(?P<unit>x|ms|s|KiB|MiB|GiB)?"
+    r"(?P<number>\d[\d,]*(?:\.\d+)?)\s?(?P<unit>x|us|ms|s|KiB|MiB|GiB)?"
     r"<!-- bench (?P<family>\w+) \"(?P<figure>[^\"]+)\" (?P<field>ratio|measured|baseline) -->")
 ANY_MARKER = re.compile(r"<!-- bench ")
 # README unit -> (the JSON unit it converts from, factor): the JSON keeps seconds and bytes.
-SCALES = {"ms": ("s", 1e3), "s": ("s", 1.0), "KiB": ("B", 2.0 ** -10),
+SCALES = {"us": ("s", 1e6), "ms": ("s", 1e3), "s": ("s", 1.0), "KiB": ("B", 2.0 ** -10),
           "MiB": ("B", 2.0 ** -20), "GiB": ("B", 2.0 ** -30)}
 # document -> the fewest marked figures it holds (so a lost marker cannot pass unnoticed)
 QUOTING = {"README.md": 25, "docs/benchmarks.md": 15, "docs/fetch-plan.md": 7, "docs/guide.md": 4,
