@@ -16,8 +16,8 @@ from paged_cache.hashing import chain_keys
 from paged_cache.integrations.mlx_lm import (MAX_DEFERRED, MAX_OPEN_REQUESTS, ModelBinding,
                                              PagedPromptCache, model_id_for)
 from paged_cache.manager import PagedSSDCacheManager
-from paged_cache.metrics import histograms
 from paged_cache.testing import tiny_model, write_model_dir
+from helpers.metrics import ttft_counts
 
 BLOCK = 16
 KEY = ("/models/tiny", None, None)  # what mlx_lm.server passes as the model key
@@ -257,33 +257,28 @@ def test_first_token_counted_after_the_generation_thread_finished_the_request(tm
     manager, cache = make(tmp_path, model, defer_stores=True)
     with manager:
         seq, prefilled = tokens_of(70), 0
-        for step, (prompt, tier) in enumerate(((seq[:66], "miss"), (seq + [5] * 70, "hot"))):
+        for step, (prompt, series) in enumerate(((seq[:66], ("miss", "none")),
+                                                 (seq + [5] * 70, ("hit", "hot")))):
             got, rest = cache.fetch_nearest_cache(KEY, prompt)
             prefilled += len(rest)
             reply = prompt + [1, 2]
             cache.insert_cache(KEY, reply, prefill(model, reply), cache_type="assistant")
             assert cache.stats()["requests"]["requests_open"] == 0
-            before = first_tokens()
+            before = ttft_counts()
             submitted = time.perf_counter() - 0.5
             streamed = cache.time_first_token(prompt, lambda: len(prompt) - len(rest),
                                               iter("ab"), submitted)
             assert list(streamed) == ["a", "b"]
-            after = first_tokens()
+            after = ttft_counts()
             assert {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)} \
-                == {tier: 1}
+                == {series: 1}
             stats = cache.stats()
             assert stats["prefix"]["prefill_samples"] == step + 1, stats["prefix"]
             assert stats["requests"]["prefill_tokens"] == prefilled
             # counted, the closed request is let go (it held the prompt's tokens)
-            before = first_tokens()
+            before, unknown = ttft_counts(), ("hit", "unknown")
             list(cache.time_first_token(prompt, lambda: len(prompt), iter("c"), submitted))
-            assert first_tokens().get("unknown", 0) == before.get("unknown", 0) + 1
-
-
-def first_tokens() -> dict[str, float]:
-    """Observations of the time-to-first-token histogram so far, by tier."""
-    return {s["labels"]["tier"] if s["labels"]["outcome"] == "hit" else "miss": s["count"]
-            for s in histograms.summary().get("time_to_first_token_seconds", [])}
+            assert ttft_counts().get(unknown, 0) == before.get(unknown, 0) + 1
 
 
 def test_trim_demotes_without_counting_hits_and_bounds_untracked_blocks(tmp_path, model):

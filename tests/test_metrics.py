@@ -19,7 +19,7 @@ from paged_cache.stats import nested_gauges, render_prometheus
 from paged_cache.testing import tiny_model
 from helpers.cli import serve_stats
 from helpers.managers import new_manager
-from helpers.metrics import parse_exposition, value
+from helpers.metrics import counts, parse_exposition, ttft_counts, value
 
 STUCK_SECONDS = 60.0   # what a stalled scrape may hold up before the test fails
 
@@ -153,16 +153,6 @@ def test_the_plan_decision_is_observed_with_its_prediction(tmp_path) -> None:
         assert plan_counts()[("prefill", "actual")] == before.get(("prefill", "actual"), 0) + 1
 
 
-def counts(name: str, *labels: str) -> dict[tuple[str, ...], float]:
-    """Observations of histogram ``name`` (less ``paged_cache_``) so far, by the values of
-    ``labels``, any engine, model and rank."""
-    out: dict[tuple[str, ...], float] = {}
-    for series in histograms.summary().get(name, []):
-        key = tuple(series["labels"][label] for label in labels)
-        out[key] = out.get(key, 0) + series["count"]
-    return out
-
-
 def plan_counts() -> dict[tuple[str, ...], float]:
     """Observations of the fetch plan histogram so far, by (decision, kind)."""
     return counts("fetch_plan_seconds", "decision", "kind")
@@ -189,8 +179,3 @@ def test_the_scheduler_observes_time_to_first_token_by_outcome(tmp_path) -> None
 def ttft_sum() -> float:
     """Seconds observed by the time-to-first-token histogram so far, every series."""
     return sum(s["sum"] for s in histograms.summary().get("time_to_first_token_seconds", []))
-
-
-def ttft_counts() -> dict[tuple[str, ...], float]:
-    """Observations of the time-to-first-token histogram so far, by (outcome, tier)."""
-    return counts("time_to_first_token_seconds", "outcome", "tier")
