@@ -329,7 +329,7 @@ def read_floor(config: CacheConfig, keys: Sequence[str]) -> tuple[float | None, 
     fstat, one read of its first bytes, close both, parse the header's JSON. Returns (take,
     floor, files timed); (None, None, 0) when no key has a file."""
     blocks = Path(config.ssd_dir) / "blocks"
-    files = [k for k in keys if (blocks / fmt.fan_name(k) / (k + fmt.SUFFIXES["none"])).exists()]
+    files = [k for k in keys if (blocks / fmt.block_path(k, "none")).exists()]
     if not files:
         return None, None, 0
 
