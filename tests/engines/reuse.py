@@ -14,6 +14,10 @@ from paged_cache.testing.engines import (REQUEST_SECONDS, EngineServer, Turn, ch
 
 # A KV model, a hybrid (recurrent + attention) and a sliding-window one.
 ARCHS = ("llama", "qwen3_next", "gemma3_text")
+# The cache flags of a run whose reuse is compared with the engine's own: the tokens counted are
+# what the cache restores, not what the default (cost) fetch plan chooses to restore, which may
+# prefill a last block's few tokens instead of reading it when the measured rates say so.
+RESTORE = ("--fetch-policy", "always-restore")
 
 
 def same_requests(own: list[Turn], cold: list[Turn]) -> list[bool]:

@@ -17,7 +17,7 @@ from paged_cache import rates_file
 from paged_cache.testing.engines import ENGINES, EngineServer, chat, openai_client
 from paged_cache.testing.load import LOAD_SYSTEM, concurrent_chats
 from helpers.tenants import PRIVATE, chat_ask, check_salts, check_user_salts
-from reuse import ARCHS, Reference, check_reuse, references, drop_a_stream, first_turns_together
+from reuse import ARCHS, RESTORE, Reference, check_reuse, references, drop_a_stream, first_turns_together
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -59,7 +59,7 @@ def test_reuse_at_least_own_cache_and_replies_equal_cold(arch, models, reference
     the SSD directory when it stops. Each request's time to first token is observed under the
     outcome its fetch had (the handler logs them by outcome as it stops)."""
     cold, own = reference(arch)
-    with paged(models[arch], arch, tmp_path, "--ssd-dir", str(tmp_path / "ssd")) as ours:
+    with paged(models[arch], arch, tmp_path, "--ssd-dir", str(tmp_path / "ssd"), *RESTORE) as ours:
         turns = chat(ours.url, str(models[arch]))
         assert ours.stop() == 0, ours.tail()
     saved = rates_file.load(tmp_path / "ssd")

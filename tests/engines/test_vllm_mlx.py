@@ -26,7 +26,7 @@ from paged_cache.testing.engines import (ENGINES, SYSTEM, EngineServer, Turn, ch
 from paged_cache.testing.load import LOAD_SYSTEM, concurrent_chats
 from paged_cache.testing.server import ValkeyServer
 from helpers.tenants import chat_ask, check_salts, check_user_salts
-from reuse import ARCHS, Reference, check_reuse, references, drop_a_stream, first_turns_together
+from reuse import ARCHS, RESTORE, Reference, check_reuse, references, drop_a_stream, first_turns_together
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -83,7 +83,7 @@ def test_reuse_at_least_own_cache_and_replies_equal_cold(arch, models, reference
     saved in the SSD directory at shutdown for the next start); each request's time to first
     token is in the histogram by outcome and tier."""
     cold, own = reference(arch)
-    with paged(models[arch], tmp_path, "--ssd-dir", str(tmp_path / "ssd")) as ours:
+    with paged(models[arch], tmp_path, "--ssd-dir", str(tmp_path / "ssd"), *RESTORE) as ours:
         turns = run(ours, models[arch])
         stats = paged_stats(ours)
         assert ours.stop() == 0, ours.tail()
@@ -178,7 +178,7 @@ def test_chats_opening_together_with_chunked_prefill(arch, models, tmp_path):
     model, chunked = models[arch], ("--chunked-prefill-tokens", str(CHUNK_TOKENS))
     servers = {
         "shared": paged(model, tmp_path / "shared", "--ssd-dir", str(tmp_path / "shared" / "ssd"),
-                        extra=chunked, name="shared"),
+                        *RESTORE, extra=chunked, name="shared"),
         "alone": paged(model, tmp_path / "alone", "--ssd-dir", str(tmp_path / "alone" / "ssd"),
                        "--no-shared-prefill", extra=chunked, name="alone"),
         "own": vllm(model, tmp_path / "own", *chunked, name="own"),
