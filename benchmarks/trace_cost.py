@@ -82,6 +82,9 @@ RAM_BLOCKS = {"hot": None, "ssd": 64, "hot+ssd": 2_000, "ssd full": 64}
 FULL_SHARE = 3                 # "ssd full": its SSD tier holds 1/3 of the replay's blocks
 FLOOR_SAMPLE = 2_000           # block files the read floor and the take are timed on
 FLOOR_ROUNDS = 3               # the best of as many passes over them
+# a request's steps (``serve``), each timed: the fetch's chain lookup, its takes, the store's
+# chain lookup, its put_many
+PHASES = ("fetch_lookup", "takes", "store_lookup", "put")
 
 
 class Chains:
@@ -130,6 +133,8 @@ class Replay:
     hits: int = 0
     requested: int = 0
     file_takes: list[int] = field(default_factory=list)  # a request's blocks taken from files
+    blocks: list[int] = field(default_factory=list)  # a request's full blocks (its chain)
+    phases: list[tuple[float, ...]] = field(default_factory=list)  # a request's PHASES' seconds
     rss_per_block: float = 0.0
     open_s: float | None = None
     open_empty_s: float | None = None
@@ -219,13 +224,16 @@ def replay(name: str, requests: Sequence[TraceRequest], chains: Chains, scratch:
                 tokens = chains.tokens(request)
                 out.held.append(len(held))
                 started, cpu = time.perf_counter(), time.thread_time()
-                got = serve(manager, nodes, {b.key: b for b in blocks}.__getitem__, tokens)
+                got, phases = serve(manager, nodes, {b.key: b for b in blocks}.__getitem__,
+                                    tokens)
                 out.seconds.append(time.thread_time() - cpu)
+                out.phases.append(phases)
                 out.wall.append(time.perf_counter() - started)
                 out.hits += len(got)
                 out.file_takes.append(sum(isinstance(b, StoredBlock) for b in got))
                 del got  # its files closed
                 out.requested += len(keys)
+                out.blocks.append(len(keys))
                 held.update(keys)
                 if ssd is not None:  # its writer caught up: the queue only (``_writer_work``)
                     ssd.drain()
@@ -277,23 +285,30 @@ def _writer_work(ssd: SSDTier) -> tuple[float, int, int]:
 
 
 def serve(manager: PagedSSDCacheManager, nodes: list[tuple[str, dict[str, str]]],
-          block: Callable[[str], Block], tokens: np.ndarray) -> list[Any]:
+          block: Callable[[str], Block], tokens: np.ndarray
+          ) -> tuple[list[Any], tuple[float, ...]]:
     """One request as the prefix cache drives the manager: the fetch's chain lookup (routed by
     the request's ``tokens``) and takes of the leading held run (returned, until the first that
     is gone), then the store's lookup and one ``put_many`` of the blocks (``block(key)``) no
-    tier holds in RAM, as the store puts them."""
+    tier holds in RAM, as the store puts them. Returns the blocks taken and this thread's CPU
+    seconds in each of PHASES."""
     keys = [k for k, _ in nodes]
+    marks = [time.thread_time()]
     tiers, _ = manager.chain(keys, FINGERPRINT, tokens=tokens)
+    marks.append(time.thread_time())
     got = []
     for key in keys[:tiers.index(None) if None in tiers else len(keys)]:
         taken = manager.get(key, take=True, in_place=True)
         if taken is None:
             break  # listed, then gone (a shared server evicted it meanwhile)
         got.append(taken)
+    marks.append(time.thread_time())
     tiers, _ = manager.chain(keys, FINGERPRINT, tokens=tokens)
+    marks.append(time.thread_time())
     manager.put_many([block(key) for key, tier in zip(keys, tiers)
                       if tier is None or tier in OUT_OF_RAM])
-    return got
+    marks.append(time.thread_time())
+    return got, tuple(b - a for a, b in zip(marks, marks[1:]))
 
 
 def writer_figures(run: Replay, marks: Sequence[int], window: int) -> list[Figure]:
@@ -394,14 +409,19 @@ def cost_figures(run: Replay, marks: Sequence[int], window: int) -> list[Figure]
             continue
         median = statistics.median(got)
         wall = run.window(mark, window, wall=True)
-        # the p99 request's blocks taken from files, and what their read floor alone costs
+        # the p99 request: its steps, its blocks taken from files, what their read floor alone
+        # costs, and what it would cost were each of those takes only its floor
         at = run.start(mark, window) + p99_rank(got)
         files = run.file_takes[at]
+        floored = run.floor_s is not None and run.take_s is not None
         details = dict(config=run.config, blocks_held=mark, block_size=BLOCK, requests=window,
                        p99_s=p99(got), median_under_5ms=median < 0.005, clock="thread CPU",
                        wall_median_s=statistics.median(wall), wall_p99_s=p99(wall),
+                       p99_blocks=run.blocks[at], p99_phases_s=dict(zip(PHASES, run.phases[at])),
                        p99_file_blocks=files,
-                       p99_floor_s=None if run.floor_s is None else files * run.floor_s)
+                       p99_floor_s=files * run.floor_s if floored else None,
+                       p99_takes_at_floor_s=(p99(got) - files * (run.take_s - run.floor_s)
+                                             if floored else None))
         out.append(figure(FAMILY, f"cost per request median, {run.config}, {mark:,} blocks held",
                           measured=median, baseline=base_median, goal=2.0, goal_op="<=",
                           meaning=f"median / median at {marks[0]:,} blocks held", **details))

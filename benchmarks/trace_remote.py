@@ -94,8 +94,9 @@ def replay(config: CacheConfig, requests: Sequence[TraceRequest], chains: Chains
                     out.behind_s = max(out.behind_s, -wait)
             nodes = chains.of(request)
             metas = dict(nodes)
-            got = serve(manager, nodes, lambda key: Block(key, {"kv": payload(key)}, metas[key]),
-                        chains.tokens(request))
+            got, _ = serve(manager, nodes,
+                           lambda key: Block(key, {"kv": payload(key)}, metas[key]),
+                           chains.tokens(request))
             for block in got:
                 if not np.array_equal(np.array(block.arrays["kv"]), np.array(payload(block.key))):
                     raise AssertionError(f"trace remote: block {block.key[:12]} restored with "

@@ -2,8 +2,8 @@
 third of the replay's blocks every write evicts, the writer's CPU time and writes are filed per
 request, and its figures compare a window of writes that evict with one before the tier is full;
 in every configuration with an SSD tier, a request finds the writer caught up (its blocks in
-files, not in the write queue), as at the trace's own pace, and a take of a block file costs
-more than its read floor."""
+files, not in the write queue), as at the trace's own pace, a take of a block file costs
+more than its read floor, and each request's steps are timed."""
 
 from __future__ import annotations
 
@@ -41,3 +41,16 @@ def test_each_request_finds_the_ssd_writer_caught_up(tmp_path: Path) -> None:
     assert sum(run.file_takes) == run.counters["ssd_hits"] and run.file_takes[-1] > 0
     # a take through the manager does its read floor's work and more
     assert run.floor_files > 0 and run.take_s > run.floor_s > 0
+    # each request's steps are timed within its time; its takes only while it takes blocks
+    for seconds, phases, took in zip(run.seconds, run.phases, run.file_takes):
+        assert len(phases) == len(trace_cost.PHASES) and min(phases) >= 0
+        assert sum(phases) <= seconds and phases[0] > 0 and phases[3] > 0
+        assert took == 0 or phases[1] > 0
+    # the p99 figure names its request's steps, blocks, and its cost were each take its floor
+    p99 = next(f for f in trace_cost.cost_figures(run, [run.held[0]], window=len(requests))
+               if f.name.startswith("cost per request p99"))
+    d = p99.details
+    assert set(d["p99_phases_s"]) == set(trace_cost.PHASES)
+    assert sum(d["p99_phases_s"].values()) <= d["p99_s"] and d["p99_blocks"] > 0
+    assert d["p99_takes_at_floor_s"] == d["p99_s"] - d["p99_file_blocks"] * (
+        run.take_s - run.floor_s)
