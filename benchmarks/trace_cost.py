@@ -38,7 +38,8 @@ written under the blocks held, against the same at 10k, before the tier is full 
 What a take from SSD cannot go below: after each SSD replay, a sample of its block files is
 timed through the manager's take and through its read floor (``read_floor``: the directory and
 file opened, fstat, one read, both closed, the header's JSON parsed: what any verified take
-does), and each p99 figure names the blocks its request took from files and their floor.
+does), and each p99 figure names its request's blocks, the time of each of its steps
+(``PHASES``), the blocks it took from files and their floor.
 """
 
 from __future__ import annotations
@@ -409,19 +410,16 @@ def cost_figures(run: Replay, marks: Sequence[int], window: int) -> list[Figure]
             continue
         median = statistics.median(got)
         wall = run.window(mark, window, wall=True)
-        # the p99 request: its steps, its blocks taken from files, what their read floor alone
-        # costs, and what it would cost were each of those takes only its floor
+        # the p99 request: its blocks, its steps, its blocks taken from files and what their
+        # read floor alone costs
         at = run.start(mark, window) + p99_rank(got)
         files = run.file_takes[at]
-        floored = run.floor_s is not None and run.take_s is not None
         details = dict(config=run.config, blocks_held=mark, block_size=BLOCK, requests=window,
                        p99_s=p99(got), median_under_5ms=median < 0.005, clock="thread CPU",
                        wall_median_s=statistics.median(wall), wall_p99_s=p99(wall),
                        p99_blocks=run.blocks[at], p99_phases_s=dict(zip(PHASES, run.phases[at])),
                        p99_file_blocks=files,
-                       p99_floor_s=files * run.floor_s if floored else None,
-                       p99_takes_at_floor_s=(p99(got) - files * (run.take_s - run.floor_s)
-                                             if floored else None))
+                       p99_floor_s=None if run.floor_s is None else files * run.floor_s)
         out.append(figure(FAMILY, f"cost per request median, {run.config}, {mark:,} blocks held",
                           measured=median, baseline=base_median, goal=2.0, goal_op="<=",
                           meaning=f"median / median at {marks[0]:,} blocks held", **details))
@@ -519,8 +517,9 @@ def replay_figures(run: Replay, marks: Sequence[int], window: int) -> list[Figur
 def tables(data: dict) -> dict[str, str]:
     """``cost``: per blocks held, each configuration's median (p99) cost per request and the
     median's ratio to the one at the first mark, from a stored run (``trace`` family figures,
-    kept apart in results/trace_cost.json when the replays ran on their own); ``writer``: the
-    ``ssd full`` writer's CPU per block written at each mark."""
+    kept apart in results/trace_cost.json when the replays ran on their own); ``p99``: what the
+    p99 requests of the SSD configurations spent their time on; ``writer``: the ``ssd full``
+    writer's CPU per block written at each mark."""
     figures = data["figures"]
     figs = {f["name"]: f for f in figures}
     marks = sorted({f["details"]["blocks_held"] for f in figures
@@ -542,4 +541,25 @@ def tables(data: dict) -> dict[str, str]:
             d = f["details"]
             writer.append(f"| {d['blocks_held']:,} | {f['measured'] * 1e6:.0f} us | "
                           f"{f['ratio']:.2f}x | {d['blocks_written']:,} | {d['evictions']:,} |")
-    return {"cost": "\n".join(lines) + "\n", "writer": "\n".join(writer) + "\n"}
+    return {"cost": "\n".join(lines) + "\n", "p99": p99_table(figures),
+            "writer": "\n".join(writer) + "\n"}
+
+
+def p99_table(figures: Sequence[dict]) -> str:
+    """Per SSD configuration and blocks held, the p99 request: its blocks (from files), its time
+    in each of PHASES, and what it would have cost with each file take only its read floor (its
+    takes' time replaced by ``details.p99_floor_s``)."""
+    lines = ["| configuration | blocks held | p99 | its blocks (from files) | "
+             + " | ".join(p.replace("_", " ") for p in PHASES) + " | takes at their floor |",
+             "|---" * (5 + len(PHASES)) + "|"]
+    for f in figures:
+        d = f["details"]
+        if not f["name"].startswith("cost per request p99") or d.get("p99_floor_s") is None:
+            continue
+        ms = lambda s: f"{s * 1e3:.1f} ms"  # noqa: E731
+        phases = d["p99_phases_s"]
+        lines.append(f"| `{d['config']}` | {d['blocks_held']:,} | {ms(d['p99_s'])} | "
+                     f"{d['p99_blocks']} ({d['p99_file_blocks']}) | "
+                     + " | ".join(ms(phases[p]) for p in PHASES)
+                     + f" | {ms(d['p99_s'] - phases['takes'] + d['p99_floor_s'])} |")
+    return "\n".join(lines) + "\n"

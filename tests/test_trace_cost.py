@@ -46,11 +46,14 @@ def test_each_request_finds_the_ssd_writer_caught_up(tmp_path: Path) -> None:
         assert len(phases) == len(trace_cost.PHASES) and min(phases) >= 0
         assert sum(phases) <= seconds and phases[0] > 0 and phases[3] > 0
         assert took == 0 or phases[1] > 0
-    # the p99 figure names its request's steps, blocks, and its cost were each take its floor
+    # the p99 figure names its request's blocks, steps and file blocks' floor; the p99 table
+    # puts them in a row, with the request's cost were each file take only its floor
     p99 = next(f for f in trace_cost.cost_figures(run, [run.held[0]], window=len(requests))
                if f.name.startswith("cost per request p99"))
     d = p99.details
     assert set(d["p99_phases_s"]) == set(trace_cost.PHASES)
     assert sum(d["p99_phases_s"].values()) <= d["p99_s"] and d["p99_blocks"] > 0
-    assert d["p99_takes_at_floor_s"] == d["p99_s"] - d["p99_file_blocks"] * (
-        run.take_s - run.floor_s)
+    assert d["p99_floor_s"] == d["p99_file_blocks"] * run.floor_s
+    row = trace_cost.p99_table([p99.to_dict()]).splitlines()[2].split(" | ")
+    at_floor = d["p99_s"] - d["p99_phases_s"]["takes"] + d["p99_floor_s"]
+    assert row[0] == "| `ssd`" and row[-1] == f"{at_floor * 1e3:.1f} ms |"
