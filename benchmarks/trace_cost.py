@@ -549,6 +549,9 @@ def p99_table(figures: Sequence[dict]) -> str:
     """Per SSD configuration and blocks held, the p99 request: its blocks (from files), its time
     in each of PHASES, and what it would have cost with each file take only its read floor (its
     takes' time replaced by ``details.p99_floor_s``)."""
+    def ms(seconds: float) -> str:
+        return f"{seconds * 1e3:.1f} ms"
+
     lines = ["| configuration | blocks held | p99 | its blocks (from files) | "
              + " | ".join(p.replace("_", " ") for p in PHASES) + " | takes at their floor |",
              "|---" * (5 + len(PHASES)) + "|"]
@@ -556,7 +559,6 @@ def p99_table(figures: Sequence[dict]) -> str:
         d = f["details"]
         if not f["name"].startswith("cost per request p99") or d.get("p99_floor_s") is None:
             continue
-        ms = lambda s: f"{s * 1e3:.1f} ms"  # noqa: E731
         phases = d["p99_phases_s"]
         lines.append(f"| `{d['config']}` | {d['blocks_held']:,} | {ms(d['p99_s'])} | "
                      f"{d['p99_blocks']} ({d['p99_file_blocks']}) | "
