@@ -132,7 +132,6 @@ class Replay:
     wall: list[float] = field(default_factory=list)
     held: list[int] = field(default_factory=list)
     hits: int = 0
-    requested: int = 0
     file_takes: list[int] = field(default_factory=list)  # a request's blocks taken from files
     blocks: list[int] = field(default_factory=list)  # a request's full blocks (its chain)
     phases: list[tuple[float, ...]] = field(default_factory=list)  # a request's PHASES' seconds
@@ -228,12 +227,11 @@ def replay(name: str, requests: Sequence[TraceRequest], chains: Chains, scratch:
                 got, phases = serve(manager, nodes, {b.key: b for b in blocks}.__getitem__,
                                     tokens)
                 out.seconds.append(time.thread_time() - cpu)
-                out.phases.append(phases)
                 out.wall.append(time.perf_counter() - started)
+                out.phases.append(phases)
                 out.hits += len(got)
                 out.file_takes.append(sum(isinstance(b, StoredBlock) for b in got))
                 del got  # its files closed
-                out.requested += len(keys)
                 out.blocks.append(len(keys))
                 held.update(keys)
                 if ssd is not None:  # its writer caught up: the queue only (``_writer_work``)
@@ -494,7 +492,7 @@ def replay_figures(run: Replay, marks: Sequence[int], window: int) -> list[Figur
     name = run.config
     held = len(set(run.held)) and max(run.held)
     common = dict(config=name, blocks_held=held, block_size=BLOCK,
-                  hit_ratio=run.hits / max(1, run.requested), counters=run.counters)
+                  hit_ratio=run.hits / max(1, sum(run.blocks)), counters=run.counters)
     out.append(figure(FAMILY, f"index memory per block, {name}", measured=run.rss_per_block,
                       baseline=PAYLOAD, unit="B",
                       meaning="process RSS growth per block held, less the payload / payload",
