@@ -8,9 +8,12 @@ and one at the end of the request (prompt + reply). Budgets are large enough tha
 
 Asserted per request: paged-cache never caches fewer tokens than LRUPromptCache where
 LRUPromptCache's reuse gives the cold run's greedy tokens, and paged-cache's own greedy tokens
-always equal a cold run's. Variants: hot tier only, with the SSD tier, and across a restart
-(the manager is closed and reopened on the same directory halfway through the stream). The
-windowed layouts (gemma3_text, llama4) also get repeat-heavy streams with prompts up to 12 blocks.
+always equal a cold run's, up to a step whose best cold logits tie (within ``TIE``: a reused
+cache prefills in other chunks, rounds differently by ~1e-6 and may take the other token;
+mlx-lm's own does too; exact logits at the same chunking are the exactness tests'). Variants:
+hot tier only, with the SSD tier, and across a restart (the manager is closed and reopened on
+the same directory halfway through the stream). The windowed layouts (gemma3_text, llama4) also
+get repeat-heavy streams with prompts up to 12 blocks.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ ARCHS = [a for a in ("llama", "gemma3_text", "qwen3_next", "mamba", "baichuan_m1
                      "nemotron_h", "falcon_h1", "granitemoehybrid", "jamba", "lfm2", "deepseek_v41")
          if a in TINY_ARCHS]   # deepseek_v41: mlx-lm 0.32 on
 VARIANTS = ["hot", "ssd", "restart"]
-COLD: dict[str, dict] = {}   # arch -> (prompt, system end) -> cold greedy tokens
+COLD: dict[str, dict] = {}   # arch -> (prompt, system end) -> cold reply, its ties
 
 
 # ---------------------------------------------------------------------------- request streams
@@ -67,12 +70,12 @@ def drive(model: Any, variant: str, ops: list[tuple], memo: dict,
                     manager = open_variant(Path(tmp), variant)
                     paged = PagedPromptCache.for_model(manager, model)
                 req = next_request(op, history, max_prompt)
-                req.reply = cold(model, req, memo)
+                cold(model, req, memo)
                 history.append(req)
                 n_lru, t_lru = serve(lru, model, req)
                 n_paged, t_paged = serve(paged, model, req)
-                rows.append((i, op[0], len(req.prompt), n_lru, t_lru == req.reply, n_paged))
-                if t_paged != req.reply:
+                rows.append((i, op[0], len(req.prompt), n_lru, req.agrees(t_lru), n_paged))
+                if not req.agrees(t_paged):
                     wrong.append((i, op[0], n_paged, t_paged, req.reply))
             assert paged.store_errors == 0
         finally:
@@ -121,6 +124,12 @@ REPEAT_PREFIX_OF_HELD = [("repeat", 0), ("continue", 33, 3, 65536), ("repeat", 0
                          ("continue", 12, 10, 3191), ("continue", 0, 18, 205), ("repeat", 7),
                          ("continue", 17, 2, 65536), ("repeat", 24), ("repeat", 56)]
 
+# Found by a long run: request 8 continues request 5 (97 of its 106 tokens reused, by both caches)
+# and its 4th greedy token's best two cold logits are 1e-6 apart; both reuses take the other one.
+TIED = [("new", 1, 9, 26), ("new", 0, 31, 11925), ("branch", 44, 52, 17, 107), ("new", 1, 15, 370),
+        ("branch", 7, 200, 14, 263), ("continue", 51, 21, 1500), ("continue", 18, 23, 15135),
+        ("repeat", 44), ("continue", 21, 9, 361), ("new", 1, 36, 8082)]
+
 _SETTINGS = dict(deadline=None, derandomize=True, database=None,
                  phases=[Phase.explicit, Phase.generate],   # no shrinking: the table says enough
                  suppress_health_check=[HealthCheck.too_slow])
@@ -150,3 +159,12 @@ def test_paged_reuses_at_least_lru_and_is_exact_long(arch, variant, ops):
 @example(ops=REPEAT_PREFIX_OF_HELD)
 def test_repeat_heavy_streams_on_windowed_layouts(arch, variant, ops):
     check_stream(model_of(arch), variant, ops, COLD.setdefault(arch, {}), REPEAT_PROMPT)
+
+
+def test_a_tie_in_the_cold_reply_is_no_difference():
+    """TIED's request 8 ties in its cold reply; both caches' replies agree with it all the same."""
+    memo: dict = {}
+    rows, wrong = drive(model_of("gemma3_text"), "hot", TIED, memo)
+    assert not wrong
+    tied = [reply for reply, ties in memo.values() if any(len(t) > 1 for t in ties)]
+    assert len(tied) == 1 and rows[8][3] == rows[8][5] == 97 and rows[8][4], rows

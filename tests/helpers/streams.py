@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from helpers.managers import new_manager
@@ -22,6 +23,9 @@ from paged_cache.testing import tiny_model
 BLOCK = 16
 KEY = ("/models/tiny", None, None)   # the model key mlx_lm.server passes
 STEPS = 4                            # greedy decode steps per request (the reply)
+# Cold logits this close to a step's best are a tie: a prefill chunked otherwise (a reused cache,
+# mlx-lm's own included) rounds differently by ~1e-6 and may take either token there.
+TIE = 1e-4
 MAX_PROMPT = 8 * BLOCK
 SYSTEMS = [random.Random(seed).choices(range(256), k=n) for seed, n in ((1, 37), (2, 52))]
 BIG = 1 << 30                        # budgets: nothing is evicted on either side
@@ -54,6 +58,17 @@ class Req:
     prompt: list[int]
     sys_end: int
     reply: list[int] | None = None
+    ties: list[frozenset[int]] | None = None  # per reply step: the tokens tied for the cold best
+
+    def agrees(self, tokens: list[int] | None) -> bool:
+        """True when ``tokens`` are the cold reply, or are until a step where they take another
+        token tied for the cold run's best (TIE); from there on they follow that token."""
+        if tokens is None or self.reply is None or self.ties is None:
+            return False
+        for got, want, tied in zip(tokens, self.reply, self.ties):
+            if got != want:
+                return got in tied
+        return len(tokens) == len(self.reply)
 
 
 def fresh(n: int, seed: int) -> list[int]:
@@ -86,10 +101,12 @@ def next_request(op: tuple, history: list[Req], max_prompt: int = MAX_PROMPT) ->
 
 
 def run_request(model: Any, cache: list, req: Req, cached: int,
-                insert: Callable[[list[int], list, str], None] | None = None) -> list[int]:
+                insert: Callable[[list[int], list, str], None] | None = None,
+                ties: list[frozenset[int]] | None = None) -> list[int]:
     """Prefill ``req.prompt[cached:]`` segment by segment as mlx_lm.server's batched path does
     (calling ``insert(tokens, cache copy, type)`` at each segment end but the last token), then
-    decode STEPS greedy tokens, feeding each; returns them. ``cache`` ends at prompt + reply."""
+    decode STEPS greedy tokens, feeding each; returns them. ``cache`` ends at prompt + reply.
+    ``ties``: each step's tokens within TIE of its best logit are appended to it."""
     prompt, last = req.prompt, len(req.prompt) - 1
     ends = sorted({e for e in (req.sys_end, last) if cached < e <= last})
     pos = cached
@@ -100,9 +117,12 @@ def run_request(model: Any, cache: list, req: Req, cached: int,
             insert(prompt[:end], copy.deepcopy(cache), "system" if end == req.sys_end else "user")
     tokens, y = [], prompt[-1]
     for _ in range(STEPS):
-        logits = model(mx.array([[y]]), cache=cache)
-        y = int(mx.argmax(logits[0, -1]).item())
+        logits = model(mx.array([[y]]), cache=cache)[0, -1]
+        y = int(mx.argmax(logits).item())
         tokens.append(y)
+        if ties is not None:
+            row = np.array(logits.astype(mx.float32))
+            ties.append(frozenset(np.flatnonzero(row >= row.max() - TIE).tolist()))
     mx.eval(model(mx.array([[y]]), cache=cache))
     return tokens
 
@@ -125,9 +145,11 @@ def serve(prompt_cache: Any, model: Any, req: Req) -> tuple[int, list[int] | Non
     return cached, tokens
 
 
-def cold(model: Any, req: Req, memo: dict) -> list[int]:
-    """The cold run's greedy reply to ``req`` (memoized in ``memo``)."""
+def cold(model: Any, req: Req, memo: dict) -> None:
+    """Set ``req.reply`` and ``req.ties`` from the cold run's greedy reply (memoized in
+    ``memo``)."""
     key = (tuple(req.prompt), req.sys_end)
     if key not in memo:
-        memo[key] = run_request(model, make_prompt_cache(model), req, 0)
-    return memo[key]
+        ties: list[frozenset[int]] = []
+        memo[key] = run_request(model, make_prompt_cache(model), req, 0, ties=ties), ties
+    req.reply, req.ties = memo[key]
