@@ -117,6 +117,18 @@ class ValkeyServer:
             out.update(ssl_certfile=str(self.tls.client), ssl_keyfile=str(self.tls.client_key))
         return out
 
+    def settles_within(self, limit: float, seconds: float = 5.0) -> int:
+        """The server's used_memory once it is at most ``limit`` (the last one read after
+        ``seconds``). A server with ``maxmemory`` evicts before it runs each command, INFO's too,
+        and INFO counts memory it allocated for itself after that; on a loaded machine eviction
+        may also run out of its time slice and finish on the server's timer: so a limit test
+        allows a little over maxmemory, and a moment."""
+        c = client(self.url, **self.client_options())
+        deadline = time.monotonic() + seconds
+        while (used := c.info("memory")["used_memory"]) > limit and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return used
+
     def kill(self) -> None:
         """SIGKILL the server and reap it (its data is gone: nothing is persisted)."""
         if self.process is not None and self.process.poll() is None:
