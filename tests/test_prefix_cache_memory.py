@@ -121,8 +121,8 @@ def test_one_copy_over_a_multi_turn_conversation(tmp_path: Path, tier: str) -> N
     tier the manager restarts before the last turn: that turn's blocks come from SSD, taken (not
     promoted by the fetch)."""
     ssd = tier == "ssd_restart"
-    config = (CacheConfig(block_size=BLOCK, ssd_dir=tmp_path) if ssd
-              else CacheConfig(block_size=BLOCK, hot_cache_only=True))
+    config = (CacheConfig(block_size=BLOCK, ssd_dir=tmp_path, fetch_policy="always-restore")
+              if ssd else CacheConfig(block_size=BLOCK, hot_cache_only=True))
     manager = PagedSSDCacheManager(config)
     prefix = BlockAwarePrefixCache(manager, MODEL)
     history = prompt(700, seed=3)
@@ -184,8 +184,8 @@ def test_ssd_fetch_stages_one_layer_at_a_time(tmp_path: Path, rows_moved_by: str
         prefix.store(tokens[:TOKENS], cache)
         rows = cache[0].keys[..., :TOKENS, :].nbytes + cache[0].values[..., :TOKENS, :].nbytes
         del cache
-    with PagedSSDCacheManager(CacheConfig(block_size=BLOCK, ssd_dir=tmp_path,
-                                          hot_cache_max_bytes=0)) as manager:
+    with PagedSSDCacheManager(CacheConfig(block_size=BLOCK, ssd_dir=tmp_path, hot_cache_max_bytes=0,
+                                          fetch_policy="always-restore")) as manager:
         prefix = BlockAwarePrefixCache(manager, WIDE)
         tracemalloc.start()
         try:

@@ -35,6 +35,7 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> TLSCerts:
 
 def config(url: str, **kw: object) -> CacheConfig:
     kw.setdefault("remote_timeout", 5.0)
+    kw.setdefault("fetch_policy", "always-restore")  # what a restore does, not the cost trade
     return CacheConfig(block_size=BLOCK, hot_cache_only=True, remote_url=url, **kw)
 
 

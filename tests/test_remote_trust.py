@@ -31,6 +31,7 @@ OFF_LOOPBACK = "redis://cache.invalid:6379/0"  # a reserved name: never resolved
 
 def remote_config(url: str, **kw: object) -> CacheConfig:
     kw.setdefault("remote_timeout", 5.0)
+    kw.setdefault("fetch_policy", "always-restore")  # what a restore does, not the cost trade
     return CacheConfig(block_size=BLOCK, hot_cache_only=True, remote_url=url, **kw)
 
 

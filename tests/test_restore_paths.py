@@ -69,7 +69,7 @@ def test_ssd_blocks_are_read_into_place_and_exact(tmp_path: Path, compression: s
     block = 16
     model = tiny_model("llama", dtype=DTYPES[dtype])
     config = CacheConfig(block_size=block, ssd_dir=tmp_path, compression=compression,
-                         hot_cache_max_bytes=0, ssd_read_threads=2)
+                         hot_cache_max_bytes=0, ssd_read_threads=2, fetch_policy="always-restore")
     with PagedSSDCacheManager(config) as manager:
         stored = store_prompt(model, BlockAwarePrefixCache(manager, model), prompt(4 * block + 3))
     with PagedSSDCacheManager(config) as manager:  # a restart: every block only on disk

@@ -40,7 +40,8 @@ def test_a_namespace_isolates_every_node_kind_in_every_tier(tmp_path: Path, serv
 
     def manager(name: str, **kw: object) -> PagedSSDCacheManager:
         return PagedSSDCacheManager(CacheConfig(block_size=BLOCK, ssd_dir=tmp_path / name,
-                                                remote_url=server.url, remote_timeout=5.0, **kw))
+                                                remote_url=server.url, remote_timeout=5.0,
+                                                fetch_policy="always-restore", **kw))
 
     def reuse(m: PagedSSDCacheManager, namespace: str | None) -> int:
         return assert_exact(model, BlockAwarePrefixCache(m, model, namespace=namespace), query)

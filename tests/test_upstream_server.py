@@ -61,7 +61,10 @@ def upstream_test_file(cache_dir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def adapted(pytestconfig, tmp_path_factory) -> Path:
-    source = upstream_test_file(pytestconfig.cache.mkdir("mlx-lm-sdist")).read_text()
+    cache = getattr(pytestconfig, "cache", None)  # absent under -p no:cacheprovider
+    folder = (cache.mkdir("mlx-lm-sdist") if cache is not None
+              else tmp_path_factory.mktemp("mlx-lm-sdist"))
+    source = upstream_test_file(folder).read_text()
     assert source.count(UPSTREAM_MODEL) == 1, "the upstream test file changed its model path"
     # head_dim 64: the file's kv-bits test quantizes with group size 64.
     model = write_model_dir(tmp_path_factory.mktemp("model") / "tiny", "llama", head_dim=64)

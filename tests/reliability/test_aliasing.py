@@ -36,7 +36,8 @@ def test_in_place_updates_of_a_fetched_cache_never_reach_the_store(arch: str, ti
                                                                     tmp_path: Path) -> None:
     model = tiny_model(arch)
     config = (CacheConfig(hot_cache_only=True, block_size=BLOCK) if tier == "hot-only" else
-              CacheConfig(block_size=BLOCK, ssd_dir=tmp_path, write_policy="write-through"))
+              CacheConfig(block_size=BLOCK, ssd_dir=tmp_path, write_policy="write-through",
+                          fetch_policy="always-restore"))
     with PagedSSDCacheManager(config) as manager:
         prefix = BlockAwarePrefixCache(manager, model)
         shared = prompt(3 * BLOCK)

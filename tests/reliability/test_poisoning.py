@@ -40,6 +40,7 @@ HOT_BUDGET = 64 << 20         # the victim's hot tier in the memory tests
 def remote_config(url: str, **kw: Any) -> CacheConfig:
     kw.setdefault("remote_timeout", 5.0)
     kw.setdefault("hot_cache_only", True)
+    kw.setdefault("fetch_policy", "always-restore")  # what a restore does, not the cost trade
     return CacheConfig(block_size=BLOCK, remote_url=url, **kw)
 
 
@@ -84,8 +85,8 @@ def test_a_planted_listing_entry_is_a_counted_miss(tmp_path: Path, url: str, whe
     parent, model and namespace), counted, never read."""
     model = tiny_model("llama")
     ssd = where == "ssd-manifest"
-    config = (CacheConfig(block_size=BLOCK, ssd_dir=tmp_path / "c", hot_cache_max_bytes=0)
-              if ssd else remote_config(url))
+    config = (CacheConfig(block_size=BLOCK, ssd_dir=tmp_path / "c", hot_cache_max_bytes=0,
+                          fetch_policy="always-restore") if ssd else remote_config(url))
     theirs = "alice" if where == "remote-other-namespace" else None
     with PagedSSDCacheManager(config) as manager:
         store_prompt(model, BlockAwarePrefixCache(manager, model, namespace=theirs), OTHER)
@@ -244,7 +245,8 @@ def test_a_value_that_does_not_fit_the_layout_is_a_counted_miss(tmp_path: Path, 
         config = remote_config(url)
     else:
         config = CacheConfig(block_size=BLOCK, ssd_dir=tmp_path / "c", hot_cache_max_bytes=0,
-                             compression="lz4" if tier == "ssd-lz4" else "none")
+                             compression="lz4" if tier == "ssd-lz4" else "none",
+                             fetch_policy="always-restore")
     with PagedSSDCacheManager(config) as manager:
         prefix = BlockAwarePrefixCache(manager, model)
         store_prompt(model, prefix, VICTIM)
@@ -285,9 +287,11 @@ def test_a_decompression_bomb_is_a_counted_miss_within_the_hot_budget(
     read from SSD whole, llama's straight into the rebuilt cache: both paths.)"""
     model = tiny_model(arch)
     if tier == "remote":
-        config = dict(block_size=BLOCK, remote_url=url, remote_timeout=5.0, hot_cache_only=True)
+        config = dict(block_size=BLOCK, remote_url=url, remote_timeout=5.0, hot_cache_only=True,
+                      fetch_policy="always-restore")
     else:
-        config = dict(block_size=BLOCK, ssd_dir=str(tmp_path / "c"), compression="lz4")
+        config = dict(block_size=BLOCK, ssd_dir=str(tmp_path / "c"), compression="lz4",
+                      fetch_policy="always-restore")
     with PagedSSDCacheManager(CacheConfig(**config)) as manager:
         prefix = BlockAwarePrefixCache(manager, model)
         store_prompt(model, prefix, VICTIM)
