@@ -72,7 +72,9 @@ def audit(root: Path, budget: int | None = None) -> Audit:
     temps = sorted(os.listdir(root / "tmp"))
     assert temps == [], f"temp files left: {temps}"
     rows = manifest_rows(root)
-    assert {k for k, (state, _) in rows.items()} == set(files), "manifest rows != block files"
+    assert set(rows) == set(files), ("manifest rows != block files: rows without a file "
+                                     f"{sorted(set(rows) - set(files))}, files without a row "
+                                     f"{sorted(set(files) - set(rows))}")
     assert all(state == 1 for state, _ in rows.values()), "a reservation outlived its write"
     size = sum(p.stat().st_size for p in files.values())
     assert all(rows[k][1] == p.stat().st_size for k, p in files.items())
