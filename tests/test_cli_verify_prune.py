@@ -13,6 +13,8 @@ import pytest
 
 from paged_cache import CacheConfig, PagedSSDCacheManager
 from paged_cache.cachedir.inventory import CacheDir
+from paged_cache.cachedir.maintenance import select_prune
+from paged_cache.tiers.ssd.manifest import Manifest
 from helpers.blocks import block_files
 from helpers.cli import FP_A, FP_B, chain, run_cli, store
 
@@ -189,6 +191,30 @@ def test_prune_max_bytes_removes_least_recently_used_leaves_first(tmp_path):
     assert set(manifest_is_consistent(d)) == {b.key for b in new}
     reads_back(d, new)
 
+
+
+def test_prune_keeps_the_row_of_a_block_stored_again_after_its_file_went(tmp_path):
+    """Prune removes its victims' files, then (a batch later) their rows, with no lock held in
+    between: a process that stores a victim's key again meanwhile makes a new file and row,
+    which the row removal must keep (it checks the file inside its transaction), or the
+    directory holds a file without a row."""
+    d = tmp_path / "c"
+    blocks = chain("gone", FP_A, [16, 16])
+    store(d, blocks)
+    cache = CacheDir(d)
+    victims = select_prune(cache.rows().values(), max_bytes=0)
+    assert {v.key for v in victims} == {b.key for b in blocks}
+    for v in victims:  # delete_blocks' first step
+        for f in cache.files_of(v.key):
+            f.path.unlink()
+    store(d, blocks[:1])  # the root stored again meanwhile, by another process
+    manifest = Manifest(cache.manifest_path)
+    try:  # delete_blocks' second step
+        manifest.remove([v.key for v in victims], file_exists=cache.has_file)
+    finally:
+        manifest.close()
+    assert set(manifest_is_consistent(d)) == {blocks[0].key}
+    reads_back(d, blocks[:1])
 
 
 def test_prune_by_size_keeps_the_parent_of_every_block_it_keeps(tmp_path):

@@ -173,6 +173,10 @@ class CacheDir:
                 out.append(found)
         return out
 
+    def has_file(self, key: str) -> bool:
+        """True when a block file of ``key`` is present now (``files_of``)."""
+        return bool(self.files_of(key))
+
     def scan(self) -> Scan:
         """Walk blocks/ and tmp/ (stat only, no payload reads); entries vanishing meanwhile are skipped."""
         scan = Scan()

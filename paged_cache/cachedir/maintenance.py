@@ -160,8 +160,8 @@ def _repair_one(cache: CacheDir, manifest: Manifest, f: Finding, quarantine: boo
         return f.action
     if f.kind == DAMAGED:
         moved = _quarantine(cache, Path(f.path)) if quarantine else _unlink(Path(f.path))
-        if f.key is not None and not cache.files_of(f.key):
-            manifest.remove([f.key], states=(COMPLETE,))
+        if f.key is not None:
+            manifest.remove([f.key], states=(COMPLETE,), file_exists=cache.has_file)
         return moved
     if f.kind == UNINDEXED:
         found = [b for b in cache.files_of(f.key) if str(b.path) == f.path]
@@ -178,10 +178,10 @@ def _repair_one(cache: CacheDir, manifest: Manifest, f: Finding, quarantine: boo
         return "gone"
     if row.state == RESERVED:
         manifest.abandon(f.key, row.writer)
-    elif not cache.files_of(f.key):
-        manifest.remove([f.key], states=(COMPLETE,))
-    else:
+    elif cache.has_file(f.key):
         return "file reappeared, kept"
+    else:
+        manifest.remove([f.key], states=(COMPLETE,), file_exists=cache.has_file)
     return "row removed"
 
 
@@ -257,7 +257,9 @@ def select_purge(cache: CacheDir) -> list[Victim]:
 
 
 def delete_blocks(cache: CacheDir, victims: list[Victim]) -> int:
-    """Remove the victims' files, then their rows (a batch per transaction); returns bytes freed."""
+    """Remove the victims' files, then their rows (a batch per transaction; a row whose key was
+    stored again meanwhile, by a process using the directory, stays with its new file); returns
+    bytes freed."""
     freed = 0
     manifest = Manifest(cache.manifest_path)
     try:
@@ -267,7 +269,8 @@ def delete_blocks(cache: CacheDir, victims: list[Victim]) -> int:
                 for f in cache.files_of(v.key):
                     if _unlink(f.path) == "removed":
                         freed += f.size
-            manifest.remove([v.key for v in batch if v.indexed], states=(COMPLETE,))
+            manifest.remove([v.key for v in batch if v.indexed], states=(COMPLETE,),
+                            file_exists=cache.has_file)
     finally:
         manifest.close()
     return freed
