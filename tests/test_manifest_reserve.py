@@ -138,3 +138,19 @@ def test_another_connection_s_write_is_seen_by_the_next_eviction(tmp_path: Path)
     finally:
         other.close()
         m.close()
+
+
+def test_a_reservation_whose_file_went_before_it_completed_is_dropped(tmp_path: Path):
+    """A writer renames its file in, then completes its reservation; a process that discards
+    the block in between removes the file, and its own row removal keeps a reservation. The
+    completion checks the file inside its transaction: gone, the reservation goes too (no row
+    without a file); there, the row is complete."""
+    m = Manifest(tmp_path / "manifest.sqlite")
+    try:
+        for key in ("kept", "discarded"):
+            assert reserve(m, row(key, RESERVED, 100, 1.0), 1000, [])[0] == "reserved"
+        assert m.complete("kept", "w1", lambda k: True)
+        assert not m.complete("discarded", "w1", lambda k: False)
+        assert m.totals() == (1, 100) and m.complete_keys() == {"kept"}
+    finally:
+        m.close()

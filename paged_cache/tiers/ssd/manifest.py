@@ -373,12 +373,18 @@ class Manifest:
             self._local.window = window
         return status, victims
 
-    def complete(self, key: str, writer: str) -> bool:
-        """Mark a reservation complete after the rename; False if the row was dropped meanwhile."""
+    def complete(self, key: str, writer: str, file_exists: Callable[[str], bool]) -> bool:
+        """Mark a reservation complete after the rename; False if the row was dropped meanwhile,
+        or if the file is gone inside the transaction (another process discarded the block
+        between the rename and now: its reservation goes too, or a row would outlive its file)."""
         window = getattr(self._local, "window", None)
         if window is not None and window.complete:   # it would have to hold this row too
             self._drop_window()
         with self._txn():
+            if not file_exists(key):
+                self._db.execute("DELETE FROM blocks WHERE key = ? AND writer = ? AND state = ?",
+                                 (key, writer, RESERVED))
+                return False
             cur = self._db.execute("UPDATE blocks SET state = ? WHERE key = ? AND writer = ? AND state = ?",
                                    (COMPLETE, key, writer, RESERVED))
             return cur.rowcount == 1

@@ -474,7 +474,7 @@ class SSDTier(WriteBehind, Listings, Tier):
                 self._updates.add_incomplete(key)   # the reservation goes at a later flush
             raise
         try:
-            completed = self._manifest.complete(key, self._writer_id)
+            completed = self._manifest.complete(key, self._writer_id, self._files.exists)
         except sqlite3.Error:
             self._updates.add_incomplete(key)  # the file is whole: complete its row later
             raise
@@ -523,7 +523,7 @@ class SSDTier(WriteBehind, Listings, Tier):
             try:
                 if self._files.compression_of(key) is None:
                     self._manifest.abandon(key, self._writer_id)
-                elif not self._manifest.complete(key, self._writer_id):
+                elif not self._manifest.complete(key, self._writer_id, self._files.exists):
                     self._forget(key)
             except (sqlite3.Error, ManifestError) as exc:
                 self._deferred_failed(f"{len(pending) - n} row completions", exc)
