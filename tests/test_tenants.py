@@ -10,11 +10,11 @@ from typing import Iterator
 
 import pytest
 
-from paged_cache.config import CacheConfig
 from paged_cache.manager import PagedSSDCacheManager
 from paged_cache.prefix_cache import BlockAwarePrefixCache
 from paged_cache.testing import tiny_model
 from paged_cache.testing.server import ValkeyServer, client
+from helpers.managers import new_manager
 from helpers.prefix import assert_exact, prompt, store_prompt
 
 BLOCK = 16
@@ -39,9 +39,8 @@ def test_a_namespace_isolates_every_node_kind_in_every_tier(tmp_path: Path, serv
     query = tokens + [3]
 
     def manager(name: str, **kw: object) -> PagedSSDCacheManager:
-        return PagedSSDCacheManager(CacheConfig(block_size=BLOCK, ssd_dir=tmp_path / name,
-                                                remote_url=server.url, remote_timeout=5.0,
-                                                fetch_policy="always-restore", **kw))
+        return new_manager(tmp_path / name, block_size=BLOCK, remote_url=server.url,
+                           remote_timeout=5.0, **kw)
 
     def reuse(m: PagedSSDCacheManager, namespace: str | None) -> int:
         return assert_exact(model, BlockAwarePrefixCache(m, model, namespace=namespace), query)

@@ -178,11 +178,10 @@ def _repair_one(cache: CacheDir, manifest: Manifest, f: Finding, quarantine: boo
         return "gone"
     if row.state == RESERVED:
         manifest.abandon(f.key, row.writer)
-    elif cache.has_file(f.key):
-        return "file reappeared, kept"
-    else:
-        manifest.remove([f.key], states=(COMPLETE,), file_exists=cache.has_file)
-    return "row removed"
+        return "row removed"
+    if manifest.remove([f.key], states=(COMPLETE,), file_exists=cache.has_file):
+        return "row removed"
+    return "file reappeared, kept" if cache.has_file(f.key) else "gone"
 
 
 def _quarantine(cache: CacheDir, path: Path) -> str:

@@ -397,16 +397,16 @@ class Manifest:
                              (key, writer, RESERVED))
 
     def remove(self, keys: Iterable[str], *, states: tuple[int, ...] = (COMPLETE,),
-               file_exists: Callable[[str], bool] | None = None) -> None:
+               file_exists: Callable[[str], bool] | None = None) -> int:
         """Delete rows of ``keys`` in the given states; with ``file_exists``, only those whose
         file is gone inside the transaction (a key another process stored again after its file
-        was removed keeps its new row)."""
+        was removed keeps its new row). Returns the rows deleted."""
         self._drop_window()
         marks = ",".join("?" * len(states))
         with self._txn():
-            self._db.executemany(f"DELETE FROM blocks WHERE key = ? AND state IN ({marks})",
-                                 [(k, *states) for k in keys
-                                  if file_exists is None or not file_exists(k)])
+            return self._db.executemany(f"DELETE FROM blocks WHERE key = ? AND state IN ({marks})",
+                                        [(k, *states) for k in keys
+                                         if file_exists is None or not file_exists(k)]).rowcount
 
     def adopt(self, rows: Iterable[Row], file_exists: Callable[[str], bool] | None = None) -> int:
         """Insert rows for complete files found on disk (kept if a row already exists; with

@@ -521,10 +521,8 @@ class SSDTier(WriteBehind, Listings, Tier):
         pending = self._updates.take_incomplete()
         for n, key in enumerate(pending):
             try:
-                if self._files.compression_of(key) is None:
-                    self._manifest.abandon(key, self._writer_id)
-                elif not self._manifest.complete(key, self._writer_id, self._files.exists):
-                    self._forget(key)
+                if not self._manifest.complete(key, self._writer_id, self._files.exists):
+                    self._forget(key)  # no file (its reservation went with the call), or no row
             except (sqlite3.Error, ManifestError) as exc:
                 self._deferred_failed(f"{len(pending) - n} row completions", exc)
                 self._updates.keep_incomplete(pending[n:])
