@@ -39,7 +39,7 @@ from paged_cache.rates_file import READ_TIERS
 from paged_cache.tiers.base import Tier
 from paged_cache.tiers.deadlines import Deadlines
 from paged_cache.tiers.ssd.direct import StoredBlock, read_stored
-from paged_cache.tiers.format import (Expected, RawTensors, check_meta, raw_tensors,
+from paged_cache.tiers.format import (Expected, RawTensors, check_reserved, raw_tensors,
                                      storable_dtype)
 from paged_cache.tiers.stack import HIT_LABELS, TIER_GAUGES, open_tiers
 
@@ -194,8 +194,8 @@ class PagedSSDCacheManager(ChainLookup):
         for block in blocks:
             if not isinstance(block, Block):
                 raise TypeError(f"block: expected a paged_cache.Block, got {type(block).__name__}")
-            block.check()
-            check_meta(block.meta)
+            block.check()  # its meta str -> str among the rest
+            check_reserved(block.meta)
             for name, array in block.arrays.items():
                 storable_dtype(name, array)
         mx.eval(*[a for block in blocks for a in block.arrays.values()])

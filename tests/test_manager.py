@@ -162,8 +162,12 @@ def test_put_many_checks_every_block_before_storing_any(tmp_path):
     with new_manager(tmp_path / "c") as manager:
         good = [make_block(i) for i in range(3)]
         bad_dtype = Block(key_of(9), {"c": mx.array([1 + 2j], dtype=mx.complex64)})
-        for bad, error in (({"key": key_of(8)}, TypeError), (bad_dtype, ValueError)):
-            with pytest.raises(error):
+        reserved = make_block(7)
+        reserved.meta["key"] = key_of(7)                   # reserved by the file format
+        for bad, error, names in (({"key": key_of(8)}, TypeError, "Block"),
+                                  (bad_dtype, ValueError, "dtype"),
+                                  (reserved, ValueError, "'key' is reserved")):
+            with pytest.raises(error, match=names):
                 manager.put_many([*good, bad])
         with pytest.raises(TypeError, match="blocks"):
             manager.put_many(b for b in good)

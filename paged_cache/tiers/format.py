@@ -207,9 +207,15 @@ def check_meta(meta: dict[str, str]) -> None:
     for k, v in meta.items():
         if not isinstance(k, str) or not isinstance(v, str):
             raise ValueError(f"meta: expected str -> str, got {k!r}: {type(v).__name__}")
-        if k in RESERVED_META:
-            raise ValueError(f"meta: key {k!r} is reserved by the block file format "
-                             f"(reserved: {sorted(RESERVED_META)})")
+    check_reserved(meta)
+
+
+def check_reserved(meta: dict[str, str]) -> None:
+    """Reject metadata that uses a key the storage layer reserves (its types checked already)."""
+    if not RESERVED_META.isdisjoint(meta):
+        k = min(RESERVED_META.intersection(meta))
+        raise ValueError(f"meta: key {k!r} is reserved by the block file format "
+                         f"(reserved: {sorted(RESERVED_META)})")
 
 
 def check_raw(raw: RawTensors) -> int:
@@ -376,8 +382,9 @@ def header_length(prefix: bytes, limit: int, header_bytes: int = MAX_HEADER_BYTE
 
 def parse_header(header: bytes, *, data_limit: int) -> Header:
     """Validate a header's JSON, dtypes, shapes and offsets; the data section may hold at most ``data_limit``."""
+    raw = bytes(header)
     try:
-        doc = json.loads(bytes(header).decode("utf-8"))
+        doc = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise BlockFileError(f"header is not JSON: {exc}") from None
     if not isinstance(doc, dict):
@@ -409,7 +416,7 @@ def parse_header(header: bytes, *, data_limit: int) -> Header:
         position = end
     if position > data_limit:
         raise BlockFileError(f"tensors need {position} data bytes, the file holds {data_limit}")
-    return Header(len(header), tensors, meta, doc, bytes(header))
+    return Header(len(raw), tensors, meta, doc, raw)
 
 
 def verify_header(h: Header, key: str | None) -> None:

@@ -35,6 +35,8 @@ class BlockFiles:
         self.directory = directory
         self.max_bytes = max_bytes
         self.compression = compression
+        # a block file's name is its key and one of these, looked for in this order
+        self._suffixes = tuple(fmt.SUFFIXES[c] for c in self.compression_order())
         self._count = count
         self._forget = forget
         raise_open_files_limit()  # a fetch holds one open file per SSD block it restores
@@ -83,8 +85,8 @@ class BlockFiles:
             missing(key)
             return None
         try:
-            for comp in self.compression_order():
-                name = key + fmt.SUFFIXES[comp]
+            for suffix in self._suffixes:
+                name = key + suffix
                 try:
                     fd = os.open(name, READ_FLAGS, dir_fd=fan_fd)
                 except FileNotFoundError:

@@ -109,7 +109,7 @@ class StoredTensor:
             self.file.wanted.append((offset, piece.nbytes, memoryview(piece).cast("B")))
 
 
-@dataclass
+@dataclass(slots=True, weakref_slot=True)  # slots: made for every SSD block a fetch takes
 class StoredBlock:
     """A block whose header is checked and whose payload is still on disk; ``arrays`` hold
     ``StoredTensor``s. ``on_damage(reason)`` reports a payload that fails its checksum.
@@ -133,7 +133,7 @@ class StoredBlock:
     hinted: int = 0  # bytes of the read-ahead budget this file holds (hinted, not read yet)
     _pos: int = 0  # data bytes read and hashed so far
     _hinted_to: int = 0  # data bytes the kernel was asked to read ahead (``hint_to``)
-    _digest: Any = field(default_factory=xxhash.xxh3_128)
+    _digest: Any = None  # the payload's running checksum, from its first bytes read
     _lz4: "_Lz4Stream | None" = None
 
     @property
@@ -213,7 +213,8 @@ class StoredBlock:
                 self._consume(_tile([], self._pos, self.data_bytes))
             if self.damage is None and self._lz4 is not None:
                 self.damage = self._lz4.finish()
-            if self.damage is None and self._digest.hexdigest() != self.checksum:
+            digest = self._digest if self._digest is not None else xxhash.xxh3_128()  # none read
+            if self.damage is None and digest.hexdigest() != self.checksum:
                 self.damage = "payload checksum mismatch"
         except OSError as exc:
             self.damage = f"read failed: {exc}"
@@ -233,6 +234,8 @@ class StoredBlock:
         else:
             self.damage = _read_plain(self.fd, self.data_start + self._pos, pieces)
         if self.damage is None:
+            if self._digest is None:
+                self._digest = xxhash.xxh3_128()
             for view in pieces:
                 self._digest.update(view)
                 self._pos += view.nbytes

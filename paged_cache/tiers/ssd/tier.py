@@ -182,7 +182,11 @@ class SSDTier(WriteBehind, Listings, Tier):
 
     def release_written(self) -> list[tuple[str, int]]:
         """Drop, on the calling thread, the buffers of blocks the writer has finished with (the
-        writer never releases the last reference to an MLX array); returns (key, bytes) of each."""
+        writer never releases the last reference to an MLX array); returns (key, bytes) of each.
+        Read without the lock first: most calls (every get) find none, and an item finished
+        meanwhile is released by the next call."""
+        if not self._written:
+            return []
         with self._cond:
             done, self._written = self._written, []
         out = [(item.key, item.nbytes) for item in done]
