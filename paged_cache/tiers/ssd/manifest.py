@@ -25,9 +25,9 @@ from paged_cache.tiers.route import Route, first_token
 from paged_cache.tiers.ssd.child_rows import routed_rows
 from paged_cache.tiers.ssd.eviction_window import EvictionWindow
 from paged_cache.tiers.ssd.mirror import CHANGES_SQL, LOG, ChainMirror, load_sql, log_statements
-from paged_cache.tiers.ssd.schema import (CHILD_ROWS_SQL, COLUMNS, COMPLETE, COMPLETE_AMONG_SQL,
-                                          RESERVED, SCHEMA, SCHEMA_VERSION, is_new,
-                                          schema_problem, split_sql)
+from paged_cache.tiers.ssd.schema import (ABANDON_SQL, CHILD_ROWS_SQL, COLUMNS, COMPLETE,
+                                          COMPLETE_AMONG_SQL, RESERVED, SCHEMA, SCHEMA_VERSION,
+                                          is_new, schema_problem, split_sql)
 from paged_cache.tiers.ssd.wal_meter import WalMeter
 
 log = logging.getLogger("paged_cache.ssd")
@@ -382,8 +382,7 @@ class Manifest:
             self._drop_window()
         with self._txn():
             if not file_exists(key):
-                self._db.execute("DELETE FROM blocks WHERE key = ? AND writer = ? AND state = ?",
-                                 (key, writer, RESERVED))
+                self._db.execute(ABANDON_SQL, (key, writer, RESERVED))
                 return False
             cur = self._db.execute("UPDATE blocks SET state = ? WHERE key = ? AND writer = ? AND state = ?",
                                    (COMPLETE, key, writer, RESERVED))
@@ -393,8 +392,7 @@ class Manifest:
         """Drop this writer's reservation (the write failed)."""
         self._drop_window()
         with self._txn():
-            self._db.execute("DELETE FROM blocks WHERE key = ? AND writer = ? AND state = ?",
-                             (key, writer, RESERVED))
+            self._db.execute(ABANDON_SQL, (key, writer, RESERVED))
 
     def remove(self, keys: Iterable[str], *, states: tuple[int, ...] = (COMPLETE,),
                file_exists: Callable[[str], bool] | None = None) -> int:

@@ -67,6 +67,9 @@ CHILD_ROWS_SQL = (f"SELECT {','.join(fmt.NODE_FIELDS)} FROM blocks WHERE +state 
 COMPLETE_AMONG_SQL = ("SELECT key FROM blocks WHERE key IN (SELECT value FROM json_each(?)) AND "
                       "+state = ?")
 
+# a writer's reservation dropped (its write failed, or its file went before it completed)
+ABANDON_SQL = "DELETE FROM blocks WHERE key = ? AND writer = ? AND state = ?"
+
 
 def is_new(db: sqlite3.Connection) -> bool:
     """True when the database has no table yet (a manifest about to be created)."""
