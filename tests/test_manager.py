@@ -428,8 +428,9 @@ def test_full_write_queue_policies(tmp_path, policy):
 
 
 def test_pending_write_is_readable(tmp_path):
-    # A 2-block queue and a 0-byte hot tier: right after put, the block is only in the queue
-    # or already on disk; either way it reads back exactly.
+    # A queue with room for one such block (its payload, meta and ITEM_BYTES) and a 0-byte hot
+    # tier: right after put, the block is only in the queue or already on disk; either way it
+    # reads back exactly.
     with new_manager(tmp_path, ssd_max_bytes="64MB",
                      hot_cache_max_bytes=0, write_queue_max_bytes=4096) as manager:
         block = make_block(5, 2048)

@@ -25,6 +25,7 @@ from paged_cache.tiers.ssd.files import MANIFEST_NAME
 from paged_cache.tiers.ssd import child_rows
 from paged_cache.tiers.ssd.manifest import CHILD_ROWS_SQL
 from paged_cache.tiers.ssd.tier import SSDTier
+from paged_cache.tiers.write_queue import ITEM_BYTES
 from helpers.blocks import block_files, key_of, same_block, stored_block
 
 
@@ -118,10 +119,16 @@ class ManifestLock:
         self.db.close()
 
 
+def charge(block: Block) -> int:
+    """What ``block`` counts against a write queue's bound: its payload, its meta's text and the
+    queue's own objects (ITEM_BYTES)."""
+    return block.nbytes + ITEM_BYTES + sum(len(k) + len(v) for k, v in block.meta.items())
+
+
 def test_pending_block_is_readable_before_it_is_written(tmp_path: Path) -> None:
     root = tmp_path / "c"
     block = stored_block("p", dtype=mx.bfloat16)
-    with tier(root, queue_max_bytes=block.nbytes) as t:
+    with tier(root, queue_max_bytes=charge(block)) as t:
         with ManifestLock(root):
             assert put(t, block)
             assert t.has_pending(block.key) and t.contains(block.key)
@@ -130,10 +137,31 @@ def test_pending_block_is_readable_before_it_is_written(tmp_path: Path) -> None:
             assert got.arrays["keys"] is block.arrays["keys"]  # the queued arrays themselves, no copy
             assert t.read_file(block.key) is None  # not on disk yet
             assert not put(t, stored_block("q"))  # queue full (bytes), policy skip
-            assert t.stats()["write_drops"] == 1 and t.stats()["queue_bytes"] == block.nbytes
+            assert t.stats()["write_drops"] == 1 and t.stats()["queue_bytes"] == charge(block)
         t.flush()
         assert not t.has_pending(block.key) and t.read_pending(block.key) is None
         assert same_block(t.read_file(block.key), block)
+        assert t.stats()["queue_bytes"] == 0
+
+
+def test_queue_bound_counts_what_tiny_blocks_hold(tmp_path: Path) -> None:
+    # 64-byte payloads: their meta and the queue's own objects are most of what a queued block
+    # holds, so the bound counts them (payload bytes alone would have queued all 60: 3,840 bytes)
+    root = tmp_path / "c"
+    blocks = [stored_block(f"tiny-{i}", n=16) for i in range(60)]
+    assert {b.nbytes for b in blocks} == {64}
+    bound = 16 << 10
+    with tier(root, queue_max_bytes=bound) as t:
+        with ManifestLock(root):  # the writer cannot finish a write: every queued block stays
+            queued = [b for b in blocks if put(t, b)]
+            stats = t.stats()
+            assert stats["queue_bytes"] == sum(map(charge, queued)) <= bound
+            assert stats["queue_blocks"] == len(queued) == bound // charge(blocks[0])
+            assert stats["write_drops"] == len(blocks) - len(queued) > 0
+        t.flush()
+        assert t.stats()["queue_bytes"] == 0 and t.stats()["queue_blocks"] == 0
+        for b in queued:
+            assert same_block(t.read_file(b.key), b)
 
 
 def test_write_on_caller_policy(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ BACKOFF_FIRST, BACKOFF_MAX = 0.25, 30.0  # seconds between reconnection probes (
 
 
 class RemoteWriter(WriteBehind):
-    """Byte-bounded write-behind to the server, with outages and back-off (see module doc)."""
+    """Bounded write-behind to the server, with outages and back-off (see module doc)."""
 
     def __init__(self, queue_max_bytes: int) -> None:
         super().__init__(queue_max_bytes, "paged-cache-remote-writer")
@@ -41,7 +41,7 @@ class RemoteWriter(WriteBehind):
                 raise RuntimeError("RemoteTier is closed")
             if item.raw is not None and item.key in self._queued:
                 return True
-            if self._down or not self._fits(item.nbytes):
+            if self._down or not self._fits(item):
                 self._count("write_drops")
                 return False
             self._queued.add(item.key)
@@ -75,7 +75,7 @@ class RemoteWriter(WriteBehind):
     def _settle(self, batch: list[Write]) -> None:
         for item in batch:
             self._queued.discard(item.key)
-            self._queue_bytes -= item.nbytes
+            self._release(item)
         self._sending = 0
 
     def _send(self, batch: list[Write]) -> None:
@@ -145,7 +145,7 @@ class RemoteWriter(WriteBehind):
             self._count("write_drops", dropped)
             for item in self._queue:
                 self._queued.discard(item.key)
-                self._queue_bytes -= item.nbytes
+                self._release(item)
             self._queue.clear()
             self._cond.notify_all()
         self._count("outages")

@@ -6,8 +6,9 @@ write_item / write_sync / release_written / read / open_stored / has_pending / r
 contains). The writer thread neither calls MLX nor drops the last reference to a block's buffers
 (``release_written`` does, on a caller thread, through ``settle``). Notes: a ``read`` or
 ``open_stored`` hit also marks the block used (LRU); ``read_pending`` returns the queued arrays
-themselves (no copy); a block larger than ``queue_max_bytes`` is never queued (the policy
-applies); the tier is a context manager; ``stats()`` keys are listed in docs/file-format.md.
+themselves (no copy); a block whose charge (payload, meta text and bookkeeping:
+``Write.charge``) is over ``queue_max_bytes`` is never queued (the policy applies); the tier
+is a context manager; ``stats()`` keys are listed in docs/file-format.md.
 
 Layout under ``directory`` (0700, files 0600): ``manifest.sqlite`` (+ WAL), ``blocks/<k[:2]>/<key>
 .safetensors[.lz4]``, ``tmp/`` (files being written; renamed into ``blocks/`` once complete).
@@ -137,7 +138,7 @@ class SSDTier(WriteBehind, Listings, Tier):
                 return True
             if key in self._discarding:  # a discard racing this put wins
                 return False
-            if self._fits(item.nbytes):
+            if self._fits(item):
                 self._pending[key] = item
                 self._push(item)
                 return True
@@ -425,7 +426,7 @@ class SSDTier(WriteBehind, Listings, Tier):
         self._written.append(self._queue.popleft())  # released on a caller thread
         if self._pending.get(item.key) is item:
             del self._pending[item.key]
-        self._queue_bytes -= item.nbytes
+        self._release(item)
 
     def _write(self, item: Write) -> bool:
         """Encode and store one block; never raises (failures are counted and logged per episode)."""
