@@ -21,7 +21,7 @@ from paged_cache.bounds import NodeBounds
 from paged_cache.compile_guard import guard_thread
 from paged_cache.distributed import WORLD, Agreement, resolve_group, shard_of
 from paged_cache.fetch import Found, find
-from paged_cache.handlers import layer_needs_snapshots
+from paged_cache.handlers import UnsupportedCacheError, layer_needs_snapshots
 from paged_cache.handlers.base import Captured
 from paged_cache.hashing import ChainKeys, model_identity, token_ids
 from paged_cache.layout import CacheLayout, layer_arrays
@@ -170,8 +170,14 @@ class BlockAwarePrefixCache:
     @property
     def bounds(self) -> NodeBounds:
         """What a node of this prefix cache read from SSD or the remote tier can be (checked on
-        its header before anything is allocated for it); the layout must be ready."""
+        its header before anything is allocated for it). The layout is learned first if no fetch
+        or store has yet: bounds made without it would call every stored block too large, and a
+        read removes a block it calls damaged. UnsupportedCacheError for a model whose layout is
+        not cached."""
         if self._bounds is None:
+            if not self.layout.ready():
+                raise UnsupportedCacheError(f"bounds: this model's cache layout is not supported "
+                                            f"({self.layout.unsupported})")
             names = len(self.namespace.encode()) + len(self.model_name.encode())
             self._bounds = NodeBounds(self.layout, names)
         return self._bounds

@@ -130,3 +130,24 @@ def test_a_ring_no_store_writes_is_refused(tmp_path: Path, name: str) -> None:
             meta = {**h.meta, "layers": json.dumps(layers[:i] + [{**layers[i], "ring": bad}]
                                                     + layers[i + 1:])}
             assert prefix.bounds.mismatch(meta, tensors) is not None, bad
+
+
+def test_a_read_before_any_fetch_or_store_learns_the_layout_and_removes_nothing(
+        tmp_path: Path) -> None:
+    """A prefix cache whose first call is a read of a stored node (its layout not learned by a
+    fetch or store yet) gets the node whole: bounds made without the layout called every stored
+    block too large, and the read removed each as damaged."""
+    model = tiny_model("llama")
+    config = CacheConfig(block_size=BLOCK, ssd_dir=tmp_path / "c", hot_cache_max_bytes=0)
+    with PagedSSDCacheManager(config) as manager:
+        store_prompt(model, BlockAwarePrefixCache(manager, model), prompt(3 * BLOCK))
+        manager.flush()
+    files = sorted((tmp_path / "c" / "blocks").rglob("*.safetensors*"))
+    assert len(files) == 3
+    with PagedSSDCacheManager(config) as manager:
+        prefix = BlockAwarePrefixCache(manager, model)
+        for path in files:
+            got = prefix.read(path.name.split(".")[0])
+            assert got is not None and got.meta[fmt.META_FINGERPRINT] == prefix.layout.fingerprint
+        assert manager.stats()["ssd"]["damaged"] == 0
+    assert sorted((tmp_path / "c" / "blocks").rglob("*.safetensors*")) == files
