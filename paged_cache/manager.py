@@ -39,8 +39,8 @@ from paged_cache.rates_file import READ_TIERS
 from paged_cache.tiers.base import Tier
 from paged_cache.tiers.deadlines import Deadlines
 from paged_cache.tiers.ssd.direct import StoredBlock, read_stored
-from paged_cache.tiers.format import (Expected, RawTensors, check_reserved, raw_tensors,
-                                     storable_dtype)
+from paged_cache.tiers.dtypes import storable_dtype
+from paged_cache.tiers.format import Expected, RawTensors, check_reserved, raw_tensors
 from paged_cache.tiers.stack import HIT_LABELS, TIER_GAUGES, open_tiers
 
 log = logging.getLogger("paged_cache.manager")

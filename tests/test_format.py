@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from paged_cache.block import Block
 from paged_cache.tiers import format as fmt
+from paged_cache.tiers.dtypes import DTYPES
 
 pytestmark = pytest.mark.unit
 
@@ -105,7 +106,7 @@ def _version_1(arrays: dict[str, mx.array], meta: dict[str, str]) -> bytes:
     for name in sorted(raw):
         dname, shape, buf = raw[name]
         data = bytes(memoryview(buf).cast("B"))
-        entries[name] = {"dtype": fmt.DTYPES[dname].code, "shape": list(shape),
+        entries[name] = {"dtype": DTYPES[dname].code, "shape": list(shape),
                          "data_offsets": [offset, offset + len(data)]}
         offset, body = offset + len(data), body + data
     full = {**meta, "format": fmt.FORMAT_NAME, "format_version": "1", "key": KEY,
@@ -260,3 +261,73 @@ def test_a_deeply_nested_header_is_damage_not_a_recursion_error(compression: str
         fmt.decode(data, KEY, max_bytes=1 << 30)
     with pytest.raises(fmt.BlockFileError, match="not JSON"):
         fmt.read_header_only(lambda off, n: data[off:off + n], len(data), 1 << 30)
+
+
+def _entries(data: bytes) -> dict:
+    """A block file's header entries, its metadata left out."""
+    n = struct.unpack("<Q", data[:8])[0]
+    doc = json.loads(data[8:8 + n])
+    doc.pop("__metadata__")
+    return doc
+
+
+def test_fieldwise_header_check_accepts_only_what_the_entrywise_one_does() -> None:
+    """A header's entries checked a field at a time (``_tensors_in_order``, the path of headers
+    with many tensors) either give the tensors the entry-at-a-time check gives, or nothing (and
+    that check decides): over headers this format writes and 3,000 of their mutations (none;
+    shapes permuted; two dimensions negated, the size kept; fields of other types; negative,
+    boolean or float numbers (equal to the right ones too); extra or missing fields; sizes that do not match; entries out of
+    order or overlapping; a zero-size entry)."""
+    layers = {f"{i}.{kv}": mx.zeros((1, 2, 16, 8), dtype=mx.float16)
+              for i in range(30) for kv in ("keys", "values")}
+    written = [_entries(_file(layers, "none")), _entries(_file(_arrays(), "none"))]
+    for doc in written:  # what this format writes takes the field-at-a-time path, unchanged
+        assert len(doc) >= fmt.FIELDWISE_FROM
+        assert fmt._tensors_in_order(doc, 1 << 30) == fmt._tensors_checked(doc, 1 << 30)
+    rng = random.Random(45)
+    odd = [None, True, False, -1, 0, 1, 2.0, "2", [], [1], [-1, 2], [0, True], {}, "F16", "X9"]
+    outcomes = {"same": 0, "deferred": 0}
+    for _ in range(3_000):
+        original = rng.choice(written)
+        doc = json.loads(json.dumps(original))
+        for _ in range(rng.randint(0, 3)):
+            name = rng.choice(list(doc))
+            entry = doc[name]
+            op = rng.random()
+            if op < 0.1:  # entries listed out of data order (still a valid file)
+                doc = dict(rng.sample(list(doc.items()), len(doc)))
+            elif op < 0.2 and isinstance(entry, dict) and isinstance(entry.get("shape"), list):
+                entry["shape"] = rng.sample(entry["shape"], len(entry["shape"]))  # still valid
+            elif (op < 0.25 and isinstance(entry, dict) and isinstance(entry.get("shape"), list)
+                  and len(entry["shape"]) > 1):
+                entry["shape"] = [-entry["shape"][0], -entry["shape"][1], *entry["shape"][2:]]
+            elif op < 0.3 or not isinstance(entry, dict):
+                doc[name] = rng.choice(odd)
+            elif op < 0.45:
+                entry[rng.choice(["dtype", "shape", "data_offsets"])] = rng.choice(odd)
+            elif op < 0.6:
+                entry["shape"] = [rng.choice([0, 1, 2, -2]) for _ in range(rng.randint(0, 3))]
+            elif op < 0.7:
+                entry["data_offsets"] = [rng.choice([-2, 0, 2]) + v for v in
+                                         original[name]["data_offsets"]]
+            elif op < 0.75:  # the same numbers as floats (a bool where it is 0 or 1)
+                field = rng.choice(["shape", "data_offsets"])
+                entry[field] = [rng.choice([float, lambda v: bool(v) if v in (0, 1) else v])(v)
+                                for v in original[name][field]]
+            elif op < 0.85:
+                entry.pop(rng.choice(["dtype", "shape", "data_offsets"]), None)
+            else:
+                entry["extra"] = 1
+        end = max(e["data_offsets"][1] for e in original.values())
+        limit = rng.choice([1 << 30, end, end - 1])
+        fast = fmt._tensors_in_order(doc, limit)
+        try:
+            checked = fmt._tensors_checked(doc, limit)
+        except fmt.BlockFileError:
+            checked = None
+        if fast is None:
+            outcomes["deferred"] += 1
+        else:
+            assert fast == checked, doc
+            outcomes["same"] += 1
+    assert outcomes["same"] > 400 and outcomes["deferred"] > 1_000, outcomes

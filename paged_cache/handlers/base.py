@@ -24,7 +24,7 @@ import numpy as np
 from paged_cache.row_path import copies_on_host, evaluate, host_view, launch, to_device
 from paged_cache.handlers.unfilled import unfilled
 from paged_cache.tiers.ssd.direct import advance_all, read_ahead_whole
-from paged_cache.tiers.format import DTYPES, mx_dtype_name
+from paged_cache.tiers.dtypes import DTYPES, mx_dtype_name
 
 TOKEN_AXIS = 2  # every mlx-lm / mlx-vlm KV array is (B, heads, tokens, ...)
 

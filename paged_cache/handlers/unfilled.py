@@ -19,7 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from paged_cache.tiers.format import DTYPES, mx_dtype_name
+from paged_cache.tiers.dtypes import DTYPES, mx_dtype_name
 
 
 class _Unwritten(io.RawIOBase):

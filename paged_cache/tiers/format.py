@@ -7,16 +7,19 @@ file size before anything is allocated, then builds mx.arrays with one copy. See
 
 from __future__ import annotations
 
-import functools
 import json
 import math
+import operator
 import struct
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, Callable, Protocol
 
 import lz4.frame
 import numpy as np
 import xxhash
+
+from paged_cache.tiers.dtypes import DTYPES, DTYPES_BY_CODE, DType, storable_dtype
 
 FORMAT_NAME = "paged-cache-block"
 FORMAT_VERSION = "2"
@@ -115,28 +118,6 @@ def layer_of(array: str) -> tuple[int, str] | None:
         return None
     return int(index), name
 
-@dataclass(frozen=True)
-class DType:
-    """One tensor dtype: MLX name, safetensors code, item size, numpy dtype used to carry the bytes."""
-
-    name: str
-    code: str
-    itemsize: int
-    storage: str  # numpy dtype of the same width (bfloat16 travels as uint16)
-
-
-_DTYPE_LIST = [
-    DType("bool", "BOOL", 1, "bool"),
-    DType("uint8", "U8", 1, "<u1"), DType("int8", "I8", 1, "<i1"),
-    DType("uint16", "U16", 2, "<u2"), DType("int16", "I16", 2, "<i2"),
-    DType("uint32", "U32", 4, "<u4"), DType("int32", "I32", 4, "<i4"),
-    DType("uint64", "U64", 8, "<u8"), DType("int64", "I64", 8, "<i8"),
-    DType("float16", "F16", 2, "<f2"), DType("bfloat16", "BF16", 2, "<u2"),
-    DType("float32", "F32", 4, "<f4"), DType("float64", "F64", 8, "<f8"),
-]
-DTYPES: dict[str, DType] = {d.name: d for d in _DTYPE_LIST}
-DTYPES_BY_CODE: dict[str, DType] = {d.code: d for d in _DTYPE_LIST}
-
 RawTensor = tuple[str, tuple[int, ...], memoryview]
 RawTensors = dict[str, RawTensor]
 """name -> (dtype name, shape, C-contiguous byte view of the evaluated array)."""
@@ -144,23 +125,6 @@ RawTensors = dict[str, RawTensor]
 
 class BlockFileError(ValueError):
     """A block file is damaged, truncated, of another format version, or not the block asked for."""
-
-
-@functools.cache
-def mx_dtype_name(dtype: Any) -> str:
-    """The MLX name of a dtype ("float16", "bfloat16", ...): the names of DTYPES (once per
-    dtype: every block stored asks)."""
-    return str(dtype).rsplit(".", 1)[-1]
-
-
-def storable_dtype(name: str, array: Any) -> str:
-    """The name of ``block.arrays[name]``'s dtype; ValueError when the block file format cannot
-    store it."""
-    dname = mx_dtype_name(array.dtype)
-    if dname not in DTYPES:
-        raise ValueError(f"block.arrays[{name!r}]: dtype {dname} is not storable; "
-                         f"expected one of {sorted(DTYPES)}")
-    return dname
 
 
 def raw_tensors(block: Any) -> RawTensors:
@@ -333,6 +297,10 @@ class Header:
 
 
 _ENTRY_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
+# the tensors from which a header's entries are checked a field at a time over all of them
+# (``_tensors_in_order``) rather than an entry at a time: measured, 1 entry 4.4 against 2.0 us,
+# 60 entries (a 30-layer model's block) 51 against 106 us
+FIELDWISE_FROM = 4
 _INT = frozenset({int})
 
 
@@ -392,6 +360,42 @@ def parse_header(header: bytes, *, data_limit: int) -> Header:
     meta = doc.pop("__metadata__", {})
     if not isinstance(meta, dict) or not set(map(type, meta.values())) <= {str}:  # keys: str
         raise BlockFileError("__metadata__ is not str -> str")
+    tensors = _tensors_in_order(doc, data_limit) if len(doc) >= FIELDWISE_FROM else None
+    if tensors is None:
+        tensors = _tensors_checked(doc, data_limit)
+    return Header(len(raw), tensors, meta, doc, raw)
+
+
+def _tensors_in_order(doc: dict[str, Any], data_limit: int) -> list[tuple] | None:
+    """The tensors of a header's entries ``doc`` when every entry is well formed and they are
+    listed in data order (as this format writes them), checked a field at a time over all
+    entries rather than an entry at a time (a model's block has two a layer: 60 for 30 layers);
+    None when any check fails: ``_tensors_checked`` then finds what is wrong, or accepts an
+    order this one does not."""
+    entries = list(doc.values())
+    try:  # an entry not a JSON object, a field missing, a dtype not this format's: no tensors
+        dtypes = [DTYPES_BY_CODE[entry["dtype"]] for entry in entries]
+        shapes = [entry["shape"] for entry in entries]
+        offsets = [entry["data_offsets"] for entry in entries]
+    except (KeyError, TypeError):
+        return None
+    if (not set(map(len, entries)) <= {3} or not set(map(type, shapes)) <= {list}
+            or not set(map(type, offsets)) <= {list} or not set(map(len, offsets)) <= {2}):
+        return None
+    dims = list(chain.from_iterable(shapes))
+    begins, ends = zip(*offsets) if offsets else ((), ())
+    if (not set(map(type, dims)) <= _INT or not set(map(type, begins + ends)) <= _INT
+            or min(dims, default=0) < 0 or begins[:1] not in ((), (0,))
+            or begins[1:] != ends[:-1] or (ends[-1] if ends else 0) > data_limit
+            or list(map(operator.sub, ends, begins)) != list(map(
+                operator.mul, map(math.prod, shapes), [dtype.itemsize for dtype in dtypes]))):
+        return None
+    return list(zip(doc, dtypes, map(tuple, shapes), begins, ends))
+
+
+def _tensors_checked(doc: dict[str, Any], data_limit: int) -> list[tuple]:
+    """The tensors of a header's entries ``doc``, in data order, checked an entry at a time:
+    BlockFileError naming the first entry that is malformed or out of place."""
     tensors = []
     for name, entry in doc.items():
         if not isinstance(entry, dict) or entry.keys() != _ENTRY_FIELDS:
@@ -416,7 +420,7 @@ def parse_header(header: bytes, *, data_limit: int) -> Header:
         position = end
     if position > data_limit:
         raise BlockFileError(f"tensors need {position} data bytes, the file holds {data_limit}")
-    return Header(len(raw), tensors, meta, doc, raw)
+    return tensors
 
 
 def verify_header(h: Header, key: str | None) -> None:

@@ -31,6 +31,7 @@ import numpy as np
 import xxhash
 
 from paged_cache.tiers import format as fmt
+from paged_cache.tiers.dtypes import DType
 
 IOV_MAX = 1024  # Linux's bound on the buffers of one preadv
 LZ4_CHUNK = 1 << 20  # lz4: at most this many bytes in and out of one decompression call
@@ -71,7 +72,7 @@ class StoredTensor:
     cycle that keeps a block dropped unread (and its open file) until a full collection."""
 
     ref: "weakref.ReferenceType[StoredBlock]"
-    kind: fmt.DType
+    kind: DType
     shape: tuple[int, ...]
     begin: int
 
