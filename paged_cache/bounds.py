@@ -7,6 +7,8 @@ layout's types, and every layer's arrays must be exactly what that layer's handl
 such a span (``LayerHandler.accepts``). The sizes follow from the layout: a header holds at most
 ``header_bytes`` and a data section at most ``data_bytes`` (the most every layer's node holds), so
 the decompressed size of a block is bounded by the model, not by a multiple of its compressed size.
+Layers a handler checks alike (``same_for_accepts``) are checked once a node when their
+descriptors and arrays are the same (``alike``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,14 @@ class NodeBounds:
                              + HEADER_PER_TOKEN * bs + NAME_ESCAPE * names)
         self.data_bytes = sum(h.node_bytes(layer, form, bs)
                               for h, layer, form in zip(self.handlers, self.layers, self.forms))
+        # per layer, the first layer before it that its handler checks alike (same handler and
+        # form, ``same_for_accepts``), or None: a node's layer whose descriptor and arrays are
+        # those of that one gets its verdict (a model's 30 KV layers: one ``accepts`` a node)
+        self.alike: list[int | None] = [
+            next((j for j in range(i) if self.handlers[j] is h and self.forms[j] == form
+                  and h.same_for_accepts(layer, self.layers[j])), None)
+            for i, (h, layer, form) in enumerate(zip(self.handlers, self.layers, self.forms))]
+        self._leads = set(self.alike) - {None}
 
     def check(self, header: fmt.Header) -> None:
         """Raise BlockFileError naming what does not fit."""
@@ -50,7 +60,8 @@ class NodeBounds:
             raise fmt.BlockFileError(f"not a node of this model's layout: {reason}")
 
     def mismatch(self, meta: dict[str, str], tensors: Tensors) -> str | None:
-        """Why a node with ``meta`` and ``tensors`` cannot be one of this layout's, or None."""
+        """Why a node with ``meta`` and ``tensors`` (name -> dtype name, shape of ints: a
+        parsed header's) cannot be one of this layout's, or None."""
         bs = self.block_size
         if meta.get(fmt.META_FINGERPRINT) != self.fingerprint:
             return "another model's or layout's fingerprint"
@@ -76,13 +87,19 @@ class NodeBounds:
             if where is None or where[0] >= len(self.layers):
                 return f"array {name!r:.40} belongs to no layer"
             by_layer[where[0]][where[1]] = form
+        accepted: dict[int, str] = {}  # a layer others are alike to: its descriptor's repr
         for i, (handler, layer, form, desc) in enumerate(zip(self.handlers, self.layers,
                                                              self.forms, layers)):
             kind = type(layer).__name__
             if not isinstance(desc, dict) or desc.get("type") != kind:
                 return f"layer {i}: descriptor is not one of a {kind}"
+            j = self.alike[i]
+            if j is not None and by_layer[i] == by_layer[j] and accepted[j] == repr(desc):
+                continue  # layer j's inputs exactly (the repr tells 1 from True), accepted there
             stored = Stored(start, start + tokens, checkpoint == "1", bs, desc, by_layer[i])
             reason = handler.accepts(layer, form, stored)
             if reason is not None:
                 return f"layer {i} ({kind}): {reason}"
+            if i in self._leads:
+                accepted[i] = repr(desc)
         return None

@@ -3,6 +3,7 @@ nodes whose arrays or descriptors another store could not have written (paged_ca
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any, Callable
@@ -151,3 +152,48 @@ def test_a_read_before_any_fetch_or_store_learns_the_layout_and_removes_nothing(
             assert got is not None and got.meta[fmt.META_FINGERPRINT] == prefix.layout.fingerprint
         assert manager.stats()["ssd"]["damaged"] == 0
     assert sorted((tmp_path / "c" / "blocks").rglob("*.safetensors*")) == files
+
+
+def test_alike_layers_are_checked_once_and_each_alteration_still_refused(
+        tmp_path: Path) -> None:
+    """A node's layers that one handler checks alike (a model's KV layers) get the first one's
+    verdict when their descriptor and arrays are its own; an alteration of the last layer alone
+    (its array's dtype, shape or absence; 1 or "true" for true; an extra field, which a KV layer
+    ignores) gets the verdict it gets with every layer checked, the first four refused; a
+    sliding window's layers (their handler's own positions) are never assumed alike."""
+    prefix, headers = stored_headers(tmp_path, "llama")
+    bounds = prefix.bounds
+    last = len(bounds.layers) - 1
+    assert last >= 1 and bounds.alike == [None] + [0] * last
+    every = copy.copy(bounds)
+    every.alike = [None] * len(bounds.layers)
+    calls = []
+    handler = bounds.handlers[0]
+    original = handler.accepts
+    handler.accepts = lambda *a: calls.append(a) or original(*a)  # counted, the same verdicts
+    try:
+        checks = 0
+        for h in headers:
+            before = len(calls)
+            bounds.check(h)
+            checks += len(calls) - before
+            tensors = {n: (d.name, s) for n, d, s, _, _ in h.tensors}
+            layers = json.loads(h.meta["layers"])
+            mine = {n: v for n, v in tensors.items() if n.startswith(f"l{last}.")}
+            name, (dtype, shape) = sorted(mine.items())[0]
+            altered = [("dtype", h.meta, {**tensors, name: ("float64", shape)}),
+                       ("shape", h.meta, {**tensors, name: (dtype, (*shape[:-1], shape[-1] + 1))}),
+                       ("missing", h.meta, {k: v for k, v in tensors.items() if k != name})]
+            for field, value in (("has_rows", 1), ("has_rows", "true"), ("extra", [])):
+                desc = {**layers[last], field: value}
+                altered.append((f"{field}={value!r}",
+                                {**h.meta, "layers": json.dumps(layers[:-1] + [desc])}, tensors))
+            for label, meta, changed in altered:
+                verdict = bounds.mismatch(meta, changed)
+                assert verdict == every.mismatch(meta, changed), label
+                assert (verdict is None) == label.startswith("extra"), (label, verdict)
+        assert checks == len(headers)  # one ``accepts`` a node, not one a layer
+    finally:
+        del handler.accepts
+    windowed, _ = stored_headers(tmp_path / "w", "window-keep4")
+    assert windowed.bounds.alike == [None] * len(windowed.bounds.layers)

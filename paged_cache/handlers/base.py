@@ -148,6 +148,12 @@ class LayerHandler:
         parameters: window, keep, chunk size)."""
         raise NotImplementedError
 
+    def same_for_accepts(self, a: Any, b: Any) -> bool:
+        """True when ``accepts`` gives the layout's entries ``a`` and ``b`` the same verdict for
+        the same form and stored part, so a node's layers alike are checked once (NodeBounds);
+        False unless a handler knows it."""
+        return False
+
     def node_bytes(self, layer: Any, form: Any, block_size: int) -> int:
         """The most bytes one stored node (block or checkpoint) holds for this layer."""
         raise NotImplementedError

@@ -196,6 +196,15 @@ class RowsHandler(LayerHandler):
         return self.accepts_extra(layer, form, stored,
                                   {k: v for k, v in stored.tensors.items() if k not in form["arrays"]})
 
+    def same_for_accepts(self, a: Any, b: Any) -> bool:
+        """Entries of one type, when this handler's ``accepts`` reads its layer only where
+        RowsHandler's does (the positions a checkpoint's window adds: none here): a subclass
+        that changes any of it is not assumed alike."""
+        cls = type(self)
+        return type(a) is type(b) and all(
+            getattr(cls, name) is getattr(RowsHandler, name)
+            for name in ("accepts", "accepts_extra", "node_positions", "window"))
+
     def accepts_extra(self, layer: Any, form: Any, stored: Stored, others: Tensors) -> str | None:
         """Why the arrays besides the rows (``others``) and the descriptor's other fields do not
         fit (None when they do): by default there are none."""
