@@ -47,8 +47,8 @@ class NodeBounds:
         # form, ``same_for_accepts``), or None: a node's layer whose descriptor and arrays are
         # those of that one gets its verdict (a model's 30 KV layers: one ``accepts`` a node)
         self.alike: list[int | None] = [
-            next((j for j in range(i) if self.handlers[j] is h and self.forms[j] == form
-                  and h.same_for_accepts(layer, self.layers[j])), None)
+            next((j for j in range(i) if self.handlers[j] is h
+                  and h.same_for_accepts(layer, self.layers[j]) and self.forms[j] == form), None)
             for i, (h, layer, form) in enumerate(zip(self.handlers, self.layers, self.forms))]
         self._leads = set(self.alike) - {None}
 
