@@ -43,13 +43,15 @@ class NodeBounds:
                              + HEADER_PER_TOKEN * bs + NAME_ESCAPE * names)
         self.data_bytes = sum(h.node_bytes(layer, form, bs)
                               for h, layer, form in zip(self.handlers, self.layers, self.forms))
-        # per layer, the first layer before it that its handler checks alike (same handler and
-        # form, ``same_for_accepts``), or None: a node's layer whose descriptor and arrays are
-        # those of that one gets its verdict (a model's 30 KV layers: one ``accepts`` a node)
-        self.alike: list[int | None] = [
-            next((j for j in range(i) if self.handlers[j] is h
-                  and h.same_for_accepts(layer, self.layers[j]) and self.forms[j] == form), None)
-            for i, (h, layer, form) in enumerate(zip(self.handlers, self.layers, self.forms))]
+        # per layer, the first layer before it, itself checked in full, that its handler checks
+        # alike (same handler and form, ``same_for_accepts``), or None: a node's layer whose
+        # descriptor and arrays are that one's gets its verdict (a model's 30 KV layers: one
+        # ``accepts`` a node)
+        self.alike: list[int | None] = []
+        for h, layer, form in zip(self.handlers, self.layers, self.forms):
+            self.alike.append(next(
+                (j for j, lead in enumerate(self.alike) if lead is None and self.handlers[j] is h
+                 and h.same_for_accepts(layer, self.layers[j]) and self.forms[j] == form), None))
         self._leads = set(self.alike) - {None}
 
     def check(self, header: fmt.Header) -> None:

@@ -154,7 +154,7 @@ def test_a_read_before_any_fetch_or_store_learns_the_layout_and_removes_nothing(
     assert sorted((tmp_path / "c" / "blocks").rglob("*.safetensors*")) == files
 
 
-def test_alike_layers_are_checked_once_and_each_alteration_still_refused(
+def test_alike_layers_are_checked_once_and_alterations_judged_as_with_every_layer(
         tmp_path: Path) -> None:
     """A node's layers that one handler checks alike (a model's KV layers) get the first one's
     verdict when their descriptor and arrays are its own; an alteration of the last layer alone
