@@ -501,3 +501,44 @@ def test_an_idle_writer_records_its_tally_once(tmp_path: Path, monkeypatch) -> N
         quiet = t.stats()["manifest_write_bytes"]
         time.sleep(2.5)
         assert t.stats()["manifest_write_bytes"] == quiet
+
+
+def test_a_fan_directory_replaced_behind_the_tier_is_looked_up_again(tmp_path: Path) -> None:
+    """The tier keeps each blocks/<k[:2]> directory open once used (a take opens only its file).
+    One replaced behind its back (moved away, a new one in its place holding the file) is
+    found on the miss and opened again: the block is read, nothing counted as damage; one
+    removed outright gets the next block written into a new directory, which a new tier reads."""
+    root = tmp_path / "c"
+    first = chained_block("fan-a")
+    with tier(root) as t:
+        assert put(t, first)
+        t.drain()
+        assert same_block(t.read_file(first.key), first)  # its fan is kept open now
+        fan = root / "blocks" / first.key[:2]
+        moved = fan.rename(fan.with_name(fan.name + ".old"))
+        fan.mkdir()
+        os.rename(moved / file_of_name(moved, first.key), fan / file_of_name(moved, first.key))
+        assert same_block(t.read_file(first.key), first)
+        stored = t.open_stored(first.key)
+        assert stored is not None and stored.meta["parent"] == first.meta["parent"]
+        stored.close()
+        for path in fan.iterdir():
+            path.unlink()
+        fan.rmdir()
+        moved.rmdir()
+        assert t.read_file(first.key) is None  # gone with its directory: a miss
+        block = chained_block(next(f"fan-{i}" for i in range(10_000)
+                                   if key_of(f"fan-{i}")[:2] == first.key[:2]))
+        assert block.key[:2] == first.key[:2]
+        assert put(t, block)
+        t.drain()
+        assert t.stats()["damaged"] == 0 and t.stats()["write_errors"] == 0
+    with tier(root) as t:
+        assert same_block(t.read_file(block.key), block)
+        assert t.read_file(first.key) is None
+
+
+def file_of_name(directory: Path, key: str) -> str:
+    """The name of ``key``'s block file in ``directory``."""
+    (path,) = [p for p in directory.iterdir() if p.name.startswith(key)]
+    return path.name

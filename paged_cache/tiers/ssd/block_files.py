@@ -12,6 +12,7 @@ import errno
 import logging
 import os
 import stat
+import threading
 import weakref
 from pathlib import Path
 from typing import Any, Callable
@@ -42,6 +43,12 @@ class BlockFiles:
         raise_open_files_limit()  # a fetch holds one open file per SSD block it restores
         self.root_fd = open_cache_root(self.directory)
         self.blocks_fd = self.tmp_fd = -1
+        # blocks/<k[:2]> kept open once used (at most 256): a take opens only its file. A fan
+        # found replaced on a miss is reopened; the descriptor it had is kept (``_retired``)
+        # until close, as another thread may be opening a file through it.
+        self._fans: dict[str, int] = {}
+        self._retired: list[int] = []
+        self._fans_lock = threading.Lock()
         try:
             self.blocks_fd = self._open_subdir("blocks")
             self.tmp_fd = self._open_subdir("tmp")
@@ -51,7 +58,11 @@ class BlockFiles:
 
     def close(self) -> None:
         """Close the directory descriptors."""
-        for fd in (self.tmp_fd, self.blocks_fd, self.root_fd):
+        with self._fans_lock:
+            fans = [*self._fans.values(), *self._retired]
+            self._fans.clear()
+            self._retired.clear()
+        for fd in (*fans, self.tmp_fd, self.blocks_fd, self.root_fd):
             if fd >= 0:
                 os.close(fd)
         self.tmp_fd = self.blocks_fd = self.root_fd = -1
@@ -77,14 +88,13 @@ class BlockFiles:
         ``missing(key)`` when it has none (default ``_missing``)."""
         check_key(key)
         missing = missing or self._missing
-        try:
-            fan_fd = self.open_fan(key, create=False)
-        except OSError as exc:  # out of descriptors, an I/O error: nothing is known of the file
-            return self._read_error(key, exc)
-        if fan_fd is None:
-            missing(key)
-            return None
-        try:
+        for fresh in (False, True):  # a miss through a kept fan: once more, the fan looked up
+            try:
+                fan_fd = self.fan(key, create=False, fresh=fresh)
+            except OSError as exc:  # out of descriptors, an I/O error: nothing is known of it
+                return self._read_error(key, exc)
+            if fan_fd is None:
+                break
             for suffix in self._suffixes:
                 name = key + suffix
                 try:
@@ -98,8 +108,8 @@ class BlockFiles:
                         return None
                     return self._read_error(key, exc)  # the file is kept: it may be whole
                 return use(fan_fd, fd, name, key)
-        finally:
-            os.close(fan_fd)
+            if not self._fan_replaced(key, fan_fd):
+                break
         missing(key)
         return None
 
@@ -185,15 +195,12 @@ class BlockFiles:
 
     def _damaged_later(self, key: str, name: str, ino: int, reason: str) -> None:
         """``_damaged`` for a file found damaged after it was opened (its directory reopened)."""
-        fan_fd = self.open_fan(key, create=False)
+        fan_fd = self.fan(key, create=False)
         if fan_fd is None:
             self._count("damaged")
             self._forget(key)
             return
-        try:
-            self._damaged(fan_fd, name, ino, reason, key)
-        finally:
-            os.close(fan_fd)
+        self._damaged(fan_fd, name, ino, reason, key)
 
     def _damaged(self, fan_fd: int, name: str, ino: int | None, reason: str, key: str) -> None:
         """Count a damaged file, remove it (only if it is still the file we read) and its row."""
@@ -209,9 +216,41 @@ class BlockFiles:
     def compression_order(self) -> tuple[str, ...]:
         return (self.compression,) + tuple(c for c in fmt.COMPRESSIONS if c != self.compression)
 
-    def open_fan(self, key: str, *, create: bool) -> int | None:
-        """An fd of blocks/<key[:2]> (never through a symlink); None if absent and not created."""
-        fan = fmt.fan_name(key)
+    def fan(self, key: str, *, create: bool, fresh: bool = False) -> int | None:
+        """The kept fd of blocks/<key[:2]> (opened the first time, never through a symlink;
+        ``fresh``: looked up again); None if absent and not created. Not to be closed."""
+        name = fmt.fan_name(key)
+        fd = None if fresh else self._fans.get(name)
+        if fd is not None:
+            return fd
+        fd = self._open_fan(name, create)
+        if fd is None:
+            return None
+        with self._fans_lock:
+            kept = self._fans.get(name)
+            if kept is not None and not fresh:
+                os.close(fd)  # another thread kept one first
+                return kept
+            if kept is not None:
+                self._retired.append(kept)
+            self._fans[name] = fd
+        return fd
+
+    def _fan_replaced(self, key: str, fan_fd: int) -> bool:
+        """True when blocks/<key[:2]> is no longer the directory ``fan_fd`` is (removed, or
+        replaced by another): the fan is then looked up again."""
+        try:
+            now = os.stat(fmt.fan_name(key), dir_fd=self.blocks_fd, follow_symlinks=False)
+            kept = os.fstat(fan_fd)
+        except FileNotFoundError:
+            return True
+        except OSError:  # nothing known of it: the miss stands
+            return False
+        return (now.st_ino, now.st_dev) != (kept.st_ino, kept.st_dev)
+
+    def _open_fan(self, fan: str, create: bool) -> int | None:
+        """A new fd of blocks/``fan`` (never through a symlink); None if absent and not
+        created."""
         try:
             return os.open(fan, DIR_FLAGS, dir_fd=self.blocks_fd)
         except FileNotFoundError:
@@ -267,13 +306,15 @@ class BlockFiles:
 
     def install(self, tmp_name: str, key: str, compression: str) -> None:
         """Rename the complete ``tmp/<tmp_name>`` into ``blocks/`` as the block's file (durably)."""
-        fan_fd = self.open_fan(key, create=True)
+        fan_fd = self.fan(key, create=True)
         try:
             os.rename(tmp_name, key + fmt.SUFFIXES[compression],
                       src_dir_fd=self.tmp_fd, dst_dir_fd=fan_fd)
-            os.fsync(fan_fd)
-        finally:
-            os.close(fan_fd)
+        except FileNotFoundError:  # its fan removed since it was kept: looked up again
+            fan_fd = self.fan(key, create=True, fresh=True)
+            os.rename(tmp_name, key + fmt.SUFFIXES[compression],
+                      src_dir_fd=self.tmp_fd, dst_dir_fd=fan_fd)
+        os.fsync(fan_fd)
 
     def _open_subdir(self, name: str) -> int:
         """Open blocks/ or tmp/, replacing a file that took its place (WARNING); a symlink there
