@@ -505,11 +505,15 @@ def test_an_idle_writer_records_its_tally_once(tmp_path: Path, monkeypatch) -> N
 
 def test_a_fan_directory_replaced_behind_the_tier_is_looked_up_again(tmp_path: Path) -> None:
     """The tier keeps each blocks/<k[:2]> directory open once used (a take opens only its file).
-    One replaced behind its back (moved away, a new one in its place holding the file) is
-    found on the miss and opened again: the block is read, nothing counted as damage; one
-    removed outright gets the next block written into a new directory, which a new tier reads."""
+    One replaced behind its back (moved away, a new one in its place holding the file) is used
+    as it now is: a block written next lands in the new one, the block moved is read (found
+    missing through the kept one, the directory looked up again), nothing counted as damage;
+    one removed outright gets the next block written into a new directory, read by a new tier."""
     root = tmp_path / "c"
     first = chained_block("fan-a")
+    same_fan = (chained_block(f"fan-{i}") for i in range(10_000)
+                if key_of(f"fan-{i}")[:2] == first.key[:2] and f"fan-{i}" != "fan-a")
+    second, third = next(same_fan), next(same_fan)
     with tier(root) as t:
         assert put(t, first)
         t.drain()
@@ -517,25 +521,29 @@ def test_a_fan_directory_replaced_behind_the_tier_is_looked_up_again(tmp_path: P
         fan = root / "blocks" / first.key[:2]
         moved = fan.rename(fan.with_name(fan.name + ".old"))
         fan.mkdir()
-        os.rename(moved / file_of_name(moved, first.key), fan / file_of_name(moved, first.key))
+        name = file_of_name(moved, first.key)
+        os.rename(moved / name, fan / name)
         assert same_block(t.read_file(first.key), first)
         stored = t.open_stored(first.key)
         assert stored is not None and stored.meta["parent"] == first.meta["parent"]
         stored.close()
-        for path in fan.iterdir():
-            path.unlink()
-        fan.rmdir()
-        moved.rmdir()
+        again = fan.rename(fan.with_name(fan.name + ".again"))  # holding the first block's file
+        fan.mkdir()
+        assert put(t, second)
+        t.drain()
+        assert [p.name for p in again.iterdir()] == [name]  # written where the fan is now
+        assert same_block(t.read_file(second.key), second)
+        for directory in (fan, moved, again):
+            for path in directory.iterdir():
+                path.unlink()
+            directory.rmdir()
         assert t.read_file(first.key) is None  # gone with its directory: a miss
-        block = chained_block(next(f"fan-{i}" for i in range(10_000)
-                                   if key_of(f"fan-{i}")[:2] == first.key[:2]))
-        assert block.key[:2] == first.key[:2]
-        assert put(t, block)
+        assert put(t, third)
         t.drain()
         assert t.stats()["damaged"] == 0 and t.stats()["write_errors"] == 0
     with tier(root) as t:
-        assert same_block(t.read_file(block.key), block)
-        assert t.read_file(first.key) is None
+        assert same_block(t.read_file(third.key), third)
+        assert t.read_file(first.key) is None and t.read_file(second.key) is None
 
 
 def file_of_name(directory: Path, key: str) -> str:

@@ -305,15 +305,13 @@ class BlockFiles:
             os.close(fd)
 
     def install(self, tmp_name: str, key: str, compression: str) -> None:
-        """Rename the complete ``tmp/<tmp_name>`` into ``blocks/`` as the block's file (durably)."""
+        """Rename the complete ``tmp/<tmp_name>`` into ``blocks/`` as the block's file (durably),
+        into the fan-out directory that is there now (a kept one is checked first)."""
         fan_fd = self.fan(key, create=True)
-        try:
-            os.rename(tmp_name, key + fmt.SUFFIXES[compression],
-                      src_dir_fd=self.tmp_fd, dst_dir_fd=fan_fd)
-        except FileNotFoundError:  # its fan removed since it was kept: looked up again
+        if self._fan_replaced(key, fan_fd):  # moved or removed since it was kept: never there
             fan_fd = self.fan(key, create=True, fresh=True)
-            os.rename(tmp_name, key + fmt.SUFFIXES[compression],
-                      src_dir_fd=self.tmp_fd, dst_dir_fd=fan_fd)
+        os.rename(tmp_name, key + fmt.SUFFIXES[compression],
+                  src_dir_fd=self.tmp_fd, dst_dir_fd=fan_fd)
         os.fsync(fan_fd)
 
     def _open_subdir(self, name: str) -> int:
