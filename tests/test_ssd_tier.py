@@ -518,10 +518,10 @@ def test_a_fan_directory_replaced_behind_the_tier_is_looked_up_again(tmp_path: P
         assert put(t, first)
         t.drain()
         assert same_block(t.read_file(first.key), first)  # its fan is kept open now
+        name = file_of(root, first.key).name
         fan = root / "blocks" / first.key[:2]
         moved = fan.rename(fan.with_name(fan.name + ".old"))
         fan.mkdir()
-        name = file_of_name(moved, first.key)
         os.rename(moved / name, fan / name)
         assert same_block(t.read_file(first.key), first)
         stored = t.open_stored(first.key)
@@ -545,8 +545,3 @@ def test_a_fan_directory_replaced_behind_the_tier_is_looked_up_again(tmp_path: P
         assert same_block(t.read_file(third.key), third)
         assert t.read_file(first.key) is None and t.read_file(second.key) is None
 
-
-def file_of_name(directory: Path, key: str) -> str:
-    """The name of ``key``'s block file in ``directory``."""
-    (path,) = [p for p in directory.iterdir() if p.name.startswith(key)]
-    return path.name

@@ -108,7 +108,7 @@ class BlockFiles:
                         return None
                     return self._read_error(key, exc)  # the file is kept: it may be whole
                 return use(fan_fd, fd, name, key)
-            if not self._fan_replaced(key, fan_fd):
+            if fresh or not self._fan_replaced(key, fan_fd):
                 break
         missing(key)
         return None
@@ -194,7 +194,8 @@ class BlockFiles:
         return None
 
     def _damaged_later(self, key: str, name: str, ino: int, reason: str) -> None:
-        """``_damaged`` for a file found damaged after it was opened (its directory reopened)."""
+        """``_damaged`` for a file found damaged after it was opened (through its kept
+        directory, where the file was read)."""
         fan_fd = self.fan(key, create=False)
         if fan_fd is None:
             self._count("damaged")
