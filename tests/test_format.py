@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from paged_cache.block import Block
 from paged_cache.tiers import format as fmt
+from paged_cache.tiers import header_tensors as ht
 from paged_cache.tiers.dtypes import DTYPES
 
 pytestmark = pytest.mark.unit
@@ -272,7 +273,7 @@ def _entries(data: bytes) -> dict:
 
 
 def test_fieldwise_header_check_accepts_only_what_the_entrywise_one_does() -> None:
-    """A header's entries checked a field at a time (``_tensors_in_order``, the path of headers
+    """A header's entries checked a field at a time (``tensors_in_order``, the path of headers
     with many tensors) either give the tensors the entry-at-a-time check gives, or nothing (and
     that check decides): over headers this format writes and 3,000 of their mutations (none;
     shapes permuted; two dimensions negated, the size kept; fields of other types; negative,
@@ -282,8 +283,8 @@ def test_fieldwise_header_check_accepts_only_what_the_entrywise_one_does() -> No
               for i in range(30) for kv in ("keys", "values")}
     written = [_entries(_file(layers, "none")), _entries(_file(_arrays(), "none"))]
     for doc in written:  # what this format writes takes the field-at-a-time path, unchanged
-        assert len(doc) >= fmt.FIELDWISE_FROM
-        assert fmt._tensors_in_order(doc, 1 << 30) == fmt._tensors_checked(doc, 1 << 30)
+        assert len(doc) >= ht.FIELDWISE_FROM
+        assert ht.tensors_in_order(doc, 1 << 30) == ht.tensors_checked(doc, 1 << 30)
     rng = random.Random(45)
     odd = [None, True, False, -1, 0, 1, 2.0, "2", [], [1], [-1, 2], [0, True], {}, "F16", "X9"]
     outcomes = {"same": 0, "deferred": 0}
@@ -320,9 +321,9 @@ def test_fieldwise_header_check_accepts_only_what_the_entrywise_one_does() -> No
                 entry["extra"] = 1
         end = max(e["data_offsets"][1] for e in original.values())
         limit = rng.choice([1 << 30, end, end - 1])
-        fast = fmt._tensors_in_order(doc, limit)
+        fast = ht.tensors_in_order(doc, limit)
         try:
-            checked = fmt._tensors_checked(doc, limit)
+            checked = ht.tensors_checked(doc, limit)
         except fmt.BlockFileError:
             checked = None
         if fast is None:
@@ -331,3 +332,45 @@ def test_fieldwise_header_check_accepts_only_what_the_entrywise_one_does() -> No
             assert fast == checked, doc
             outcomes["same"] += 1
     assert outcomes["same"] > 400 and outcomes["deferred"] > 1_000, outcomes
+
+
+def _header_text(data: bytes) -> str:
+    n = struct.unpack("<Q", data[:8])[0]
+    return data[8:8 + n].decode()
+
+
+def test_a_header_s_tensor_entries_are_checked_once_for_the_same_text() -> None:
+    """A version 2 header's metadata is parsed on its own and its tensor entries (the text after
+    it) checked once for every header with the same text (``section_tensors``): the same header as a
+    whole parse gives; the data limit checked on every header; a text that differs by a number's
+    type, a damaged one (not kept) or one naming ``__metadata__`` again each read as before."""
+    text = _header_text(_file({"x": mx.ones((4, 4)), "y": mx.zeros((3,))}, "none"))
+    doc = json.loads(text)
+    meta = doc.pop("__metadata__")
+    limit = 64 + 12
+    before = ht.section_tensors.cache_info()
+    first, second = (fmt.parse_header(text.encode(), data_limit=limit) for _ in range(2))
+    assert ht.section_tensors.cache_info().hits >= before.hits + 1  # the second from the memo
+    for h in (first, second):
+        assert h.meta == meta and h.tensors == ht.tensors_checked(doc, limit)
+        assert h.header_len == len(text) and h.raw == text.encode()
+    second.tensors.clear()  # a header's list is its own
+    assert fmt.parse_header(text.encode(), data_limit=limit).tensors == first.tensors
+    with pytest.raises(fmt.BlockFileError, match="tensors need 76 data bytes, the file holds 75"):
+        fmt.parse_header(text.encode(), data_limit=limit - 1)
+    floats = text.replace('"shape":[4,4]', '"shape":[4.0,4]')
+    assert floats != text
+    with pytest.raises(fmt.BlockFileError, match="non-negative integers"):
+        fmt.parse_header(floats.encode(), data_limit=limit)
+    damaged = text.replace('"F32"', '"F99"')
+    kept = ht.section_tensors.cache_info()
+    for _ in range(2):
+        with pytest.raises(fmt.BlockFileError, match="unsupported dtype"):
+            fmt.parse_header(damaged.encode(), data_limit=limit)
+    now = ht.section_tensors.cache_info()
+    assert (now.misses, now.currsize) == (kept.misses + 2, kept.currsize)  # checked each time
+    spaced = text.replace('},"x"', '} ,"x"', 1)  # JSON, but not as this format writes it
+    assert spaced != text
+    assert fmt.parse_header(spaced.encode(), data_limit=limit).tensors == first.tensors
+    again = text.rstrip()[:-1] + ',"__metadata__":{"a":"2"}}'
+    assert fmt.parse_header(again.encode(), data_limit=limit).meta == {"a": "2"}  # JSON's rule

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import json
 import math
-import operator
 import struct
 from dataclasses import dataclass
-from itertools import chain
 from typing import Any, Callable, Protocol
 
 import lz4.frame
 import numpy as np
 import xxhash
 
-from paged_cache.tiers.dtypes import DTYPES, DTYPES_BY_CODE, DType, storable_dtype
+from paged_cache.tiers.dtypes import DTYPES, DType, storable_dtype
+from paged_cache.tiers.header_tensors import (SECTION_MEMO_CHARS, BlockFileError,
+                                              section_tensors, tensors_of)
 
 FORMAT_NAME = "paged-cache-block"
 FORMAT_VERSION = "2"
@@ -121,10 +121,6 @@ def layer_of(array: str) -> tuple[int, str] | None:
 RawTensor = tuple[str, tuple[int, ...], memoryview]
 RawTensors = dict[str, RawTensor]
 """name -> (dtype name, shape, C-contiguous byte view of the evaluated array)."""
-
-
-class BlockFileError(ValueError):
-    """A block file is damaged, truncated, of another format version, or not the block asked for."""
 
 
 def raw_tensors(block: Any) -> RawTensors:
@@ -284,7 +280,8 @@ class Header:
     header_len: int
     tensors: list[tuple[str, DType, tuple[int, ...], int, int]]  # name, dtype, shape, begin, end
     meta: dict[str, str]
-    entries: dict[str, Any]
+    entries: dict[str, Any]  # the tensor entries as parsed (shared by headers of the same
+    # tensors, ``section_tensors``: read only; version 1's checksum encodes them again)
     raw: bytes
 
     @property
@@ -296,18 +293,8 @@ class Header:
         return 8 + self.header_len + self.data_bytes
 
 
-_ENTRY_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
-# the tensors from which a header's entries are checked a field at a time over all of them
-# (``_tensors_in_order``) rather than an entry at a time: measured, 1 entry 4.4 against 2.0 us,
-# 60 entries (a 30-layer model's block) 51 against 106 us
-FIELDWISE_FROM = 4
-_INT = frozenset({int})
-
-
-def _naturals(value: Any) -> bool:
-    """True for a list of non-negative ints (no bools): checked without a Python step per
-    element, since a model's header holds two arrays a layer (60 entries for 30 layers)."""
-    return type(value) is list and set(map(type, value)) <= _INT and min(value, default=0) >= 0
+_META_OPEN = '{"__metadata__":'  # how a version 2 header starts (HEADER_START begins so)
+_DECODER = json.JSONDecoder()
 
 
 class Expected(Protocol):
@@ -349,78 +336,44 @@ def header_length(prefix: bytes, limit: int, header_bytes: int = MAX_HEADER_BYTE
 
 
 def parse_header(header: bytes, *, data_limit: int) -> Header:
-    """Validate a header's JSON, dtypes, shapes and offsets; the data section may hold at most ``data_limit``."""
+    """Validate a header's JSON, dtypes, shapes and offsets; the data section may hold at most
+    ``data_limit``. A version 2 header's metadata is parsed on its own and its tensor entries
+    checked once for all headers with the same ones (``section_tensors``)."""
     raw = bytes(header)
     try:
-        doc = json.loads(raw.decode("utf-8"))
+        text = raw.decode("utf-8")
+        meta, section = _meta_first(text) if raw.startswith(HEADER_START) else (None, "")
+        checked = section_tensors(section) if section and _is_meta(meta) else None
+        if checked is None:
+            doc = json.loads(text)
+            if not isinstance(doc, dict):
+                raise BlockFileError("header is not a JSON object")
+            meta = doc.pop("__metadata__", {})
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise BlockFileError(f"header is not JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise BlockFileError("header is not a JSON object")
-    meta = doc.pop("__metadata__", {})
-    if not isinstance(meta, dict) or not set(map(type, meta.values())) <= {str}:  # keys: str
-        raise BlockFileError("__metadata__ is not str -> str")
-    tensors = _tensors_in_order(doc, data_limit) if len(doc) >= FIELDWISE_FROM else None
-    if tensors is None:
-        tensors = _tensors_checked(doc, data_limit)
-    return Header(len(raw), tensors, meta, doc, raw)
-
-
-def _tensors_in_order(doc: dict[str, Any], data_limit: int) -> list[tuple] | None:
-    """The tensors of a header's entries ``doc`` when every entry is well formed and they are
-    listed in data order (as this format writes them), checked a field at a time over all
-    entries rather than an entry at a time (a model's block has two a layer: 60 for 30 layers);
-    None when any check fails: ``_tensors_checked`` then finds what is wrong, or accepts an
-    order this one does not."""
-    entries = list(doc.values())
-    try:  # an entry not a JSON object, a field missing, a dtype not this format's: no tensors
-        dtypes = [DTYPES_BY_CODE[entry["dtype"]] for entry in entries]
-        shapes = [entry["shape"] for entry in entries]
-        offsets = [entry["data_offsets"] for entry in entries]
-    except (KeyError, TypeError):
-        return None
-    if (not set(map(len, entries)) <= {3} or not set(map(type, shapes)) <= {list}
-            or not set(map(type, offsets)) <= {list} or not set(map(len, offsets)) <= {2}):
-        return None
-    dims = list(chain.from_iterable(shapes))
-    begins, ends = zip(*offsets) if offsets else ((), ())
-    if (not set(map(type, dims)) <= _INT or not set(map(type, begins + ends)) <= _INT
-            or min(dims, default=0) < 0 or begins[:1] not in ((), (0,))
-            or begins[1:] != ends[:-1] or (ends[-1] if ends else 0) > data_limit
-            or list(map(operator.sub, ends, begins)) != list(map(
-                operator.mul, map(math.prod, shapes), [dtype.itemsize for dtype in dtypes]))):
-        return None
-    return list(zip(doc, dtypes, map(tuple, shapes), begins, ends))
-
-
-def _tensors_checked(doc: dict[str, Any], data_limit: int) -> list[tuple]:
-    """The tensors of a header's entries ``doc``, in data order, checked an entry at a time:
-    BlockFileError naming the first entry that is malformed or out of place."""
-    tensors = []
-    for name, entry in doc.items():
-        if not isinstance(entry, dict) or entry.keys() != _ENTRY_FIELDS:
-            raise BlockFileError(f"tensor {name!r}: malformed entry")
-        code, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        dtype = DTYPES_BY_CODE.get(code) if isinstance(code, str) else None
-        if dtype is None:
-            raise BlockFileError(f"tensor {name!r}: unsupported dtype {code!r}")
-        for what, value in (("shape", shape), ("data_offsets", offsets)):
-            if not _naturals(value):
-                raise BlockFileError(f"tensor {name!r} {what}: expected a list of non-negative "
-                                     "integers")
-        if len(offsets) != 2 or offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize:
-            raise BlockFileError(f"tensor {name!r}: data_offsets {offsets} do not match "
-                                 f"{dtype.code} {list(shape)}")
-        tensors.append((name, dtype, tuple(shape), offsets[0], offsets[1]))
-    tensors.sort(key=lambda t: (t[3], t[4]))
-    position = 0
-    for name, _, _, begin, end in tensors:
-        if begin != position:
-            raise BlockFileError(f"tensor {name!r}: data starts at {begin}, expected {position}")
-        position = end
+    if checked is None:
+        if not _is_meta(meta):
+            raise BlockFileError("__metadata__ is not str -> str")
+        return Header(len(raw), tensors_of(doc, data_limit), meta, doc, raw)
+    tensors = list(checked[1])
+    position = tensors[-1][4] if tensors else 0
     if position > data_limit:
         raise BlockFileError(f"tensors need {position} data bytes, the file holds {data_limit}")
-    return tensors
+    return Header(len(raw), tensors, meta, checked[0], raw)
+
+
+def _is_meta(meta: Any) -> bool:
+    """True for a header's metadata as the format writes it: str -> str (JSON keys are str)."""
+    return isinstance(meta, dict) and set(map(type, meta.values())) <= {str}
+
+
+def _meta_first(text: str) -> tuple[Any, str]:
+    """A version 2 header's ``__metadata__`` value (the first thing it holds) and the text after
+    it, its tensor entries; the text is "" when it is not a comma or the object's end, or longer
+    than SECTION_MEMO_CHARS (the header is parsed whole then)."""
+    meta, end = _DECODER.raw_decode(text, len(_META_OPEN))
+    section = text[end:]
+    return meta, section if section[:1] in (",", "}") and len(section) <= SECTION_MEMO_CHARS else ""
 
 
 def verify_header(h: Header, key: str | None) -> None:
