@@ -23,6 +23,7 @@ from paged_cache.tiers import format as fmt
 HEADER_BASE = 256 << 10   # header bytes any block may use (JSON parsing costs ~25x in the worst case)
 HEADER_PER_LAYER = 4 << 10  # ... plus per layer (its descriptor and tensor entries)
 HEADER_PER_TOKEN = 16       # ... plus per token of a block (its ids, base64 of int64: ~11 bytes)
+WHERE_PER_LAYER = 16       # array names a layer's are remembered by (``NodeBounds._where``)
 NAME_ESCAPE = 8             # ... plus this many per byte of the namespace and model name (JSON escapes)
 
 
@@ -53,6 +54,10 @@ class NodeBounds:
                 (j for j, lead in enumerate(self.alike) if lead is None and self.handlers[j] is h
                  and h.same_for_accepts(layer, self.layers[j]) and self.forms[j] == form), None))
         self._leads = set(self.alike) - {None}
+        # array name -> (layer, name) of the names of this layout's arrays seen (``layer_of``
+        # once a name, not once a node: a 30-layer node has 60), at most ``_where_cap``
+        self._where: dict[str, tuple[int, str]] = {}
+        self._where_cap = WHERE_PER_LAYER * len(self.layers) + 64
 
     def check(self, header: fmt.Header) -> None:
         """Raise BlockFileError naming what does not fit."""
@@ -84,10 +89,15 @@ class NodeBounds:
         if not isinstance(layers, list) or len(layers) != len(self.layers):
             return f"layer descriptors are not a list of {len(self.layers)}"
         by_layer: list[Tensors] = [{} for _ in self.layers]
+        known = self._where
         for name, form in tensors.items():
-            where = fmt.layer_of(name)
-            if where is None or where[0] >= len(self.layers):
-                return f"array {name!r:.40} belongs to no layer"
+            where = known.get(name)
+            if where is None:
+                where = fmt.layer_of(name)
+                if where is None or where[0] >= len(self.layers):
+                    return f"array {name!r:.40} belongs to no layer"
+                if len(known) < self._where_cap:
+                    known[name] = where
             by_layer[where[0]][where[1]] = form
         accepted: dict[int, str] = {}  # a layer others are alike to: its descriptor's repr
         for i, (handler, layer, form, desc) in enumerate(zip(self.handlers, self.layers,

@@ -197,3 +197,19 @@ def test_alike_layers_are_checked_once_and_alterations_judged_as_with_every_laye
         del handler.accepts
     windowed, _ = stored_headers(tmp_path / "w", "window-keep4")
     assert windowed.bounds.alike == [None] * len(windowed.bounds.layers)
+
+
+def test_array_names_are_remembered_up_to_a_bound(tmp_path: Path) -> None:
+    """The array names a layout's nodes use are split into (layer, name) once, not once a node
+    (``NodeBounds._where``), and a stream of names no store writes neither passes nor grows that
+    memory past its bound."""
+    prefix, headers = stored_headers(tmp_path, "llama")
+    bounds = prefix.bounds
+    h = headers[0]
+    tensors = {n: (d.name, s) for n, d, s, _, _ in h.tensors}
+    for _ in range(2):
+        assert bounds.mismatch(h.meta, tensors) is None
+    assert set(tensors) <= set(bounds._where)
+    for i in range(2_000):
+        assert bounds.mismatch(h.meta, {**tensors, f"l0.stray{i}": ("float32", (1,))}) is not None
+    assert len(bounds._where) <= bounds._where_cap < 2_000
