@@ -27,6 +27,11 @@ WHERE_PER_LAYER = 16       # array names a layer's are remembered by (``NodeBoun
 NAME_ESCAPE = 8             # ... plus this many per byte of the namespace and model name (JSON escapes)
 
 
+def _repeated(desc: Any, n: int) -> str:
+    """The text a store writes for ``n`` layer descriptors each ``desc`` (``json.dumps``)."""
+    return "[" + ", ".join([json.dumps(desc)] * n) + "]"
+
+
 def _count(text: Any) -> int | None:
     """A decimal count from block meta (a str of digits), or None."""
     return int(text) if isinstance(text, str) and text.isdigit() and len(text) < 19 else None
@@ -54,6 +59,10 @@ class NodeBounds:
                 (j for j, lead in enumerate(self.alike) if lead is None and self.handlers[j] is h
                  and h.same_for_accepts(layer, self.layers[j]) and self.forms[j] == form), None))
         self._leads = set(self.alike) - {None}
+        # per layer: alike to the first layer (and of its type), so that a node whose
+        # descriptors are all the same text is checked at such a layer by its arrays alone
+        kinds = [type(layer).__name__ for layer in self.layers]
+        self._as_first = [j == 0 and kind == kinds[0] for j, kind in zip(self.alike, kinds)]
         # array name -> (layer, name) of the names of this layout's arrays seen (``layer_of``
         # once a name, not once a node: a 30-layer node has 60), at most ``_where_cap``
         self._where: dict[str, tuple[int, str]] = {}
@@ -81,7 +90,8 @@ class NodeBounds:
             return f"checkpoint flag {checkpoint!r:.20}"
         try:
             ids = decode_token_ids(meta.get(fmt.META_TOKEN_IDS, ""))
-            layers = json.loads(meta[fmt.META_LAYERS])
+            text = meta[fmt.META_LAYERS]
+            layers = json.loads(text)
         except (KeyError, ValueError, RecursionError) as exc:
             return f"token ids or layer descriptors unreadable ({exc})"
         if len(ids) != tokens:
@@ -100,8 +110,11 @@ class NodeBounds:
                     known[name] = where
             by_layer[where[0]][where[1]] = form
         accepted: dict[int, str] = {}  # a layer others are alike to: its descriptor's repr
+        same = text == _repeated(layers[0], len(layers)) if layers else False
         for i, (handler, layer, form, desc) in enumerate(zip(self.handlers, self.layers,
                                                              self.forms, layers)):
+            if same and self._as_first[i] and by_layer[i] == by_layer[0]:
+                continue  # the first layer's inputs exactly (the same text), accepted there
             kind = type(layer).__name__
             if not isinstance(desc, dict) or desc.get("type") != kind:
                 return f"layer {i}: descriptor is not one of a {kind}"

@@ -157,9 +157,11 @@ def test_a_read_before_any_fetch_or_store_learns_the_layout_and_removes_nothing(
 def test_alike_layers_are_checked_once_and_alterations_judged_as_with_every_layer(
         tmp_path: Path) -> None:
     """A node's layers that one handler checks alike (a model's KV layers) get the first one's
-    verdict when their descriptor and arrays are its own; an alteration of the last layer alone
-    (its array's dtype, shape or absence; 1 or "true" for true; an extra field, which a KV layer
-    ignores) gets the verdict it gets with every layer checked, the first four refused; a
+    verdict when their descriptor and arrays are its own (a node whose descriptors are all the
+    same text: by their arrays alone); an alteration of the last layer alone (its array's dtype,
+    shape or absence; 1 or "true" for true; an extra field, which a KV layer ignores), or of
+    every layer's descriptor alike, gets the verdict it gets with every layer checked, the
+    others than the extra field refused; a
     sliding window's layers (their handler's own positions) are never assumed alike."""
     prefix, headers = stored_headers(tmp_path, "llama")
     bounds = prefix.bounds
@@ -167,6 +169,7 @@ def test_alike_layers_are_checked_once_and_alterations_judged_as_with_every_laye
     assert last >= 1 and bounds.alike == [None] + [0] * last
     every = copy.copy(bounds)
     every.alike = [None] * len(bounds.layers)
+    every._as_first = [False] * len(bounds.layers)  # no layer passed by the first one's text
     calls = []
     handler = bounds.handlers[0]
     original = handler.accepts
@@ -188,6 +191,9 @@ def test_alike_layers_are_checked_once_and_alterations_judged_as_with_every_laye
                 desc = {**layers[last], field: value}
                 altered.append((f"{field}={value!r}",
                                 {**h.meta, "layers": json.dumps(layers[:-1] + [desc])}, tensors))
+                every_layer = json.dumps([{**d, field: value} for d in layers])  # the same text
+                altered.append((f"{field}={value!r} everywhere", {**h.meta, "layers": every_layer},
+                                tensors))
             for label, meta, changed in altered:
                 verdict = bounds.mismatch(meta, changed)
                 assert verdict == every.mismatch(meta, changed), label

@@ -178,7 +178,8 @@ class BlockFiles:
                             header.meta.get(fmt.META_CHECKSUM, ""),
                             lambda why: self._damaged_later(key, name, st.st_ino, why),
                             compressed=whole)
-        block.arrays = {n: StoredTensor(weakref.ref(block), dtype, shape, begin)
+        ref = weakref.ref(block)
+        block.arrays = {n: StoredTensor(ref, dtype, shape, begin)
                         for n, dtype, shape, begin, _ in header.tensors}
         return block
 
