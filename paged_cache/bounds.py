@@ -23,13 +23,20 @@ from paged_cache.tiers import format as fmt
 HEADER_BASE = 256 << 10   # header bytes any block may use (JSON parsing costs ~25x in the worst case)
 HEADER_PER_LAYER = 4 << 10  # ... plus per layer (its descriptor and tensor entries)
 HEADER_PER_TOKEN = 16       # ... plus per token of a block (its ids, base64 of int64: ~11 bytes)
-WHERE_PER_LAYER = 16       # array names a layer's are remembered by (``NodeBounds._where``)
 NAME_ESCAPE = 8             # ... plus this many per byte of the namespace and model name (JSON escapes)
+WHERE_PER_LAYER = 16        # array names remembered a layer (``NodeBounds._where``)
 
 
-def _repeated(desc: Any, n: int) -> str:
-    """The text a store writes for ``n`` layer descriptors each ``desc`` (``json.dumps``)."""
-    return "[" + ", ".join([json.dumps(desc)] * n) + "]"
+def _same_text(text: str, layers: list) -> bool:
+    """True when ``text`` (which parsed to ``layers``) is what a store writes (``json.dumps``)
+    for a list of descriptors each ``layers[0]``: every descriptor the same, types included."""
+    try:
+        first = json.dumps(layers[0]) if layers else ""
+    except (ValueError, RecursionError):
+        return False
+    n = len(layers)
+    return (bool(first) and len(text) == n * (len(first) + 2)
+            and text == "[" + ", ".join([first] * n) + "]")
 
 
 def _count(text: Any) -> int | None:
@@ -110,7 +117,7 @@ class NodeBounds:
                     known[name] = where
             by_layer[where[0]][where[1]] = form
         accepted: dict[int, str] = {}  # a layer others are alike to: its descriptor's repr
-        same = text == _repeated(layers[0], len(layers)) if layers else False
+        same = _same_text(text, layers)
         for i, (handler, layer, form, desc) in enumerate(zip(self.handlers, self.layers,
                                                              self.forms, layers)):
             if same and self._as_first[i] and by_layer[i] == by_layer[0]:

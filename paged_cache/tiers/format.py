@@ -19,7 +19,7 @@ import xxhash
 
 from paged_cache.tiers.dtypes import DTYPES, DType, storable_dtype
 from paged_cache.tiers.header_tensors import (SECTION_MEMO_CHARS, BlockFileError,
-                                              section_tensors, tensors_of)
+                                              check_data_limit, section_tensors, tensors_of)
 
 FORMAT_NAME = "paged-cache-block"
 FORMAT_VERSION = "2"
@@ -356,9 +356,7 @@ def parse_header(header: bytes, *, data_limit: int) -> Header:
             raise BlockFileError("__metadata__ is not str -> str")
         return Header(len(raw), tensors_of(doc, data_limit), meta, doc, raw)
     tensors = list(checked[1])
-    position = tensors[-1][4] if tensors else 0
-    if position > data_limit:
-        raise BlockFileError(f"tensors need {position} data bytes, the file holds {data_limit}")
+    check_data_limit(tensors[-1][4] if tensors else 0, data_limit)
     return Header(len(raw), tensors, meta, checked[0], raw)
 
 
