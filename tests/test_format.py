@@ -341,9 +341,10 @@ def _header_text(data: bytes) -> str:
 
 def test_a_header_s_tensor_entries_are_checked_once_for_the_same_text() -> None:
     """A version 2 header's metadata is parsed on its own and its tensor entries (the text after
-    it) checked once for every header with the same text (``section_tensors``): the same header as a
-    whole parse gives; the data limit checked on every header; a text that differs by a number's
-    type, a damaged one (not kept) or one naming ``__metadata__`` again each read as before."""
+    it) checked once for every header with the same text (``section_tensors``): the same header
+    as a whole parse gives; the data limit checked on every header; a text that differs by a
+    number's type, a damaged one (not kept) or one naming ``__metadata__`` again each read as
+    before."""
     text = _header_text(_file({"x": mx.ones((4, 4)), "y": mx.zeros((3,))}, "none"))
     doc = json.loads(text)
     meta = doc.pop("__metadata__")

@@ -42,7 +42,8 @@ RESERVED_META = frozenset({META_FORMAT, META_VERSION, META_KEY, META_CHECKSUM, M
 # A version 2 header starts with its checksum, so it sits at a fixed place: the checksum is of the
 # header's bytes with those 16 characters as ASCII zeros, and a read checks it without encoding
 # anything again (version 1's was of a canonical re-encoding: a few microseconds a block).
-HEADER_START = b'{"__metadata__":{"' + META_HEADER_CHECKSUM.encode() + b'":"'
+META_OPEN = b'{"__metadata__":'  # a version 2 header's metadata comes first: it starts so
+HEADER_START = META_OPEN + b'{"' + META_HEADER_CHECKSUM.encode() + b'":"'
 HEADER_CHECKSUM_HOLE = b"0" * 16
 
 # Block meta keys the manifest copies into its columns when present (set by the prefix cache).
@@ -293,7 +294,6 @@ class Header:
         return 8 + self.header_len + self.data_bytes
 
 
-_META_OPEN = '{"__metadata__":'  # how a version 2 header starts (HEADER_START begins so)
 _DECODER = json.JSONDecoder()
 
 
@@ -355,9 +355,9 @@ def parse_header(header: bytes, *, data_limit: int) -> Header:
         if not _is_meta(meta):
             raise BlockFileError("__metadata__ is not str -> str")
         return Header(len(raw), tensors_of(doc, data_limit), meta, doc, raw)
-    tensors = list(checked[1])
-    check_data_limit(tensors[-1][4] if tensors else 0, data_limit)
-    return Header(len(raw), tensors, meta, checked[0], raw)
+    h = Header(len(raw), list(checked[1]), meta, checked[0], raw)
+    check_data_limit(h.data_bytes, data_limit)
+    return h
 
 
 def _is_meta(meta: Any) -> bool:
@@ -369,7 +369,7 @@ def _meta_first(text: str) -> tuple[Any, str]:
     """A version 2 header's ``__metadata__`` value (the first thing it holds) and the text after
     it, its tensor entries; the text is "" when it is not a comma or the object's end, or longer
     than SECTION_MEMO_CHARS (the header is parsed whole then)."""
-    meta, end = _DECODER.raw_decode(text, len(_META_OPEN))
+    meta, end = _DECODER.raw_decode(text, len(META_OPEN))
     section = text[end:]
     return meta, section if section[:1] in (",", "}") and len(section) <= SECTION_MEMO_CHARS else ""
 
